@@ -1,0 +1,30 @@
+"""bitnet-lm: load, run, serve, train and convert 1.58-bit (ternary) language models.
+
+Kept lean: importing this package imports torch but never Triton, never initialises CUDA.
+"""
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # Lazy re-exports so `import bitnetlm` stays cheap.
+    if name in ("load", "save"):
+        from bitnetlm import loading
+
+        return getattr(loading, name)
+    if name in ("generate", "stream_generate", "batch_generate"):
+        from bitnetlm import generate as _g
+
+        return getattr(_g, name)
+    if name in ("quantize_", "convert_"):
+        from bitnetlm.train import qat
+
+        return getattr(qat, name)
+    if name in ("BitLinear", "PackingFormat"):
+        from bitnetlm import quant
+
+        return getattr(quant, name)
+    raise AttributeError(f"module 'bitnetlm' has no attribute {name!r}")
+
+
+__all__ = ["load", "save", "generate", "stream_generate", "batch_generate", "quantize_", "convert_", "BitLinear", "PackingFormat"]

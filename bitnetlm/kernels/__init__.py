@@ -1,0 +1,100 @@
+"""Kernel dispatch: the one place that knows which implementation computes a ternary linear.
+
+Backends (in order of preference for a device):
+  cuda -> "triton" (bitnetlm.kernels.triton, issue: GPU inference) -> "reference"
+  cpu  -> "cpu" (C extension, bitnetlm.kernels.cpu, issue: CPU inference) -> "reference"
+A backend is an object with: `name`, `layout` (a PackingFormat), `is_available(device) -> bool`,
+`pack(t_int8[N, K]) -> Tensor`, `unpack(p, (N, K)) -> int8 tensor`, and
+`linear(x[..., K], packed, scale, out_features) -> y[..., N]` computing (X @ T^T) * s / a with the
+per-token int8 activation quantization of quant.ternary (integer part exact).
+
+Backends are imported lazily so `import bitnetlm` never imports Triton or initialises CUDA.
+Force one with the environment variable BITNETLM_BACKEND=reference|cpu|triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+import torch
+
+# name -> "module:attribute" of the backend object; modules are imported on first use.
+_BACKEND_SPECS: dict[str, str] = {
+    "reference": "bitnetlm.kernels.reference:BACKEND",
+    "cpu": "bitnetlm.kernels.cpu:BACKEND",
+    "triton": "bitnetlm.kernels.triton:BACKEND",
+}
+_PREFERENCE = {"cuda": ["triton", "reference"], "cpu": ["cpu", "reference"]}
+_loaded: dict[str, Any] = {}
+_failed: dict[str, str] = {}
+
+
+def get_backend(name: str) -> Any:
+    """The backend object called `name`; raises ValueError if it is unknown or cannot be imported."""
+    if name in _loaded:
+        return _loaded[name]
+    if name not in _BACKEND_SPECS:
+        raise ValueError(f"unknown kernel backend {name!r}; known: {sorted(_BACKEND_SPECS)}")
+    mod_name, attr = _BACKEND_SPECS[name].split(":")
+    try:
+        backend = getattr(importlib.import_module(mod_name), attr)
+    except Exception as e:  # a missing compiler, extension or Triton makes a backend unavailable
+        _failed[name] = f"{type(e).__name__}: {e}"
+        raise ValueError(f"kernel backend {name!r} is not available here ({_failed[name]})") from e
+    _loaded[name] = backend
+    return backend
+
+
+def available_backends(device: torch.device | str = "cpu") -> list[str]:
+    """Names of the backends that can run on `device`, best first."""
+    dev = torch.device(device)
+    out = []
+    for name in _PREFERENCE.get(dev.type, ["reference"]):
+        try:
+            if get_backend(name).is_available(dev):
+                out.append(name)
+        except ValueError:
+            continue
+    return out
+
+
+def select_backend(device: torch.device | str = "cpu", name: str | None = None) -> Any:
+    """The backend to use on `device`: `name`, else $BITNETLM_BACKEND, else the best available."""
+    name = name or os.environ.get("BITNETLM_BACKEND") or None
+    dev = torch.device(device)
+    if name:
+        backend = get_backend(name)
+        if not backend.is_available(dev):
+            raise ValueError(f"kernel backend {name!r} cannot run on device {dev}")
+        return backend
+    names = available_backends(dev)
+    return get_backend(names[0] if names else "reference")
+
+
+def backend_for_layout(layout) -> Any:
+    """The backend that owns packing layout `layout` (a PackingFormat)."""
+    from bitnetlm.quant.packing import PackingFormat
+
+    layout = PackingFormat(layout)
+    for name in _BACKEND_SPECS:
+        try:
+            b = get_backend(name)
+        except ValueError:
+            continue
+        if PackingFormat(b.layout) is layout:
+            return b
+    raise ValueError(f"no available kernel backend computes with layout {layout.value!r}")
+
+
+def prepare(model: torch.nn.Module, device: torch.device | str | None = None, backend: str | None = None):
+    """Move `model` to `device` and repack every inference-mode BitLinear for the chosen backend."""
+    from bitnetlm.quant.bitlinear import BitLinear
+
+    if device is not None:
+        model.to(device)
+    for m in model.modules():
+        if isinstance(m, BitLinear) and not m.training_mode:
+            m.set_backend(backend)
+    return model

@@ -1,0 +1,148 @@
+"""BitLinear: the ternary linear layer, in a training mode and an inference mode.
+
+training mode: latent float weights; forward fake-quantizes weights (absmean ternary) and activations
+  (per-token int8) with the straight-through estimator. `quant_lambda` in [0, 1] blends
+  w + lambda*(quant(w) - w) for a gradual quantization warm-up (1 = fully ternary).
+inference mode: packed 2-bit weights + one float scale s (multiply convention: W ~= T*s), computed by
+  the kernel backend chosen in `bitnetlm.kernels`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bitnetlm.quant.packing import PackingFormat, pack, unpack
+from bitnetlm.quant.ternary import fake_quant_activations, fake_quant_weight, ste, ternarize
+
+
+class BitLinear(nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        *,
+        mode: str = "train",
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        if mode not in ("train", "infer"):
+            raise ValueError(f"BitLinear mode must be 'train' or 'infer', got {mode!r}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.training_mode = mode == "train"
+        self.quant_lambda = 1.0
+        self.quantize_input = True  # per-token int8 activations (A8); False = weights-only fake quant
+        if self.training_mode:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype or torch.float32))
+            nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+        else:
+            self.weight = None
+            rows = (out_features + 3) // 4
+            self.register_buffer("packed", torch.zeros(rows, in_features, dtype=torch.uint8, device=device))
+            self.register_buffer("weight_scale", torch.ones(1, dtype=torch.float32, device=device))
+            self.layout = PackingFormat.HF_2BIT
+            self._backend = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype or torch.float32))
+        else:
+            self.register_parameter("bias", None)
+
+    # ---- construction helpers -------------------------------------------------------------
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, mode: str = "train") -> BitLinear:
+        """A BitLinear with `linear`'s weights (latent copy in training mode, ternarized in inference mode)."""
+        m = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, mode="train",
+                device=linear.weight.device, dtype=torch.float32)
+        with torch.no_grad():
+            m.weight.copy_(linear.weight.float())
+            if linear.bias is not None:
+                m.bias.copy_(linear.bias.float())
+        return m.to_inference() if mode == "infer" else m
+
+    @classmethod
+    def from_ternary(cls, t: torch.Tensor, scale: torch.Tensor | float, bias: torch.Tensor | None = None) -> BitLinear:
+        """An inference-mode BitLinear from int8 ternary T [N, K] and scale s (W ~= T*s)."""
+        n, k = t.shape
+        m = cls(k, n, bias=bias is not None, mode="infer", device=t.device)
+        m.load_ternary(t, scale)
+        if bias is not None:
+            with torch.no_grad():
+                m.bias.copy_(bias)
+        return m
+
+    def load_ternary(self, t: torch.Tensor, scale: torch.Tensor | float) -> None:
+        """Set inference weights from canonical int8 ternary T and scale s, in the current layout."""
+        if tuple(t.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"BitLinear.load_ternary: expected shape {(self.out_features, self.in_features)}, found {tuple(t.shape)}")
+        self.packed = pack(t.to(torch.int8), self.layout)
+        self.weight_scale = torch.as_tensor(scale, dtype=torch.float32, device=t.device).reshape(1).clone()
+
+    def to_inference(self) -> BitLinear:
+        """Inference-mode copy of a training-mode layer (absmean ternarization of the latent weights)."""
+        if not self.training_mode:
+            return self
+        t, s = ternarize(self.weight)
+        m = BitLinear.from_ternary(t, s, None if self.bias is None else self.bias.detach().float())
+        m.quantize_input = self.quantize_input
+        return m
+
+    # ---- inference-mode helpers -----------------------------------------------------------
+    def ternary_weight(self) -> torch.Tensor:
+        """Canonical int8 ternary T [N, K] (training mode: of the current latent weights)."""
+        if self.training_mode:
+            return ternarize(self.weight)[0]
+        return unpack(self.packed, self.layout, (self.out_features, self.in_features))
+
+    def scale(self) -> torch.Tensor:
+        if self.training_mode:
+            return ternarize(self.weight)[1].reshape(1)
+        return self.weight_scale
+
+    def set_backend(self, name: str | None = None) -> None:
+        """Choose the kernel backend for this layer's device and repack into its layout if needed."""
+        from bitnetlm.kernels import select_backend
+
+        backend = select_backend(self.packed.device, name)
+        if PackingFormat(backend.layout) is not PackingFormat(self.layout):
+            t = self.ternary_weight()
+            self.layout = PackingFormat(backend.layout)
+            self.packed = backend.pack(t)
+        self._backend = backend
+
+    # ---- forward -------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training_mode:
+            w = self.weight
+            wq = ste(w, fake_quant_weight(w), self.quant_lambda)
+            if self.quantize_input:
+                x = ste(x, fake_quant_activations(x), self.quant_lambda)
+            return F.linear(x, wq.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        backend = self._backend
+        if backend is None or not backend.is_available(self.packed.device):
+            self.set_backend()
+            backend = self._backend
+        y = backend.linear(x, self.packed, self.weight_scale, self.out_features)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # State dicts always hold the canonical HF layout, whatever the backend computes with.
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if not self.training_mode and PackingFormat(self.layout) is not PackingFormat.HF_2BIT:
+            destination[prefix + "packed"] = pack(self.ternary_weight(), PackingFormat.HF_2BIT)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if not self.training_mode and prefix + "packed" in state_dict:
+            self.layout = PackingFormat.HF_2BIT
+            self.packed = torch.empty_like(state_dict[prefix + "packed"])
+            self._backend = None
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        mode = "train" if self.training_mode else f"infer, layout={PackingFormat(self.layout).value}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {mode}"
