@@ -27,4 +27,14 @@ def __getattr__(name):
     raise AttributeError(f"module 'bitnetlm' has no attribute {name!r}")
 
 
-__all__ = ["load", "save", "generate", "stream_generate", "batch_generate", "quantize_", "convert_", "BitLinear", "PackingFormat"]
+__all__ = [
+    "load",
+    "save",
+    "generate",
+    "stream_generate",
+    "batch_generate",
+    "quantize_",
+    "convert_",
+    "BitLinear",
+    "PackingFormat",
+]

@@ -21,7 +21,9 @@ class ReferenceBackend:
     def unpack(self, p: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
         return unpack_hf(p, shape[0])
 
-    def linear(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_features: int) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_features: int
+    ) -> torch.Tensor:
         t = unpack_hf(packed, out_features)
         xq, a = quantize_activations(x)
         y = int_matmul_f32(xq, t) * (scale.float() / a)

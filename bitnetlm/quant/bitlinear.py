@@ -37,7 +37,9 @@ class BitLinear(nn.Module):
         self.quant_lambda = 1.0
         self.quantize_input = True  # per-token int8 activations (A8); False = weights-only fake quant
         if self.training_mode:
-            self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype or torch.float32))
+            self.weight = nn.Parameter(
+                torch.empty(out_features, in_features, device=device, dtype=dtype or torch.float32)
+            )
             nn.init.kaiming_uniform_(self.weight, a=5**0.5)
         else:
             self.weight = None
@@ -55,8 +57,14 @@ class BitLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, mode: str = "train") -> BitLinear:
         """A BitLinear with `linear`'s weights (latent copy in training mode, ternarized in inference mode)."""
-        m = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, mode="train",
-                device=linear.weight.device, dtype=torch.float32)
+        m = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            mode="train",
+            device=linear.weight.device,
+            dtype=torch.float32,
+        )
         with torch.no_grad():
             m.weight.copy_(linear.weight.float())
             if linear.bias is not None:
@@ -64,7 +72,9 @@ class BitLinear(nn.Module):
         return m.to_inference() if mode == "infer" else m
 
     @classmethod
-    def from_ternary(cls, t: torch.Tensor, scale: torch.Tensor | float, bias: torch.Tensor | None = None) -> BitLinear:
+    def from_ternary(
+        cls, t: torch.Tensor, scale: torch.Tensor | float, bias: torch.Tensor | None = None
+    ) -> BitLinear:
         """An inference-mode BitLinear from int8 ternary T [N, K] and scale s (W ~= T*s)."""
         n, k = t.shape
         m = cls(k, n, bias=bias is not None, mode="infer", device=t.device)
@@ -77,7 +87,9 @@ class BitLinear(nn.Module):
     def load_ternary(self, t: torch.Tensor, scale: torch.Tensor | float) -> None:
         """Set inference weights from canonical int8 ternary T and scale s, in the current layout."""
         if tuple(t.shape) != (self.out_features, self.in_features):
-            raise ValueError(f"BitLinear.load_ternary: expected shape {(self.out_features, self.in_features)}, found {tuple(t.shape)}")
+            raise ValueError(
+                f"BitLinear.load_ternary: expected shape {(self.out_features, self.in_features)}, found {tuple(t.shape)}"
+            )
         self.packed = pack(t.to(torch.int8), self.layout)
         self.weight_scale = torch.as_tensor(scale, dtype=torch.float32, device=t.device).reshape(1).clone()
 

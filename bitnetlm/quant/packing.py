@@ -53,7 +53,9 @@ def unpack_hf(packed: torch.Tensor, out_features: int | None = None) -> torch.Te
     t = codes.reshape(-1, *packed.shape[1:]).to(torch.int8) - 1  # [4R, K]
     n = t.shape[0] if out_features is None else out_features
     if n > t.shape[0]:
-        raise ValueError(f"unpack_hf: {packed.shape[0]} packed rows hold at most {t.shape[0]} rows, asked for {n}")
+        raise ValueError(
+            f"unpack_hf: {packed.shape[0]} packed rows hold at most {t.shape[0]} rows, asked for {n}"
+        )
     return t[:n].contiguous()
 
 
@@ -63,7 +65,7 @@ _POW3 = torch.tensor([81, 27, 9, 3, 1], dtype=torch.int32)
 def pack_base3(t: torch.Tensor) -> torch.Tensor:
     """5 trits per byte, row-major over the flattened matrix: byte = sum_j (t_j+1) * 3**(4-j). 1.6 bits/weight."""
     _check_ternary(t, "pack_base3")
-    flat = (t.reshape(-1).to(torch.int32) + 1)
+    flat = t.reshape(-1).to(torch.int32) + 1
     pad = (-flat.numel()) % 5
     if pad:
         flat = torch.cat([flat, torch.ones(pad, dtype=torch.int32, device=flat.device)])

@@ -1,0 +1,182 @@
+"""Model configuration: one dataclass for every architecture we run, with HF config.json conversion."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+ARCHS = ("bitnet", "1bitllm", "llama")
+
+
+@dataclass
+class ModelConfig:
+    """Architecture hyper-parameters.
+
+    arch: "bitnet" (BitNet b1.58 2B4T: ReLU^2 gated MLP, sub-norms), "1bitllm" (1bitLLM BitnetForCausalLM: SiLU,
+    sub-norms named inner_attn_ln / ffn_layernorm, latent float weights), "llama" (plain full-precision LLaMA family).
+    quant: "ternary" (projections are BitLinear) or "none" (plain nn.Linear, full precision).
+    """
+
+    arch: str = "bitnet"
+    vocab_size: int = 128256
+    hidden_size: int = 2560
+    intermediate_size: int = 6912
+    num_hidden_layers: int = 30
+    num_attention_heads: int = 20
+    num_key_value_heads: int = 5
+    head_dim: int | None = None
+    max_position_embeddings: int = 4096
+    rope_theta: float = 500000.0
+    rope_scaling: dict | None = None
+    rms_norm_eps: float = 1e-5
+    hidden_act: str = "relu2"
+    tie_word_embeddings: bool = True
+    bos_token_id: int | None = 128000
+    eos_token_id: int | list[int] | None = 128001
+    pad_token_id: int | None = None
+    quant: str = "ternary"
+    # how weight_scale is stored in the checkpoint this came from: "multiply" (autobitlinear) or "divide" (bitlinear)
+    linear_class: str = "autobitlinear"
+    quantization_mode: str = "offline"  # offline = packed ternary on disk; online = float master weights
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.arch not in ARCHS:
+            raise ValueError(f"ModelConfig.arch: expected one of {ARCHS}, found {self.arch!r}")
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"ModelConfig: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.quant not in ("ternary", "none"):
+            raise ValueError(f"ModelConfig.quant: expected 'ternary' or 'none', found {self.quant!r}")
+
+    @property
+    def has_sub_norms(self) -> bool:
+        return self.arch in ("bitnet", "1bitllm")
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        e = self.eos_token_id
+        if e is None:
+            return []
+        return list(e) if isinstance(e, (list, tuple)) else [int(e)]
+
+    def num_parameters(self) -> int:
+        """Parameter count as transformers reports it (tied head counted once)."""
+        h, i, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
+        if self.has_sub_norms:
+            per_layer += h + i
+        emb = self.vocab_size * h
+        return emb + L * per_layer + h + (0 if self.tie_word_embeddings else emb)
+
+    # ---- HF config.json -------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """Build from a transformers config.json dict (BitNet, 1bitLLM and LLaMA families)."""
+        archs = cfg.get("architectures") or []
+        model_type = cfg.get("model_type")
+        qc = cfg.get("quantization_config") or {}
+        if model_type == "bitnet" or "BitNetForCausalLM" in archs:
+            arch = "bitnet"
+            quant = "ternary" if qc.get("quant_method") == "bitnet" else "none"
+        elif "BitnetForCausalLM" in archs or ("weight_bits" in cfg and model_type == "llama"):
+            arch, quant = "1bitllm", "ternary"
+            qc = {"linear_class": "autobitlinear", "quantization_mode": "online"}
+        elif model_type in ("llama", "smollm", "mistral") or any(
+            a in archs for a in ("LlamaForCausalLM", "MistralForCausalLM")
+        ):
+            arch, quant = "llama", "none"
+            if qc.get("quant_method") == "bitnet":
+                quant = "ternary"
+        else:
+            raise ValueError(
+                f"{source}: unknown architecture (model_type={model_type!r}, architectures={archs}); "
+                "supported: BitNetForCausalLM, BitnetForCausalLM (1bitLLM), LlamaForCausalLM"
+            )
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        ):
+            v = cfg.get(key)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{source}: field {key!r} must be a positive integer, found {v!r}")
+        rope = cfg.get("rope_parameters") or {}
+        rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling is None and rope.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        default_act = {"bitnet": "relu2", "1bitllm": "silu", "llama": "silu"}[arch]
+        return cls(
+            arch=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+            head_dim=cfg.get("head_dim"),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            hidden_act=cfg.get("hidden_act", default_act),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "bitnet")),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=cfg.get("eos_token_id"),
+            pad_token_id=cfg.get("pad_token_id"),
+            quant=quant,
+            linear_class=qc.get("linear_class", "autobitlinear"),
+            quantization_mode=qc.get("quantization_mode", "offline"),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """A config.json dict that transformers' BitNetForCausalLM / LlamaForCausalLM loads."""
+        if self.arch == "llama" and self.quant == "none":
+            model_type, archs = "llama", ["LlamaForCausalLM"]
+        else:
+            model_type, archs = "bitnet", ["BitNetForCausalLM"]
+        d: dict[str, Any] = {
+            "architectures": archs,
+            "model_type": model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "hidden_act": self.hidden_act,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+            "attention_bias": False,
+            "torch_dtype": "bfloat16",
+        }
+        if self.rope_scaling:
+            d["rope_scaling"] = self.rope_scaling
+        if self.quant == "ternary":
+            d["quantization_config"] = {
+                "quant_method": "bitnet",
+                "linear_class": "autobitlinear",
+                "quantization_mode": "offline",
+            }
+        return d
+
+    def replace(self, **kw) -> ModelConfig:
+        return dataclasses.replace(self, **kw)

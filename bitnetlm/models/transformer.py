@@ -1,0 +1,242 @@
+"""Decoder-only transformer shared by BitNet b1.58 (2B4T), 1bitLLM and LLaMA-family models.
+
+Block (BitNet, per FORMATS.md):
+  h += o_proj(attn_sub_norm(attn(input_layernorm(h))))
+  h += down_proj(ffn_sub_norm(act(gate_proj(x)) * up_proj(x)))   with x = post_attention_layernorm(h)
+LLaMA has no sub-norms. GQA, RoPE in the HF rotate-half convention, no biases.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bitnetlm.models.cache import KVCache
+from bitnetlm.models.config import ModelConfig
+from bitnetlm.quant.bitlinear import BitLinear
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def _act(name: str):
+    if name == "relu2":
+        return lambda x: F.relu(x).square()
+    if name == "silu":
+        return F.silu
+    if name in ("gelu", "gelu_pytorch_tanh"):
+        return (lambda x: F.gelu(x, approximate="tanh")) if name.endswith("tanh") else F.gelu
+    raise ValueError(f"unsupported hidden_act {name!r}; supported: relu2, silu, gelu, gelu_pytorch_tanh")
+
+
+def make_linear(cfg: ModelConfig, mode: str, in_f: int, out_f: int) -> nn.Module:
+    """The projection layer for `mode`: "infer" (packed BitLinear), "train" (latent BitLinear) or "fp" (nn.Linear)."""
+    if mode == "fp" or cfg.quant == "none":
+        return nn.Linear(in_f, out_f, bias=False)
+    return BitLinear(in_f, out_f, bias=False, mode=mode)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+    sc = cfg.rope_scaling or {}
+    kind = sc.get("rope_type", sc.get("type", "default"))
+    if kind == "llama3":
+        # Llama 3.1 frequency-dependent scaling (same formula as transformers' _compute_llama3_parameters)
+        import math
+
+        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+        old = sc["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old / hi) & (wavelen <= old / lo)
+        inv = torch.where(is_mid, mid, scaled)
+    elif kind not in ("default", None):
+        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, llama3")
+    return inv
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, mode: str):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        h = cfg.hidden_size
+        self.q_proj = make_linear(cfg, mode, h, self.n_heads * self.head_dim)
+        self.k_proj = make_linear(cfg, mode, h, self.n_kv * self.head_dim)
+        self.v_proj = make_linear(cfg, mode, h, self.n_kv * self.head_dim)
+        self.o_proj = make_linear(cfg, mode, self.n_heads * self.head_dim, h)
+        self.attn_sub_norm = RMSNorm(h, cfg.rms_norm_eps) if cfg.has_sub_norms else None
+
+    def forward(self, x, cos, sin, layer: int, cache: KVCache | None, cache_pos, mask):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if cache is not None:
+            idx = cache_pos[:, None, :, None].expand(b, self.n_kv, t, self.head_dim)  # [B, Hkv, T, D]
+            cache.k[layer].scatter_(2, idx, k.to(cache.k[layer].dtype))
+            cache.v[layer].scatter_(2, idx, v.to(cache.v[layer].dtype))
+            k, v = cache.k[layer].to(q.dtype), cache.v[layer].to(q.dtype)
+        if self.n_kv != self.n_heads:
+            rep = self.n_heads // self.n_kv
+            k = k[:, :, None].expand(b, self.n_kv, rep, *k.shape[2:]).reshape(b, self.n_heads, *k.shape[2:])
+            v = v[:, :, None].expand(b, self.n_kv, rep, *v.shape[2:]).reshape(b, self.n_heads, *v.shape[2:])
+        if mask is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        o = o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # [B, T, H*D]
+        if self.attn_sub_norm is not None:
+            o = self.attn_sub_norm(o)
+        return self.o_proj(o)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, mode: str):
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = make_linear(cfg, mode, h, i)
+        self.up_proj = make_linear(cfg, mode, h, i)
+        self.down_proj = make_linear(cfg, mode, i, h)
+        self.ffn_sub_norm = RMSNorm(i, cfg.rms_norm_eps) if cfg.has_sub_norms else None
+        self.act = _act(cfg.hidden_act)
+
+    def forward(self, x):
+        y = self.act(self.gate_proj(x)) * self.up_proj(x)
+        if self.ffn_sub_norm is not None:
+            y = self.ffn_sub_norm(y)
+        return self.down_proj(y)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, mode: str):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, mode)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, mode)
+
+    def forward(self, h, cos, sin, layer, cache, cache_pos, mask):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, layer, cache, cache_pos, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class CausalLM(nn.Module):
+    """model(input_ids [B, T], positions, cache, cache_pos, input_mask) -> logits [B, T, V] (see model API docs)."""
+
+    def __init__(self, cfg: ModelConfig, mode: str = "infer"):
+        super().__init__()
+        if mode not in ("infer", "train", "fp"):
+            raise ValueError(f"build_model mode must be 'infer', 'train' or 'fp', got {mode!r}")
+        self.config = cfg
+        self.mode = mode if cfg.quant == "ternary" else "fp"
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([Block(cfg, self.mode) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    # ---- parts ----------------------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head (tied to the embedding unless the config says otherwise)."""
+        h = self.norm(h)
+        if self.lm_head is None:
+            return F.linear(h, self.embed_tokens.weight)
+        return self.lm_head(h)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def new_cache(self, batch_size: int, max_seq_len: int | None = None, device=None, dtype=None) -> KVCache:
+        cfg = self.config
+        p = self.embed_tokens.weight
+        return KVCache(
+            cfg.num_hidden_layers,
+            batch_size,
+            cfg.num_key_value_heads,
+            max_seq_len or cfg.max_position_embeddings,
+            cfg.head_dim,
+            device=device or p.device,
+            dtype=dtype or p.dtype,
+        )
+
+    # ---- forward --------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        cache_pos: torch.Tensor | None = None,
+        input_mask: torch.Tensor | None = None,
+        last_only: bool = False,
+        return_hidden: bool = False,
+    ):
+        b, t = input_ids.shape
+        if positions is None:
+            positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        h = self.embed(input_ids)
+        cos, sin = self.rope(positions, h.dtype)
+        mask = None
+        if cache is not None:
+            cache_pos = positions if cache_pos is None else cache_pos
+            # bounds check only where it costs no device sync (CPU, eager)
+            if (
+                cache_pos.device.type == "cpu"
+                and not torch.compiler.is_compiling()
+                and int(cache_pos.max()) >= cache.max_seq_len
+            ):
+                raise ValueError(
+                    f"KV cache holds {cache.max_seq_len} positions; asked to write position {int(cache_pos.max())}"
+                )
+            real = torch.ones_like(input_ids, dtype=torch.bool) if input_mask is None else input_mask
+            cache.valid.scatter_(1, cache_pos, real)
+            slots = torch.arange(cache.max_seq_len, device=input_ids.device)
+            # key j is visible to query (b, t) if it holds a real token at or before the query's slot
+            mask = cache.valid[:, None, :] & (slots[None, None, :] <= cache_pos[:, :, None])  # [B, T, S]
+            mask = mask | (slots[None, None, :] == cache_pos[:, :, None])  # a padding query still sees itself
+            mask = mask[:, None]  # [B, 1, T, S]
+        elif input_mask is not None:
+            causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
+            mask = causal[None] & input_mask[:, None, :]  # [B, T, T]
+            mask = (mask | torch.eye(t, dtype=torch.bool, device=input_ids.device))[:, None]  # [B, 1, T, T]
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, i, cache, cache_pos, mask)
+        if last_only:
+            h = h[:, -1:]
+        out = self.logits(h)
+        return (out, h) if return_hidden else out
