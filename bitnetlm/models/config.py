@@ -37,7 +37,7 @@ class ModelConfig:
     pad_token_id: int | None = None
     quant: str = "ternary"
     # how weight_scale is stored in the checkpoint this came from: "multiply" (autobitlinear) or "divide" (bitlinear)
-    linear_class: str = "autobitlinear"
+    linear_class: str = "bitlinear"  # transformers BitNetQuantConfig default
     quantization_mode: str = "offline"  # offline = packed ternary on disk; online = float master weights
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -137,7 +137,7 @@ class ModelConfig:
             eos_token_id=cfg.get("eos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),
             quant=quant,
-            linear_class=qc.get("linear_class", "autobitlinear"),
+            linear_class=qc.get("linear_class", "bitlinear"),
             quantization_mode=qc.get("quantization_mode", "offline"),
         )
 

@@ -1,6 +1,6 @@
 """The ternary math: absmean weights, per-token int8 activations, STE, packing, BitLinear."""
 
-from bitnetlm.quant.bitlinear import BitLinear
+from bitnetlm.quant.bitlinear import BitLinear, to_inference_
 from bitnetlm.quant.packing import PackingFormat, pack, pack_base3, pack_hf, unpack, unpack_base3, unpack_hf
 from bitnetlm.quant.ternary import (
     bitlinear_reference,
@@ -15,6 +15,7 @@ from bitnetlm.quant.ternary import (
 
 __all__ = [
     "BitLinear",
+    "to_inference_",
     "PackingFormat",
     "bitlinear_reference",
     "fake_quant_activations",

@@ -158,3 +158,15 @@ class BitLinear(nn.Module):
     def extra_repr(self) -> str:
         mode = "train" if self.training_mode else f"infer, layout={PackingFormat(self.layout).value}"
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {mode}"
+
+
+def to_inference_(model: nn.Module) -> nn.Module:
+    """In place: replace every training-mode BitLinear of `model` by its packed inference-mode twin."""
+    for name, child in list(model.named_children()):
+        if isinstance(child, BitLinear) and child.training_mode:
+            setattr(model, name, child.to_inference())
+        else:
+            to_inference_(child)
+    if hasattr(model, "mode") and getattr(model, "mode", None) == "train":
+        model.mode = "infer"
+    return model

@@ -1,0 +1,66 @@
+"""`bitnet <command>`: each command lives in its own module and is also a plain library function."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+
+# command -> (module, one-line help). Modules are imported only when their command runs.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("bitnetlm.commands.generate", "generate text from a prompt"),
+    "chat": ("bitnetlm.commands.chat", "interactive chat with the model's chat template"),
+    "inspect": ("bitnetlm.commands.inspect", "architecture, parameters, bits per weight, file layout"),
+    "serve": ("bitnetlm.commands.serve", "OpenAI-compatible HTTP server"),
+    "convert": ("bitnetlm.commands.convert", "convert between HF, GGUF and ONNX"),
+    "quantize": ("bitnetlm.commands.quantize", "ternarize a full-precision model (post-training absmean)"),
+    "train": ("bitnetlm.commands.train", "quantization-aware training / distillation"),
+    "eval": ("bitnetlm.commands.eval", "perplexity and multiple-choice accuracy"),
+    "data": ("bitnetlm.commands.data", "prepare tokenized training data"),
+    "bench": ("bitnetlm.commands.bench", "prefill/decode speed, llama-bench style"),
+    "models": ("bitnetlm.commands.models", "list bundled and known models"),
+}
+
+
+def _available_commands() -> dict[str, tuple[str, str]]:
+    return {k: v for k, v in COMMANDS.items() if importlib.util.find_spec(v[0]) is not None}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from bitnetlm import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="bitnet", description="1.58-bit (ternary) language models: run, serve, train, convert."
+    )
+    parser.add_argument("--version", action="version", version=f"bitnet-lm {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (mod_name, help_text) in _available_commands().items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=mod_name)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    # Parse the command name first, then let only that command's module add its flags (keeps startup cheap).
+    if argv and argv[0] in _available_commands():
+        mod = importlib.import_module(COMMANDS[argv[0]][0])
+        sub = argparse.ArgumentParser(prog=f"bitnet {argv[0]}", description=COMMANDS[argv[0]][1])
+        mod.add_arguments(sub)
+        args = sub.parse_args(argv[1:])
+        try:
+            return int(mod.run(args) or 0)
+        except (FileNotFoundError, ValueError, FileExistsError) as e:
+            print(f"bitnet {argv[0]}: error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return 130
+    args = parser.parse_args(argv)
+    parser.print_help()
+    return 0 if args.command is None else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,383 @@
+"""GGUF models: read and write BitNet (`bitnet`, `bitnet-b1.58`, `bitnet-25`) and LLaMA-family GGUF files.
+
+Ternary projections are TQ1_0 / TQ2_0 / I2_S (multiply convention, W = T*s); everything else F32/F16/BF16
+(any type `gguf.quants` dequantizes on read: Q8_0 embeddings, Q4_0/Q4_1/Q4_K/Q6_K llama files, ...).
+
+Architectures: llama.cpp's `bitnet` is the 1bitLLM model (SiLU MLP); microsoft/BitNet's `bitnet-b1.58` and
+`bitnet-25` are BitNet b1.58 2B4T (ReLU^2). BitNet archs use NEOX (rotate-half) RoPE, so their q/k rows are
+stored as in HF; `llama` files store q/k rows permuted for GGML's interleaved RoPE and are un-permuted here.
+Tokenizer and chat template: `bitnetlm.formats.gguf_tokenizer`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bitnetlm.formats import gguf_codecs as codecs
+from bitnetlm.formats.gguf_file import GGUFError, GGUFFile, TensorToWrite, read_gguf, write_gguf
+from bitnetlm.formats.names import PROJECTIONS, layer_modules
+from bitnetlm.models import CausalLM, ModelConfig, build_model
+from bitnetlm.models.transformer import rope_inv_freq
+from bitnetlm.quant.bitlinear import BitLinear
+from bitnetlm.quant.packing import PackingFormat, pack_hf
+from bitnetlm.quant.ternary import ternarize
+
+GGUF_FORMAT_VERSION = 1  # bitnetlm.format_version written to files we produce
+BITNET_ARCHS = {"bitnet": "1bitllm", "bitnet-b1.58": "bitnet", "bitnet-25": "bitnet"}
+SUPPORTED_ARCHS = (*BITNET_ARCHS, "llama")
+
+# our module name (inside layers.N) <-> GGUF tensor name (inside blk.N)
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.attn_sub_norm": "attn_sub_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "mlp.ffn_sub_norm": "ffn_sub_norm",
+}
+FLOAT_TYPES = {"f32": codecs.TYPE_F32, "f16": codecs.TYPE_F16, "bf16": codecs.TYPE_BF16}
+
+
+def gguf_name(ours: str) -> str:
+    """GGUF tensor name of our parameter name (e.g. 'layers.3.mlp.up_proj' -> 'blk.3.ffn_up')."""
+    if ours == "embed_tokens":
+        return "token_embd"
+    if ours == "norm":
+        return "output_norm"
+    if ours == "lm_head":
+        return "output"
+    _, i, rest = ours.split(".", 2)
+    return f"blk.{i}.{LAYER_NAMES[rest]}"
+
+
+# ---- q/k row permutation of llama.cpp's llama converter ---------------------------------------------
+
+
+def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """HF (rotate-half) row order -> GGML interleaved order, as llama.cpp's convert_hf_to_gguf does."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# ---- reading --------------------------------------------------------------------------------------
+
+
+def _meta(f: GGUFFile, key: str, default=None, required: bool = False, kind=int):
+    arch = f.metadata.get("general.architecture")
+    full = f"{arch}.{key}"
+    if full not in f.metadata:
+        if required:
+            raise GGUFError(f"{f.path}: metadata {full!r} is missing (needed to build the model)")
+        return default
+    v = f.metadata[full]
+    if kind is int and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+        raise GGUFError(f"{f.path}: metadata {full!r} must be a non-negative integer, found {v!r}")
+    if kind is float and not isinstance(v, (int, float)):
+        raise GGUFError(f"{f.path}: metadata {full!r} must be a number, found {v!r}")
+    return v
+
+
+def config_from_gguf(f: GGUFFile) -> ModelConfig:
+    """ModelConfig from a GGUF file's metadata (and tensor shapes where metadata is silent)."""
+    arch = f.metadata.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise GGUFError(
+            f"{f.path}: general.architecture is {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}"
+        )
+    hidden = _meta(f, "embedding_length", required=True)
+    n_layers = _meta(f, "block_count", required=True)
+    n_heads = _meta(f, "attention.head_count", required=True)
+    if not hidden or not n_layers or not n_heads:
+        raise GGUFError(f"{f.path}: embedding_length, block_count and head_count must be positive")
+    n_kv = _meta(f, "attention.head_count_kv", n_heads)
+    if "token_embd.weight" not in f.tensors:
+        raise GGUFError(f"{f.path}: tensor 'token_embd.weight' is missing")
+    emb_shape = f.tensors["token_embd.weight"].shape
+    if len(emb_shape) != 2 or emb_shape[1] != hidden:
+        raise GGUFError(f"{f.path}: token_embd.weight has shape {emb_shape}, expected [vocab, {hidden}]")
+    vocab = _meta(f, "vocab_size", emb_shape[0])
+    ffn = _meta(f, "feed_forward_length")
+    if ffn is None:
+        up = f.tensors.get("blk.0.ffn_up.weight")
+        if up is None:
+            raise GGUFError(f"{f.path}: feed_forward_length missing and no blk.0.ffn_up.weight to infer it")
+        ffn = up.shape[0]
+    head_dim = _meta(f, "attention.key_length", _meta(f, "rope.dimension_count", hidden // n_heads))
+    ours = BITNET_ARCHS.get(arch, "llama")
+    meta = f.metadata
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    ternary = any(
+        f.tensors.get(f"blk.0.{LAYER_NAMES[p]}.weight") is not None
+        and f.tensors[f"blk.0.{LAYER_NAMES[p]}.weight"].type_id in codecs.TYPE_NAMES
+        for p in PROJECTIONS
+    )
+    act = {"bitnet": "relu2", "1bitllm": "silu", "llama": "silu"}[ours]
+    return ModelConfig(
+        arch=ours,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=n_layers,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv or n_heads,
+        head_dim=head_dim,
+        max_position_embeddings=_meta(f, "context_length", 4096),
+        rope_theta=float(_meta(f, "rope.freq_base", 10000.0, kind=float)),
+        rms_norm_eps=float(_meta(f, "attention.layer_norm_rms_epsilon", 1e-5, kind=float)),
+        hidden_act=act,
+        tie_word_embeddings="output.weight" not in f.tensors,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        quant="ternary" if (ours != "llama" or ternary) else "none",
+    )
+
+
+def _float_tensor(f: GGUFFile, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    if name not in f.tensors:
+        raise GGUFError(f"{f.path}: tensor {name!r} is missing")
+    ti = f.tensors[name]
+    if tuple(ti.shape) != tuple(shape):
+        raise GGUFError(f"{f.path}: tensor {name!r} has shape {ti.shape}, expected {tuple(shape)}")
+    arr = np.asarray(f.array(name), dtype=np.float32)
+    return torch.from_numpy(arr.copy()).to(dtype)
+
+
+def load_gguf_model(
+    path: str | os.PathLike, mode: str = "infer", dtype: torch.dtype = torch.float32, strict_scales: bool = False
+) -> CausalLM:
+    """A model from a GGUF file (CPU). Ternary tensors give packed BitLinear weights without a float detour."""
+    f = read_gguf(path)
+    cfg = config_from_gguf(f)
+    with torch.device("meta"):
+        model = build_model(cfg, mode)
+    permute = f.metadata.get("general.architecture") == "llama"
+    sd: dict[str, torch.Tensor] = {}
+    used = set()
+    for name, kind in layer_modules(cfg.num_hidden_layers, cfg.has_sub_norms):
+        module = model.get_submodule(name)
+        g = gguf_name(name) + ".weight"
+        used.add(g)
+        if kind == "proj":
+            shape = (module.out_features, module.in_features)
+            sd.update(_projection(f, g, name, module, shape, cfg, permute, dtype, strict_scales))
+        else:
+            sd[name + ".weight"] = _float_tensor(f, g, tuple(module.weight.shape), dtype)
+    if model.lm_head is not None:
+        used.add("output.weight")
+        sd["lm_head.weight"] = _float_tensor(f, "output.weight", (cfg.vocab_size, cfg.hidden_size), dtype)
+    extra = sorted(set(f.tensors) - used - {"rope_freqs.weight"})
+    if extra:
+        raise GGUFError(f"{f.path}: unexpected tensors for a {cfg.arch} model: {extra[:5]}")
+    model.load_state_dict(sd, strict=True, assign=True)
+    model.inv_freq = rope_inv_freq(cfg)
+    for m in model.modules():
+        if isinstance(m, BitLinear) and not m.training_mode:
+            m.layout = PackingFormat.HF_2BIT
+    model.source_metadata = {"format": "gguf", "path": str(f.path)}
+    f.close()
+    return model.eval() if mode != "train" else model
+
+
+def _projection(f, g, name, module, shape, cfg, permute, dtype, strict) -> dict[str, torch.Tensor]:
+    if g not in f.tensors:
+        raise GGUFError(f"{f.path}: tensor {g!r} is missing")
+    ti = f.tensors[g]
+    if tuple(ti.shape) != shape:
+        raise GGUFError(f"{f.path}: tensor {g!r} has shape {ti.shape}, expected {shape}")
+    n_head = None
+    if permute and ".attn_q." in g:
+        n_head = cfg.num_attention_heads
+    elif permute and ".attn_k." in g:
+        n_head = cfg.num_key_value_heads
+    if ti.type_id in codecs.TYPE_NAMES:
+        t_np, s = f.ternary(g, strict=strict)
+        t = torch.from_numpy(t_np.copy())
+        if n_head:
+            t = unpermute_qk(t, n_head)
+        if isinstance(module, BitLinear) and not module.training_mode:
+            return {name + ".packed": pack_hf(t), name + ".weight_scale": torch.tensor([s], dtype=torch.float32)}
+        w = t.float() * s
+    else:
+        w = torch.from_numpy(np.asarray(f.array(g), dtype=np.float32).copy())
+        if n_head:
+            w = unpermute_qk(w, n_head)
+        if isinstance(module, BitLinear) and not module.training_mode:
+            tt, ss = ternarize(w)
+            return {name + ".packed": pack_hf(tt), name + ".weight_scale": ss.reshape(1)}
+    return {name + ".weight": w.to(torch.float32 if isinstance(module, BitLinear) else dtype)}
+
+
+# ---- writing --------------------------------------------------------------------------------------
+
+
+def _smallest_lossless(w: torch.Tensor) -> int:
+    """BF16 or F16 if every value survives the round trip, else F32 (token_embd and lm_head)."""
+    wf = w.detach().float()
+    if w.dtype == torch.bfloat16 or torch.equal(wf.to(torch.bfloat16).float(), wf):
+        return codecs.TYPE_BF16
+    if w.dtype == torch.float16 or torch.equal(wf.to(torch.float16).float(), wf):
+        return codecs.TYPE_F16
+    return codecs.TYPE_F32
+
+
+def _float_bytes(w: torch.Tensor, type_id: int) -> np.ndarray:
+    wf = w.detach().cpu().float().contiguous()
+    if type_id == codecs.TYPE_F32:
+        return wf.numpy()
+    if type_id == codecs.TYPE_F16:
+        return wf.to(torch.float16).numpy()
+    return wf.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8).reshape(*wf.shape[:-1], -1)
+
+
+def _ternary_of(module) -> tuple[torch.Tensor, float]:
+    if isinstance(module, BitLinear):
+        if module.training_mode:
+            t, s = ternarize(module.weight)
+        else:
+            t, s = module.ternary_weight(), module.weight_scale
+        return t.cpu(), float(s.reshape(-1)[0])
+    raise TypeError("not a ternary projection")
+
+
+def gguf_arch_name(cfg: ModelConfig, arch_name: str | None = None) -> str:
+    if arch_name:
+        if arch_name not in SUPPORTED_ARCHS:
+            raise ValueError(f"unsupported GGUF architecture {arch_name!r}; choose from {SUPPORTED_ARCHS}")
+        if BITNET_ARCHS.get(arch_name, "llama") != cfg.arch:
+            raise ValueError(f"GGUF architecture {arch_name!r} does not describe a {cfg.arch} model")
+        return arch_name
+    return {"bitnet": "bitnet-b1.58", "1bitllm": "bitnet", "llama": "llama"}[cfg.arch]
+
+
+def save_gguf(
+    model: CausalLM,
+    path: str | os.PathLike,
+    qtype: str = "tq2_0",
+    tokenizer=None,
+    arch_name: str | None = None,
+    embed_type: str = "auto",
+    extra_metadata: dict | None = None,
+) -> Path:
+    """Write `model` as GGUF (atomically). qtype: tq1_0 | tq2_0 | i2_s for the seven projections of a ternary
+    model; a full-precision llama model is written with `embed_type` floats everywhere (f32/f16/bf16).
+    `tokenizer`: a bitnetlm Tokenizer or a path to a directory with tokenizer.json (+ tokenizer_config.json).
+    """
+    cfg = model.config
+    ternary = cfg.quant == "ternary"
+    qkey = qtype.lower()
+    if ternary and qkey not in codecs.TERNARY_TYPES:
+        raise ValueError(f"--type must be one of {sorted(codecs.TERNARY_TYPES)} for a ternary model, got {qtype!r}")
+    arch = gguf_arch_name(cfg, arch_name)
+    permute = arch == "llama"
+    tensors: list[TensorToWrite] = []
+
+    def add_float(gname: str, w: torch.Tensor, type_id: int | None = None):
+        tid = type_id if type_id is not None else codecs.TYPE_F32
+        arr = _float_bytes(w, tid)
+        tensors.append(TensorToWrite(gname + ".weight", arr, tid, tuple(w.shape)))
+
+    emb_tid = _smallest_lossless(model.embed_tokens.weight) if embed_type == "auto" else FLOAT_TYPES[embed_type]
+    add_float("token_embd", model.embed_tokens.weight, emb_tid)
+    for i, layer in enumerate(model.layers):
+        for ours, g in LAYER_NAMES.items():
+            parent, _, leaf = ours.rpartition(".")
+            owner = layer.get_submodule(parent) if parent else layer
+            m = getattr(owner, leaf, None)
+            if m is None:
+                continue
+            gname = f"blk.{i}.{g}"
+            n_head = None
+            if permute and g == "attn_q":
+                n_head = cfg.num_attention_heads
+            elif permute and g == "attn_k":
+                n_head = cfg.num_key_value_heads
+            if isinstance(m, BitLinear):
+                t, s = _ternary_of(m)
+                if n_head:
+                    t = permute_qk(t, n_head)
+                tid = codecs.TERNARY_TYPES[qkey]
+                try:
+                    data = codecs.encode(t.numpy(), s, tid)
+                except codecs.CodecError as e:
+                    raise ValueError(f"tensor {gname}.weight {tuple(t.shape)}: {e}") from e
+                tensors.append(TensorToWrite(gname + ".weight", data, tid, tuple(t.shape)))
+            elif isinstance(m, torch.nn.Linear):
+                w = m.weight.detach()
+                if n_head:
+                    w = permute_qk(w, n_head)
+                tid = FLOAT_TYPES["f16" if embed_type == "auto" else embed_type]
+                add_float(gname, w, tid)
+            else:
+                add_float(gname, m.weight)  # norms: F32
+    add_float("output_norm", model.norm.weight)
+    if model.lm_head is not None:
+        w = model.lm_head.weight
+        add_float("output", w, _smallest_lossless(w) if embed_type == "auto" else FLOAT_TYPES[embed_type])
+
+    p = arch
+    meta: dict = {
+        "general.name": getattr(model, "name", None) or f"{cfg.arch} {cfg.num_hidden_layers}L {cfg.hidden_size}d",
+        f"{p}.vocab_size": cfg.vocab_size,
+        f"{p}.context_length": cfg.max_position_embeddings,
+        f"{p}.embedding_length": cfg.hidden_size,
+        f"{p}.feed_forward_length": cfg.intermediate_size,
+        f"{p}.block_count": cfg.num_hidden_layers,
+        f"{p}.attention.head_count": cfg.num_attention_heads,
+        f"{p}.attention.head_count_kv": cfg.num_key_value_heads,
+        f"{p}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+        f"{p}.rope.freq_base": float(cfg.rope_theta),
+        f"{p}.rope.dimension_count": cfg.head_dim,
+        "bitnetlm.format_version": GGUF_FORMAT_VERSION,
+    }
+    if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+        meta[f"{p}.attention.key_length"] = cfg.head_dim
+        meta[f"{p}.attention.value_length"] = cfg.head_dim
+    if cfg.rope_scaling:
+        raise ValueError("writing GGUF for models with rope_scaling is not supported yet")
+    types = {
+        f"{p}.vocab_size": (4, None),  # UINT32, as llama.cpp writes them
+        f"{p}.context_length": (4, None),
+        f"{p}.embedding_length": (4, None),
+        f"{p}.feed_forward_length": (4, None),
+        f"{p}.block_count": (4, None),
+        f"{p}.attention.head_count": (4, None),
+        f"{p}.attention.head_count_kv": (4, None),
+        f"{p}.rope.dimension_count": (4, None),
+        f"{p}.attention.key_length": (4, None),
+        f"{p}.attention.value_length": (4, None),
+        "bitnetlm.format_version": (4, None),
+    }
+    if ternary:
+        meta["general.file_type"] = {"tq1_0": 36, "tq2_0": 37, "i2_s": 40}[qkey]  # llama_ftype MOSTLY_*
+        types["general.file_type"] = (4, None)
+    if tokenizer is not None:
+        from bitnetlm.formats.gguf_tokenizer import tokenizer_metadata
+
+        tmeta, ttypes = tokenizer_metadata(tokenizer, cfg)
+        meta.update(tmeta)
+        types.update(ttypes)
+    else:
+        for key, val in (("bos_token_id", cfg.bos_token_id), ("eos_token_id", cfg.eos_token_id)):
+            if isinstance(val, list):
+                val = val[0] if val else None
+            if val is not None:
+                meta[f"tokenizer.ggml.{key}"] = int(val)
+                types[f"tokenizer.ggml.{key}"] = (4, None)
+    meta.update(extra_metadata or {})
+    path = Path(path)
+    write_gguf(path, arch, meta, tensors, value_types=types)
+    return path

@@ -1,0 +1,283 @@
+"""Tokenizer <-> GGUF metadata (tokenizer.ggml.*, tokenizer.chat_template).
+
+Read: the metadata becomes a `tokenizers` tokenizer.json (+ a tokenizer_config.json with the chat template and
+special tokens), built the way llama.cpp tokenizes: `gpt2` = byte-level BPE with the pre-tokenizer named by
+`tokenizer.ggml.pre`; `llama` = SentencePiece-style BPE with byte fallback (merges from the file, or derived
+from the scores). Write: the reverse, from a tokenizer.json + tokenizer_config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+# llama.cpp token types
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_PRES = ("llama3", "llama-v3", "llama-bpe", "dbrx", "smaug-bpe", "falcon3", "pixtral")
+SPLIT_PRES = {p: LLAMA3_SPLIT for p in LLAMA3_PRES}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (the byte-level BPE alphabet)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """Merges implied by a SentencePiece vocabulary: every split of a token into two vocabulary pieces,
+    ordered by the merged token's score (best first), ties by the pieces' ids (as tokenizers' extractor)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for tok, score in sorted(zip(tokens, scores), key=lambda x: -x[1]):
+        local = []
+        for i in range(1, len(tok)):
+            a, b = tok[:i], tok[i:]
+            if a in vocab and b in vocab:
+                local.append((vocab[a], vocab[b], a, b))
+        local.sort()
+        merges.extend((a, b) for _, _, a, b in local)
+    return merges
+
+
+def tokenizer_from_gguf_metadata(meta: dict[str, Any], source: str = "GGUF") -> tuple[Any, dict[str, Any]]:
+    """(tokenizers.Tokenizer, tokenizer_config dict) described by GGUF metadata."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    kind = meta.get("tokenizer.ggml.model")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if kind is None or tokens is None:
+        raise ValueError(f"{source}: no tokenizer in the GGUF metadata (tokenizer.ggml.model / tokens missing)")
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise ValueError(f"{source}: tokenizer.ggml.tokens must be a list of strings")
+    types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+    if len(types) != len(tokens):
+        raise ValueError(f"{source}: {len(types)} token types for {len(tokens)} tokens")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges_raw = meta.get("tokenizer.ggml.merges")
+
+    def tok_of(key):
+        i = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
+
+    bos, eos, unk, pad = tok_of("bos_token_id"), tok_of("eos_token_id"), tok_of("unknown_token_id"), tok_of("padding_token_id")
+    if kind == "gpt2":
+        merges = [tuple(m.split(" ", 1)) for m in merges_raw or []]
+        model = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in LLAMA3_PRES, fuse_unk=False)
+        tk = Tokenizer(model)
+        if pre in SPLIT_PRES:
+            tk.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Split(Regex(SPLIT_PRES[pre]), behavior="isolated"),
+                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+            )
+        elif pre == "smollm":  # llama.cpp: digits one by one, then the GPT-2 split
+            tk.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Digits(individual_digits=True),
+                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+            )
+        else:
+            tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tk.decoder = decoders.ByteLevel()
+        alphabet = set(_bytes_to_unicode().values())
+    elif kind == "llama":
+        scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+        merges = [tuple(m.split(" ", 1)) for m in merges_raw] if merges_raw else _spm_merges(tokens, scores)
+        model = models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+        tk = Tokenizer(model)
+        norms = [normalizers.Replace(" ", "\u2581")]
+        if meta.get("tokenizer.ggml.add_space_prefix", True):
+            norms.insert(0, normalizers.Prepend("\u2581"))
+        tk.normalizer = normalizers.Sequence(norms)
+        tk.decoder = decoders.Sequence(
+            [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        )
+        alphabet = None
+    else:
+        raise ValueError(f"{source}: tokenizer.ggml.model {kind!r} is not supported (supported: gpt2, llama)")
+    special = [
+        AddedToken(t, special=True, normalized=False)
+        for t, ty in zip(tokens, types)
+        if ty == CONTROL and (alphabet is None or set(t) <= alphabet or t.startswith("<"))
+    ]
+    user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED]
+    if special:
+        tk.add_special_tokens(special)
+    if user:
+        tk.add_tokens(user)
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
+    add_eos = meta.get("tokenizer.ggml.add_eos_token", False)
+    if (add_bos and bos) or (add_eos and eos):
+        single = (f"{bos}:0 " if add_bos and bos else "") + "$A:0" + (f" {eos}:0" if add_eos and eos else "")
+        pair = single + (f" {bos}:1 " if add_bos and bos else " ") + "$B:1" + (f" {eos}:1" if add_eos and eos else "")
+        specials = [(t, vocab[t]) for t in {bos if add_bos else None, eos if add_eos else None} if t]
+        tk.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+    elif kind == "gpt2":
+        tk.post_processor = processors.ByteLevel(trim_offsets=False)
+    config: dict[str, Any] = {
+        "add_bos_token": bool(add_bos),
+        "add_eos_token": bool(add_eos),
+        "bos_token": bos,
+        "eos_token": eos,
+        "unk_token": unk,
+        "pad_token": pad,
+        "model_max_length": meta.get(f"{meta.get('general.architecture')}.context_length", 4096),
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    if "tokenizer.chat_template" in meta:
+        config["chat_template"] = meta["tokenizer.chat_template"]
+    return tk, {k: v for k, v in config.items() if v is not None}
+
+
+def tokenizer_files_from_gguf(meta: dict[str, Any], source: str = "GGUF") -> dict[str, str]:
+    """{'tokenizer.json': ..., 'tokenizer_config.json': ...} text of the tokenizer in GGUF metadata."""
+    tk, config = tokenizer_from_gguf_metadata(meta, source)
+    return {"tokenizer.json": tk.to_str(), "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False)}
+
+
+def load_gguf_tokenizer(path: str | os.PathLike):
+    """The tokenizer stored in a GGUF file as a bitnetlm Tokenizer (None if the file has none)."""
+    from bitnetlm.formats.gguf_file import read_gguf
+
+    f = read_gguf(path)
+    if "tokenizer.ggml.tokens" not in f.metadata:
+        return None
+    files = tokenizer_files_from_gguf(f.metadata, str(path))
+    from bitnetlm.generate.tokenizer import Tokenizer
+
+    with tempfile.TemporaryDirectory() as td:
+        for name, text in files.items():
+            Path(td, name).write_text(text, encoding="utf-8")
+        return Tokenizer.from_dir(td)
+
+
+# ---- writing --------------------------------------------------------------------------------------
+
+
+def _tokenizer_dir_files(tok) -> tuple[dict, dict]:
+    """(tokenizer.json dict, tokenizer_config dict) from a directory path or an object with .save(dir)."""
+    if isinstance(tok, (str, os.PathLike)):
+        d = Path(tok)
+        tj = json.loads((d / "tokenizer.json").read_text(encoding="utf-8"))
+        cfg_file = d / "tokenizer_config.json"
+        tc = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
+        return tj, tc
+    with tempfile.TemporaryDirectory() as td:
+        tok.save(td)
+        return _tokenizer_dir_files(td)
+
+
+def _token_str(v) -> str | None:
+    if isinstance(v, dict):
+        return v.get("content")
+    return v
+
+
+def _pre_name(pre: dict | None) -> str:
+    if not pre:
+        return "default"
+    s = json.dumps(pre)
+    if "Split" in s and "p{N}{1,3}" in s and "(?i:'s|'t|'re|'ve|'m|'ll|'d)" in s:
+        return "llama-bpe"
+    if '"Digits"' in s and '"individual_digits": true' in s and "ByteLevel" in s:
+        return "smollm"
+    return "gpt2" if "ByteLevel" in s else "default"
+
+
+def tokenizer_metadata(tok, cfg=None) -> tuple[dict[str, Any], dict[str, tuple[int, int | None]]]:
+    """GGUF tokenizer metadata (and value types) for a tokenizer directory or bitnetlm Tokenizer."""
+    from bitnetlm.formats.gguf_file import ARRAY, BOOL, FLOAT32, INT32, STRING, UINT32
+
+    tj, tc = _tokenizer_dir_files(tok)
+    model = tj.get("model") or {}
+    if model.get("type") != "BPE":
+        raise ValueError(f"only BPE tokenizers can be written to GGUF, found {model.get('type')!r}")
+    vocab: dict[str, int] = dict(model.get("vocab") or {})
+    added = {a["content"]: a for a in tj.get("added_tokens") or []}
+    for a in added.values():
+        vocab.setdefault(a["content"], a["id"])
+    n = max(vocab.values()) + 1 if vocab else 0
+    if cfg is not None and cfg.vocab_size > n:
+        n = cfg.vocab_size
+    tokens = [f"[PAD{i}]" for i in range(n)]
+    types = [UNUSED] * n
+    for t, i in vocab.items():
+        tokens[i] = t
+        a = added.get(t)
+        types[i] = NORMAL if a is None else CONTROL if a.get("special") else USER_DEFINED
+    byte_fallback = bool(model.get("byte_fallback"))
+    kind = "llama" if byte_fallback else "gpt2"
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    meta: dict[str, Any] = {
+        "tokenizer.ggml.model": kind,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": merges,
+    }
+    vtypes = {
+        "tokenizer.ggml.tokens": (ARRAY, STRING),
+        "tokenizer.ggml.token_type": (ARRAY, INT32),
+        "tokenizer.ggml.merges": (ARRAY, STRING),
+    }
+    if kind == "gpt2":
+        meta["tokenizer.ggml.pre"] = _pre_name(tj.get("pre_tokenizer"))
+    else:
+        rank = {}
+        for r, m in enumerate(merges):
+            rank.setdefault(m.replace(" ", ""), r)
+        meta["tokenizer.ggml.scores"] = [float(-rank.get(t, 0)) for t in tokens]
+        vtypes["tokenizer.ggml.scores"] = (ARRAY, FLOAT32)
+        for i, t in enumerate(tokens):
+            if len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+                types[i] = BYTE
+        meta["tokenizer.ggml.add_space_prefix"] = "Prepend" in json.dumps(tj.get("normalizer"))
+        vtypes["tokenizer.ggml.add_space_prefix"] = (BOOL, None)
+
+    def tid(name: str, fallback) -> int | None:
+        t = _token_str(tc.get(name))
+        if t is not None and t in vocab:
+            return vocab[t]
+        if isinstance(fallback, list):
+            fallback = fallback[0] if fallback else None
+        return fallback
+
+    ids = {
+        "bos_token_id": tid("bos_token", getattr(cfg, "bos_token_id", None)),
+        "eos_token_id": tid("eos_token", getattr(cfg, "eos_token_id", None)),
+        "unknown_token_id": tid("unk_token", None),
+        "padding_token_id": tid("pad_token", getattr(cfg, "pad_token_id", None)),
+    }
+    for k, v in ids.items():
+        if v is not None:
+            meta[f"tokenizer.ggml.{k}"] = int(v)
+            vtypes[f"tokenizer.ggml.{k}"] = (UINT32, None)
+    post = json.dumps(tj.get("post_processor") or {})
+    bos_tok = tokens[ids["bos_token_id"]] if ids["bos_token_id"] is not None else None
+    add_bos = tc.get("add_bos_token")
+    if add_bos is None:
+        add_bos = bool(bos_tok) and "TemplateProcessing" in post and json.dumps(bos_tok) in post
+    meta["tokenizer.ggml.add_bos_token"] = bool(add_bos)
+    meta["tokenizer.ggml.add_eos_token"] = bool(tc.get("add_eos_token", False))
+    vtypes["tokenizer.ggml.add_bos_token"] = (BOOL, None)
+    vtypes["tokenizer.ggml.add_eos_token"] = (BOOL, None)
+    tmpl = tc.get("chat_template")
+    if isinstance(tmpl, list):  # [{"name": "default", "template": ...}, ...]
+        tmpl = next((x.get("template") for x in tmpl if x.get("name") == "default"), None)
+    if tmpl:
+        meta["tokenizer.chat_template"] = tmpl
+        vtypes["tokenizer.chat_template"] = (STRING, None)
+    return meta, vtypes

@@ -1,0 +1,251 @@
+"""HF checkpoint directories: config.json + one or sharded safetensors (memory-mapped, never pickle).
+
+Variants read (FORMATS.md): offline packed `autobitlinear` (weight_scale = s, multiply), packed `bitlinear`
+(weight_scale = 1/s, divide), online float master weights (ternarized at load), 1bitLLM latent floats, plain
+full-precision BitNet / LLaMA. Written: the offline packed autobitlinear layout that transformers loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from bitnetlm.formats.names import IGNORED_SUFFIXES, hf_name, layer_modules
+from bitnetlm.models import CausalLM, ModelConfig, build_model
+from bitnetlm.models.transformer import rope_inv_freq
+from bitnetlm.quant.bitlinear import BitLinear
+from bitnetlm.quant.packing import PackingFormat, pack_hf, unpack_hf
+from bitnetlm.quant.ternary import ternarize
+
+FORMAT_VERSION = "1"
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{cfg_file}: no config.json in the model directory {path}")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_file}: not valid JSON ({e})") from e
+    return ModelConfig.from_hf(raw, source=str(cfg_file))
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory (single file or sharded index)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(
+                f"{index}: not a valid safetensors index (expected a 'weight_map' object): {e}"
+            ) from e
+        files = [path / f for f in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"{f}: shard listed in {index.name} is missing")
+        return files
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    others = sorted(path.glob("*.safetensors"))
+    if others:
+        return others
+    if any(path.glob("*.bin")) or any(path.glob("*.pt")):
+        raise ValueError(
+            f"{path}: only pickle checkpoints (*.bin/*.pt) found; they can run arbitrary code and are not loaded. "
+            "Convert them to safetensors first."
+        )
+    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+class _Tensors:
+    """name -> tensor over several memory-mapped safetensors files, with file-naming errors."""
+
+    def __init__(self, files: list[Path]):
+        self.where: dict[str, Path] = {}
+        self.handles = {}
+        self.metadata: dict[str, str] = {}
+        for f in files:
+            try:
+                h = safe_open(str(f), framework="pt")
+            except Exception as e:
+                raise ValueError(f"{f}: not a readable safetensors file (truncated or corrupt?): {e}") from e
+            self.handles[f] = h
+            self.metadata.update(h.metadata() or {})
+            for k in h.keys():
+                self.where[k] = f
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.where:
+            raise ValueError(
+                f"tensor {name!r} is missing from the checkpoint ({', '.join(sorted({str(p) for p in self.where.values()}))})"
+            )
+        f = self.where[name]
+        try:
+            return self.handles[f].get_tensor(name)
+        except Exception as e:
+            raise ValueError(f"{f}: cannot read tensor {name!r} (file truncated or corrupt?): {e}") from e
+
+
+def _expect(name: str, t: torch.Tensor, shape: tuple[int, ...], file: str, dtypes=None) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(
+            f"{file}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)} from config.json"
+        )
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(
+            f"{file}: tensor {name!r} has unsupported dtype {t.dtype}, expected one of {list(dtypes)}"
+        )
+
+
+def load_hf(path: str | os.PathLike, mode: str = "infer", dtype: torch.dtype = torch.float32) -> CausalLM:
+    """Load an HF checkpoint directory into a model on the CPU (move/repack with kernels.prepare)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: model directory not found")
+    cfg = read_config(path)
+    files = safetensors_files(path)
+    ts = _Tensors(files)
+    src = str(files[0] if len(files) == 1 else path)
+    with torch.device("meta"):
+        model = build_model(cfg, mode)
+    sd: dict[str, torch.Tensor] = {}
+    for name, kind in layer_modules(cfg.num_hidden_layers, cfg.has_sub_norms):
+        key = hf_name(name, cfg.arch) + ".weight"
+        module = model.get_submodule(name)
+        if kind != "proj":
+            w = ts.get(key)
+            _expect(key, w, tuple(module.weight.shape), src, _FLOAT_DTYPES)
+            sd[name + ".weight"] = w.to(dtype)
+            continue
+        sd.update(_load_projection(ts, key, name, module, cfg, dtype, src))
+    if not cfg.tie_word_embeddings:
+        w = ts.get("lm_head.weight")
+        _expect("lm_head.weight", w, (cfg.vocab_size, cfg.hidden_size), src, _FLOAT_DTYPES)
+        sd["lm_head.weight"] = w.to(dtype)
+    known = {hf_name(k.rsplit(".", 1)[0], cfg.arch) for k in sd} | {"lm_head"}
+    unknown = [k for k in ts.where if k.rsplit(".", 1)[0] not in known and not k.endswith(IGNORED_SUFFIXES)]
+    if unknown:
+        raise ValueError(
+            f"{src}: unexpected tensors for a {cfg.arch} model: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}"
+        )
+    model.load_state_dict(sd, strict=True, assign=True)
+    model.inv_freq = rope_inv_freq(cfg)
+    for m in model.modules():
+        if isinstance(m, BitLinear) and not m.training_mode:
+            m.layout = PackingFormat.HF_2BIT
+    model.source_metadata = dict(ts.metadata)
+    return model.eval() if mode != "train" else model
+
+
+def _load_projection(ts: _Tensors, key: str, name: str, module, cfg: ModelConfig, dtype, src: str) -> dict:
+    n, k = module.out_features, module.in_features
+    w = ts.get(key)
+    if w.dtype == torch.uint8:  # offline packed ternary
+        rows = (n + 3) // 4
+        _expect(key, w, (rows, k), src)
+        skey = key.removesuffix(".weight") + ".weight_scale"
+        scale = ts.get(skey).float().reshape(-1)
+        if scale.numel() != 1:
+            raise ValueError(
+                f"{src}: tensor {skey!r} has {scale.numel()} values, expected 1 (per-matrix scale)"
+            )
+        s = scale if cfg.linear_class == "autobitlinear" else 1.0 / scale  # FORMATS.md: opposite meanings
+        if cfg.linear_class != "autobitlinear" and float(scale) == 0.0:
+            raise ValueError(f"{src}: tensor {skey!r} is 0 but linear_class 'bitlinear' divides by it")
+        if isinstance(module, BitLinear) and not module.training_mode:
+            return {name + ".packed": w, name + ".weight_scale": s.reshape(1).float()}
+        dense = unpack_hf(w, n).to(torch.float32) * s  # train / fp: latent weights = T * s
+        return {name + ".weight": dense.to(torch.float32 if isinstance(module, BitLinear) else dtype)}
+    _expect(key, w, (n, k), src, _FLOAT_DTYPES)
+    if isinstance(module, BitLinear) and not module.training_mode:  # float master weights -> ternary at load
+        t, s = ternarize(w)
+        return {name + ".packed": pack_hf(t), name + ".weight_scale": s.reshape(1)}
+    return {name + ".weight": w.to(torch.float32 if isinstance(module, BitLinear) else dtype)}
+
+
+def state_dict_hf(model: CausalLM, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Our model's tensors under HF names, ternary projections in the offline packed autobitlinear layout."""
+    cfg = model.config
+    out: dict[str, torch.Tensor] = {}
+    for name, kind in layer_modules(cfg.num_hidden_layers, cfg.has_sub_norms):
+        m = model.get_submodule(name)
+        key = hf_name(name, "bitnet" if cfg.arch == "1bitllm" else cfg.arch)
+        if kind == "proj" and isinstance(m, BitLinear):
+            if m.training_mode:
+                t, s = ternarize(m.weight)
+            else:
+                t, s = m.ternary_weight(), m.weight_scale
+            out[key + ".weight"] = pack_hf(t.cpu())
+            out[key + ".weight_scale"] = s.detach().float().reshape(1).cpu()
+        else:
+            w = m.weight.detach().cpu()
+            out[key + ".weight"] = (w.to(dtype) if dtype is not None else w).contiguous()
+    if model.lm_head is not None:
+        w = model.lm_head.weight.detach().cpu()
+        out["lm_head.weight"] = (w.to(dtype) if dtype is not None else w).contiguous()
+    return out
+
+
+def save_hf(
+    model: CausalLM,
+    out_dir: str | os.PathLike,
+    tokenizer=None,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+    extra_files: dict[str, str] | None = None,
+) -> Path:
+    """Write a transformers-loadable directory atomically (temp dir, then rename)."""
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(
+            f"{out}: exists and is not empty; pass overwrite=True (CLI: --force) to replace it"
+        )
+    cfg = model.config
+    hf_cfg = cfg.to_hf()
+    if cfg.arch == "1bitllm":  # saved as BitNet with SiLU: transformers has no 1bitLLM class
+        hf_cfg["hidden_act"] = cfg.hidden_act
+    if dtype is not None:
+        hf_cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    sd = state_dict_hf(model, dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        meta = {
+            "format": "pt",
+            "bitnetlm_format_version": FORMAT_VERSION,
+            "bitnetlm_layout": PackingFormat.HF_2BIT.value,
+        }
+        save_file(sd, str(tmp / "model.safetensors"), metadata=meta)
+        (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+        gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        for fname, text in (extra_files or {}).items():
+            (tmp / fname).write_text(text)
+        if out.exists():
+            backup = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(backup)
+            tmp.rename(out)
+            shutil.rmtree(backup, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,208 @@
+"""Sampling: per-request parameters and a batched sampler with per-row parameters.
+
+Order of logit processing (the transformers / vLLM order): repetition penalty (HF/CTRL rule, over prompt +
+output), presence and frequency penalties (OpenAI rule, over output only), logit_bias, then temperature,
+top-k, top-p, min-p; temperature == 0 means greedy (argmax of the penalised logits).
+
+Every row draws its randomness from its own `torch.Generator` (seeded per request), and a row consumes the
+same random numbers whatever else is in the batch, so a seeded request gives the same tokens alone and
+batched (the server's continuous batching relies on this).
+Reported log-probabilities are those of the model's raw distribution (log_softmax of the unprocessed logits),
+as in mlx-lm and vLLM's default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off; >1 discourages tokens already in prompt or output
+    presence_penalty: float = 0.0  # OpenAI: subtract once if the token was generated
+    frequency_penalty: float = 0.0  # OpenAI: subtract per occurrence in the output
+    seed: int | None = None
+    logit_bias: dict[int, float] | None = None
+    stop: list[str] = field(default_factory=list)  # stop strings (never emitted)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False  # True: do not stop on the tokenizer's end-of-sequence ids
+    logprobs: bool = False
+    top_logprobs: int = 0  # also report the n most likely tokens per step
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = [int(i) for i in (self.stop_token_ids or [])]
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        checks = [
+            (self.max_tokens >= 0, "max_tokens must be >= 0"),
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (self.top_logprobs >= 0, "top_logprobs must be >= 0"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams: {msg} (got {self!r})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def make_generator(self, device="cpu") -> torch.Generator | None:
+        """A generator seeded with `seed` (None when unseeded: rows then use torch's global RNG)."""
+        if self.seed is None:
+            return None
+        g = torch.Generator(device=device)
+        g.manual_seed(int(self.seed))
+        return g
+
+
+@dataclass
+class SampleOutput:
+    tokens: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] float32, log p(token) under the raw model distribution
+    top_ids: torch.Tensor | None = None  # [B, k]
+    top_logprobs: torch.Tensor | None = None  # [B, k]
+
+
+def _row_tensor(values, device, dtype=torch.float32) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    prompt_tokens: Sequence | None,
+    output_tokens: Sequence | None,
+) -> torch.Tensor:
+    """Repetition / presence / frequency penalties, per row (rows without penalties are left untouched)."""
+    b, v = logits.shape
+    for i, p in enumerate(params):
+        if not p.needs_penalties:
+            continue
+        out = _ids(output_tokens[i] if output_tokens is not None else None, logits.device)
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            prm = _ids(prompt_tokens[i] if prompt_tokens is not None else None, logits.device)
+            seen = torch.unique(torch.cat([prm, out]))
+            seen = seen[(seen >= 0) & (seen < v)]
+            s = row[seen]
+            # CTRL / transformers rule: divide positive logits, multiply negative ones
+            row[seen] = torch.where(s > 0, s / p.repetition_penalty, s * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and out.numel():
+            counts = torch.bincount(out[(out >= 0) & (out < v)], minlength=v).to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return logits
+
+
+def _ids(x, device) -> torch.Tensor:
+    if x is None:
+        return torch.zeros(0, dtype=torch.long, device=device)
+    if isinstance(x, torch.Tensor):
+        return x.to(device=device, dtype=torch.long).reshape(-1)
+    return torch.tensor(list(x), dtype=torch.long, device=device)
+
+
+def process_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    prompt_tokens: Sequence | None = None,
+    output_tokens: Sequence | None = None,
+) -> torch.Tensor:
+    """Processed logits [B, V] float32: penalties, bias, temperature, top-k/top-p/min-p (removed = -inf).
+
+    Greedy rows (temperature 0) get penalties and bias only; their argmax is the greedy token.
+    """
+    b, v = logits.shape
+    if len(params) != b:
+        raise ValueError(f"process_logits: {b} logit rows but {len(params)} SamplingParams")
+    x = logits.float().clone()
+    x = apply_penalties(x, params, prompt_tokens, output_tokens)
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=x.device)
+            if int(ids.min()) < 0 or int(ids.max()) >= v:
+                raise ValueError(f"logit_bias token id out of range [0, {v}): {sorted(p.logit_bias)}")
+            x[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=x.dtype, device=x.device)
+    temps = _row_tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], x.device)
+    x = x / temps[:, None]
+    need_k = any(0 < p.top_k < v for p in params)
+    need_p = any(p.top_p < 1.0 for p in params)
+    need_min = any(p.min_p > 0 for p in params)
+    if not (need_k or need_p or need_min):
+        return x
+    sampled_rows = torch.tensor([not p.greedy for p in params], device=x.device)
+    sorted_x, order = x.sort(dim=-1, descending=True)  # [B, V]
+    rank = torch.arange(v, device=x.device)[None, :]  # [1, V]
+    remove = torch.zeros_like(sorted_x, dtype=torch.bool)
+    if need_k:
+        k = _row_tensor([p.top_k if p.top_k > 0 else v for p in params], x.device, torch.long)
+        remove |= rank >= k[:, None]
+    if need_p or need_min:
+        probs = torch.softmax(sorted_x.masked_fill(remove, float("-inf")), dim=-1)
+        if need_p:
+            top_p = _row_tensor([p.top_p for p in params], x.device)
+            # keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does
+            before = probs.cumsum(dim=-1) - probs
+            remove |= before >= top_p[:, None]
+        if need_min:
+            min_p = _row_tensor([p.min_p for p in params], x.device)
+            remove |= probs < min_p[:, None] * probs[:, :1]
+    remove[:, 0] = False  # always keep the most likely token
+    remove &= sampled_rows[:, None]
+    # scatter the sorted mask back to vocabulary order
+    mask = torch.zeros_like(remove).scatter_(1, order, remove)
+    return x.masked_fill(mask, float("-inf"))
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None] | None = None,
+    prompt_tokens: Sequence | None = None,
+    output_tokens: Sequence | None = None,
+    num_top_logprobs: int = 0,
+) -> SampleOutput:
+    """Sample one token per row of `logits` [B, V] with that row's params and generator."""
+    b, v = logits.shape
+    x = process_logits(logits, params, prompt_tokens, output_tokens)
+    tokens = torch.empty(b, dtype=torch.long, device=logits.device)
+    greedy = [p.greedy for p in params]
+    if all(greedy):
+        tokens = x.argmax(dim=-1)
+    else:
+        # Gumbel-max in exponential form: argmax p_i / E_i with E_i ~ Exp(1) is an exact sample from p;
+        # each row draws exactly V numbers from its own generator.
+        probs = torch.softmax(x, dim=-1)
+        for i in range(b):
+            if greedy[i]:
+                tokens[i] = x[i].argmax()
+                continue
+            g = generators[i] if generators is not None else None
+            e = torch.empty(v, dtype=torch.float32, device=x.device).exponential_(generator=g)
+            e.clamp_min_(torch.finfo(torch.float32).tiny)  # Exp(1) can return exactly 0
+            tokens[i] = (probs[i] / e).argmax()
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    out = SampleOutput(tokens=tokens, logprobs=raw.gather(1, tokens[:, None])[:, 0])
+    if num_top_logprobs > 0:
+        top = raw.topk(min(num_top_logprobs, v), dim=-1)
+        out.top_logprobs, out.top_ids = top.values, top.indices
+    return out

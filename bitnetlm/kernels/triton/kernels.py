@@ -1,0 +1,292 @@
+"""Triton W2A8 kernels over the triton-2bit-v1 layout (see layout.py) with fused per-token int8 quantization.
+
+- `_gemv_kernel`  (decode, M <= 16 rows): CUDA-core `dp4a` over int32 words; each program re-derives the row
+  statistics (absmax, and the RMSNorm rstd when a norm weight is fused) so no separate quantization launch exists.
+- `_quant_kernel` + `_gemm_kernel` (prefill / large batch): int8 rows, then `tl.dot` on int8 tensor cores with
+  int32 accumulation, one dot per K slab.
+Epilogues fuse the float scale s/a, per-output-row scales (concatenated q|k|v), a gated activation
+(act(gate) * up for concatenated gate|up weights) and a residual add.
+
+Quantization matches `quant.ternary.quantize_activations` bit for bit: a = (1/amax) * 127 (torch evaluates
+`127 / t` as `t.reciprocal() * 127`), q = round-half-even(x * a) clamped to [-128, 127], and the float result
+is acc * (s / a) with a correctly rounded division. Under TRITON_INTERPRET=1 (CPU) the PTX pieces (dp4a,
+cvt.rni, div.rn, the packed shift) fall back to plain Triton ops with the same integer results.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton import knobs
+
+INTERPRET = bool(knobs.runtime.interpret)
+ACT_CODES = {"relu2": 0, "silu": 1}
+
+
+@triton.jit
+def _rcp_rn(x, PTX: tl.constexpr):
+    if PTX:
+        return tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), x)
+    else:
+        return 1.0 / x
+
+
+@triton.jit
+def _div_rn(a, b, PTX: tl.constexpr):
+    if PTX:
+        return tl.math.div_rn(a, b)
+    else:
+        return a / b
+
+
+@triton.jit
+def _rne(x, PTX: tl.constexpr):
+    """Round half to even (torch.round), |x| < 2**22."""
+    if PTX:
+        return tl.inline_asm_elementwise("cvt.rni.f32.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _dp4a(a, b, c, PTX: tl.constexpr):
+    """c + dot(bytes(a), bytes(b)) with signed bytes (PTX dp4a.s32.s32)."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
+        )
+    else:
+        r = c
+        for j in tl.static_range(4):
+            r += ((a << (24 - 8 * j)) >> 24) * ((b << (24 - 8 * j)) >> 24)
+        return r
+
+
+@triton.jit
+def _codes8(wb, I: tl.constexpr, PTX: tl.constexpr):
+    """uint8 tile of packed bytes -> int8 codes (0..2) of slab I; PTX path works on 4 bytes per instruction."""
+    if PTX:
+        if I == 0:
+            return tl.inline_asm_elementwise(
+                "and.b32 $0, $1, 0x03030303;", "=r,r", [wb], dtype=tl.int8, is_pure=True, pack=4
+            )
+        elif I == 1:
+            return tl.inline_asm_elementwise(
+                "{.reg .b32 t; shr.b32 t, $1, 2; and.b32 $0, t, 0x03030303;}",
+                "=r,r", [wb], dtype=tl.int8, is_pure=True, pack=4,
+            )
+        elif I == 2:
+            return tl.inline_asm_elementwise(
+                "{.reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x03030303;}",
+                "=r,r", [wb], dtype=tl.int8, is_pure=True, pack=4,
+            )
+        else:
+            return tl.inline_asm_elementwise(
+                "{.reg .b32 t; shr.b32 t, $1, 6; and.b32 $0, t, 0x03030303;}",
+                "=r,r", [wb], dtype=tl.int8, is_pure=True, pack=4,
+            )
+    else:
+        return ((wb >> (2 * I)) & 3).to(tl.int8)
+
+
+@triton.jit
+def _epilogue(acc, rs, a, s_ptr, offs_n, mask_n, PER_ROW: tl.constexpr, PTX: tl.constexpr):
+    """(int32 X@C^T - rowsum(X)) * (s / a) in float32; acc [BM, BN], rs/a [BM]."""
+    if PER_ROW:
+        s = tl.load(s_ptr + offs_n, mask=mask_n, other=1.0)
+        f = _div_rn(s[None, :], a[:, None], PTX)
+    else:
+        s = tl.load(s_ptr)
+        f = _div_rn(s + tl.zeros_like(a), a, PTX)[:, None]
+    return (acc - rs[:, None]).to(tl.float32) * f
+
+
+@triton.jit
+def _activate(g, ACT: tl.constexpr):
+    if ACT == 0:
+        r = tl.maximum(g, 0.0)
+        return r * r
+    else:
+        return g / (1.0 + tl.exp(-g))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# GEMV: decode path, M <= 16 activation rows
+# --------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _gemv_kernel(
+    x_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr,
+    M, N, K, KW,  # N: output features (per half when GATED); KW: int32 words per packed row
+    stride_xm, stride_rm, stride_ym, eps,
+    HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+    PER_ROW: tl.constexpr, PTX: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, SBK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BM)
+    mask_m = offs_m < M
+    x_rows = x_ptr + offs_m * stride_xm  # [BM]
+
+    # pass 1: per-row statistics (sum of squares for the norm, absmax of the normed activations)
+    sumsq = tl.zeros([BM], tl.float32)
+    amax = tl.zeros([BM], tl.float32)
+    for k0 in range(0, K, SBK):
+        offs_k = k0 + tl.arange(0, SBK)
+        mk = offs_k < K
+        x = tl.load(x_rows[:, None] + offs_k[None, :], mask=mask_m[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        if HAS_NORM:
+            g = tl.load(nw_ptr + offs_k, mask=mk, other=0.0).to(tl.float32)
+            sumsq += tl.sum(x * x, axis=1)
+            x = x * g[None, :]
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+    rstd = tl.zeros([BM], tl.float32)
+    if HAS_NORM:
+        rstd = 1.0 / tl.sqrt_rn(sumsq / K + eps)
+        amax = amax * rstd
+    a = _rcp_rn(tl.maximum(amax, 1e-5), PTX) * 127.0  # [BM]
+
+    # pass 2: quantize on the fly into int32 words and dp4a against the packed weight words
+    offs_n = pid * BN + tl.arange(0, BN)
+    mask_n = offs_n < N
+    offs_j = tl.arange(0, 4)
+    acc = tl.zeros([BM, BN, BKW], tl.int32)
+    acc2 = tl.zeros([BM, BN, BKW], tl.int32)
+    rs = tl.zeros([BM, BKW], tl.int32)
+    for w0 in range(0, KW, BKW):
+        offs_w = w0 + tl.arange(0, BKW)
+        mw = mask_n[:, None] & (offs_w < KW)[None, :]
+        wv = tl.load(w_ptr + offs_n[:, None] * KW + offs_w[None, :], mask=mw, other=0)  # [BN, BKW] int32
+        if GATED:
+            wv2 = tl.load(w_ptr + (offs_n + N)[:, None] * KW + offs_w[None, :], mask=mw, other=0)
+        for i in tl.static_range(4):
+            kk = i * (4 * KW) + offs_w[:, None] * 4 + offs_j[None, :]  # [BKW, 4] activation index of slab i
+            mkk = kk < K
+            x = tl.load(x_rows[:, None, None] + kk[None, :, :], mask=mask_m[:, None, None] & mkk[None, :, :], other=0.0)
+            x = x.to(tl.float32)
+            if HAS_NORM:
+                g = tl.load(nw_ptr + kk, mask=mkk, other=0.0).to(tl.float32)
+                x = (x * rstd[:, None, None]) * g[None, :, :]
+            q = _rne(x * a[:, None, None], PTX)
+            q = tl.minimum(tl.maximum(q, -128.0), 127.0).to(tl.int32)
+            xw = tl.sum((q & 255) << (offs_j * 8)[None, None, :], axis=2)  # [BM, BKW] four int8 per word
+            rs = _dp4a(xw, tl.full(xw.shape, 0x01010101, tl.int32), rs, PTX)
+            xb = tl.broadcast_to(xw[:, None, :], [BM, BN, BKW])
+            c = tl.broadcast_to(((wv >> (2 * i)) & 0x03030303)[None, :, :], [BM, BN, BKW])
+            acc = _dp4a(xb, c, acc, PTX)
+            if GATED:
+                c2 = tl.broadcast_to(((wv2 >> (2 * i)) & 0x03030303)[None, :, :], [BM, BN, BKW])
+                acc2 = _dp4a(xb, c2, acc2, PTX)
+    rsum = tl.sum(rs, axis=1)
+    y = _epilogue(tl.sum(acc, axis=2), rsum, a, s_ptr, offs_n, mask_n, PER_ROW, PTX)
+    if GATED:
+        u = _epilogue(tl.sum(acc2, axis=2), rsum, a, s_ptr, offs_n + N, mask_n, PER_ROW, PTX)
+        y = _activate(y, ACT) * u
+    mask_y = mask_m[:, None] & mask_n[None, :]
+    if HAS_RES:
+        y += tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask_y, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask_y)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# quantize rows (optionally RMSNorm first): x [M, K] -> xq int8 [M, 4*Kp] (zero padded), a [M], rowsum [M]
+# --------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _quant_kernel(
+    x_ptr, nw_ptr, q_ptr, a_ptr, rs_ptr, K, KPAD, stride_xm, stride_qm, eps,
+    HAS_NORM: tl.constexpr, PTX: tl.constexpr, BK: tl.constexpr,
+):
+    m = tl.program_id(0)
+    offs = tl.arange(0, BK)
+    mk = offs < K
+    x = tl.load(x_ptr + m * stride_xm + offs, mask=mk, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        g = tl.load(nw_ptr + offs, mask=mk, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / K + eps)
+        amax = tl.max(tl.abs(x * g), axis=0) * rstd
+        x = (x * rstd) * g
+    else:
+        amax = tl.max(tl.abs(x), axis=0)
+    a = _rcp_rn(tl.maximum(amax, 1e-5), PTX) * 127.0
+    q = _rne(x * a, PTX)
+    q = tl.minimum(tl.maximum(q, -128.0), 127.0).to(tl.int32)
+    q = tl.where(mk, q, 0)
+    tl.store(q_ptr + m * stride_qm + offs, q.to(tl.int8), mask=offs < KPAD)
+    tl.store(a_ptr + m, a)
+    tl.store(rs_ptr + m, tl.sum(q, axis=0))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# GEMM: prefill / large batch, int8 tensor cores
+# --------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _gemm_kernel(
+    q_ptr, a_ptr, rs_ptr, w_ptr, s_ptr, r_ptr, y_ptr,
+    M, N, KP, stride_qm, stride_rm, stride_ym,
+    HAS_RES: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, PER_ROW: tl.constexpr, PTX: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    gsize = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % gsize
+    pid_n = (pid % group) // gsize
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros([BM, BN], tl.int32)
+    acc2 = tl.zeros([BM, BN], tl.int32)
+    for b0 in range(0, KP, BKB):
+        offs_b = b0 + tl.arange(0, BKB)
+        mb = offs_b < KP
+        mw = mask_n[:, None] & mb[None, :]
+        wb = tl.load(w_ptr + offs_n[:, None] * KP + offs_b[None, :], mask=mw, other=0)  # [BN, BKB] uint8
+        if GATED:
+            wb2 = tl.load(w_ptr + (offs_n + N)[:, None] * KP + offs_b[None, :], mask=mw, other=0)
+        for i in tl.static_range(4):
+            xa = tl.load(
+                q_ptr + offs_m[:, None] * stride_qm + (i * KP + offs_b)[None, :],
+                mask=mask_m[:, None] & mb[None, :], other=0,
+            )  # [BM, BKB] int8
+            acc = tl.dot(xa, tl.trans(_codes8(wb, i, PTX)), acc, out_dtype=tl.int32)
+            if GATED:
+                acc2 = tl.dot(xa, tl.trans(_codes8(wb2, i, PTX)), acc2, out_dtype=tl.int32)
+    a = tl.load(a_ptr + offs_m, mask=mask_m, other=1.0)
+    rs = tl.load(rs_ptr + offs_m, mask=mask_m, other=0)
+    y = _epilogue(acc, rs, a, s_ptr, offs_n, mask_n, PER_ROW, PTX)
+    if GATED:
+        u = _epilogue(acc2, rs, a, s_ptr, offs_n + N, mask_n, PER_ROW, PTX)
+        y = _activate(y, ACT) * u
+    mask_y = mask_m[:, None] & mask_n[None, :]
+    if HAS_RES:
+        y += tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask_y, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask_y)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# int8 (per-row scaled) weights x float activations: the optional int8 LM head, any M
+# --------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _w8_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        mk = offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None] & mk[None, :], other=0.0)
+        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & mk[None, :], other=0)
+        acc = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+    s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
+    y = acc * s[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=mask_m[:, None] & mask_n[None, :])

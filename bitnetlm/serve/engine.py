@@ -1,0 +1,482 @@
+"""Continuous-batching engine: one worker thread owns the model and a static KV cache.
+
+Every generated sequence (one choice of one request) holds one batch row of the cache from admission to finish.
+Each engine step:
+  1. applies cancellations (queued sequences are dropped, running ones give their row back at once);
+  2. admits waiting sequences into free rows (lowest row first, so the rows in use stay packed at the top);
+  3. prefills admitted prompts one row at a time, `prefill_chunk` tokens per step in total, through a
+     one-row view of the shared cache (a slice, so the forward writes straight into the shared tensors);
+  4. decodes one token for every row whose prompt is in the cache, in one forward over rows [0, hi) where
+     rows that are free or still prefilling take a masked padding token.
+Callers (the HTTP layer) never touch tensors: they submit token ids + sampling settings and receive plain
+Python events (text deltas, token ids, logprobs, usage) through a callback that the worker invokes.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from bitnetlm.generate.sampling import SamplingParams, sample
+from bitnetlm.serve.metrics import Metrics
+
+log = logging.getLogger("bitnetlm.serve")
+
+
+@dataclass
+class EngineConfig:
+    max_batch: int = 8  # KV-cache rows = sequences decoded together
+    max_queue: int = 64  # sequences allowed to wait for a row; beyond that submit() raises QueueFull
+    max_model_len: int | None = (
+        None  # prompt + completion tokens; default: the model's max_position_embeddings
+    )
+    prefill_chunk: int = 512  # prompt tokens prefilled per engine step (bounds decode stalls)
+    retry_after_s: int = 1  # Retry-After sent with 429
+
+
+@dataclass
+class GenerationRequest:
+    """Token ids in, `n` independent choices out; `params.max_tokens` must fit the context (see submit)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    n: int = 1
+
+
+@dataclass
+class Chunk:
+    """New output of choice `index`: text delta, the token ids behind it, logprob entries, finish reason."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class Finished:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class Failed:
+    message: str
+    status: int = 500
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after: int):
+        super().__init__("server busy: the request queue is full")
+        self.retry_after = retry_after
+
+
+class ContextTooLong(ValueError):
+    pass
+
+
+class EngineClosed(Exception):
+    pass
+
+
+class _Group:
+    def __init__(self, gid: int, req: GenerationRequest, sink: Callable[[Any], None], max_tokens: int):
+        self.id, self.req, self.sink, self.max_tokens = gid, req, sink, max_tokens
+        self.seqs: list[_Seq] = []
+        self.arrival = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.remaining = req.n
+        self.completion_tokens = 0
+        self.cancelled = False
+
+
+class _Seq:
+    def __init__(self, group: _Group, index: int, detok, stop_ids: set[int]):
+        self.group, self.index = group, index
+        self.tokens = list(group.req.prompt_ids)  # prompt + generated
+        self.n_prompt = len(self.tokens)
+        self.n_cached = 0  # tokens whose k/v are in the cache row
+        self.row: int | None = None
+        self.detok = detok
+        self.stop_ids = stop_ids
+        self.text = ""  # generated text up to (not including) a stop string
+        self.sent = 0  # characters of self.text already emitted
+        self.last_token_at: float | None = None
+        self.done = False
+        self.finish_reason: str | None = None
+        self.generator: torch.Generator | None = None
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.n_prompt :]
+
+
+class Engine:
+    """Owns `model` (a bitnetlm CausalLM) on its own thread; `submit`/`cancel` are thread-safe."""
+
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None, model_name: str = "model"):
+        self.model, self.tokenizer = model, tokenizer
+        self.config = cfg = config or EngineConfig()
+        mcfg = model.config
+        self.max_model_len = cfg.max_model_len or mcfg.max_position_embeddings
+        if cfg.max_batch < 1:
+            raise ValueError(f"EngineConfig.max_batch must be >= 1, found {cfg.max_batch}")
+        self.device = next(model.parameters()).device
+        self.cache = model.new_cache(cfg.max_batch, self.max_model_len)
+        self.vocab_size = mcfg.vocab_size
+        eos = set(mcfg.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", []) or [])
+        self.eos_ids = {i for i in eos if i is not None}
+        self.metrics = Metrics(model_name)
+        self.metrics.gauges["num_requests_running"] = lambda: self._count_groups(running=True)
+        self.metrics.gauges["num_requests_waiting"] = lambda: self._count_groups(running=False)
+        self.metrics.gauges["kv_rows_in_use"] = lambda: self.config.max_batch - len(self._free_rows)
+
+        self._lock = threading.Condition()
+        self._waiting: collections.deque[_Seq] = collections.deque()
+        self._groups: dict[int, _Group] = {}
+        self._cancel: set[int] = set()
+        self._ids = itertools.count(1)
+        self._free_rows = list(range(cfg.max_batch))  # kept sorted: lowest row first
+        self._rows: dict[int, _Seq] = {}  # row -> running sequence (worker thread only)
+        self._accepting = True
+        self._stop = False
+        self.steps = 0
+        self._thread = threading.Thread(target=self._run, name="bitnet-engine", daemon=True)
+        self._thread.start()
+
+    # ---- public API (any thread) ---------------------------------------------------------------
+    def submit(self, req: GenerationRequest, sink: Callable[[Any], None]) -> int:
+        """Queue `req`; `sink(event)` is called from the engine thread with Chunk / Finished / Failed events."""
+        n_prompt = len(req.prompt_ids)
+        if n_prompt == 0:
+            raise ContextTooLong("the prompt is empty (0 tokens)")
+        if any(not 0 <= t < self.vocab_size for t in req.prompt_ids):
+            bad = next(t for t in req.prompt_ids if not 0 <= t < self.vocab_size)
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        p = req.params
+        if req.n < 1 or p.max_tokens < 1:
+            raise ValueError(f"n and max_tokens must be >= 1, found n={req.n}, max_tokens={p.max_tokens}")
+        if n_prompt + p.max_tokens > self.max_model_len or n_prompt >= self.max_model_len:
+            raise ContextTooLong(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{n_prompt + p.max_tokens} tokens ({n_prompt} in the prompt, {p.max_tokens} for the "
+                "completion). Please reduce the length of the prompt or the completion."
+            )
+        if p.logit_bias and any(not 0 <= t < self.vocab_size for t in p.logit_bias):
+            raise ValueError(
+                f"logit_bias token ids must be in [0, {self.vocab_size}), found {sorted(p.logit_bias)}"
+            )
+        max_tokens = p.max_tokens
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
+        with self._lock:
+            if not self._accepting:
+                raise EngineClosed("server is shutting down")
+            must_wait = len(self._waiting) + req.n - len(self._free_rows)
+            if must_wait > self.config.max_queue:
+                self.metrics.inc("request_rejected_total")
+                raise QueueFull(self.config.retry_after_s)
+            g = _Group(next(self._ids), req, sink, max_tokens)
+            for i in range(req.n):
+                s = _Seq(g, i, self._new_detok(p.skip_special_tokens), stop_ids)
+                if p.seed is not None:
+                    # choice i of a seeded request draws from seed + i (choice 0 == the offline generate run)
+                    s.generator = torch.Generator(device=self.device).manual_seed(int(p.seed) + i)
+                g.seqs.append(s)
+                self._waiting.append(s)
+            self._groups[g.id] = g
+            self._lock.notify_all()
+        return g.id
+
+    def cancel(self, gid: int) -> None:
+        """Drop request `gid` (client went away): queued sequences leave the queue, running ones free their row."""
+        with self._lock:
+            if gid in self._groups:
+                self._cancel.add(gid)
+                self._lock.notify_all()
+
+    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop accepting; with drain=True let queued and running requests finish first."""
+        with self._lock:
+            self._accepting = False
+            if not drain:
+                self._cancel.update(self._groups)
+            self._lock.notify_all()
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while self._groups and self._thread.is_alive():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    self._cancel.update(self._groups)
+                    self._lock.notify_all()
+                    break
+                self._lock.wait(0.05 if left is None else min(left, 0.05))
+            self._stop = True
+            self._lock.notify_all()
+        self._thread.join(timeout=30)
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "running": self._count_groups(True, locked=True),
+                "waiting": self._count_groups(False, locked=True),
+                "rows_in_use": self.config.max_batch - len(self._free_rows),
+                "steps": self.steps,
+            }
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _count_groups(self, running: bool, locked: bool = False) -> int:
+        def count():
+            waiting_g = {s.group.id for s in self._waiting}
+            if running:
+                return sum(1 for g in self._groups if g not in waiting_g)
+            return len(waiting_g)
+
+        if locked:
+            return count()
+        with self._lock:
+            return count()
+
+    def _new_detok(self, skip_special: bool):
+        from bitnetlm.generate.detok import StreamDetokenizer
+
+        return StreamDetokenizer(self.tokenizer, skip_special_tokens=skip_special)
+
+    def _emit(self, g: _Group, ev) -> None:
+        try:
+            g.sink(ev)
+        except Exception:  # a broken sink must not kill the engine
+            log.exception("engine: event sink failed for request %d", g.id)
+
+    def _release(self, s: _Seq) -> None:
+        if s.row is not None:
+            self.cache.reset([s.row])
+            del self._rows[s.row]
+            with self._lock:
+                self._free_rows.append(s.row)
+                self._free_rows.sort()
+            s.row = None
+
+    def _finish_group_if_done(self, g: _Group) -> None:
+        if g.remaining == 0 and not g.cancelled:
+            with self._lock:
+                self._groups.pop(g.id, None)
+                self._lock.notify_all()
+            self.metrics.observe("e2e_request_latency_seconds", time.perf_counter() - g.arrival)
+            self.metrics.finished(g.seqs[0].finish_reason or "stop")
+            self._emit(g, Finished(len(g.req.prompt_ids), g.completion_tokens))
+
+    # ---- worker --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._lock:
+                    while not (self._stop or self._cancel or self._waiting or self._rows):
+                        self._lock.wait()
+                    if self._stop:
+                        break
+                    cancels, self._cancel = self._cancel, set()
+                    self._apply_cancels(cancels)
+                    admitted = self._admit()
+                try:
+                    self._step(admitted)
+                except Exception as e:  # fail the running requests, keep serving
+                    log.error("engine step failed:\n%s", traceback.format_exc())
+                    self._fail_running(f"internal error during generation: {type(e).__name__}: {e}")
+        with self._lock:
+            self._lock.notify_all()
+
+    def _apply_cancels(self, gids: set[int]) -> None:  # lock held
+        if not gids:
+            return
+        self._waiting = collections.deque(s for s in self._waiting if s.group.id not in gids)
+        for gid in gids:
+            g = self._groups.pop(gid, None)
+            if g is None:
+                continue
+            g.cancelled = True
+            self.metrics.inc("request_cancelled_total")
+            for s in g.seqs:
+                s.done = True
+                if s.row is not None:
+                    self.cache.reset([s.row])
+                    del self._rows[s.row]
+                    self._free_rows.append(s.row)
+                    s.row = None
+        self._free_rows.sort()
+        self._lock.notify_all()
+
+    def _admit(self) -> list[_Seq]:  # lock held
+        out = []
+        while self._waiting and self._free_rows:
+            s = self._waiting.popleft()
+            s.row = self._free_rows.pop(0)
+            self.cache.reset([s.row])
+            self._rows[s.row] = s
+            out.append(s)
+        return out
+
+    def _fail_running(self, message: str) -> None:
+        groups = {s.group.id: s.group for s in self._rows.values()}
+        for s in list(self._rows.values()):
+            s.done = True
+            self._release(s)
+        for g in groups.values():
+            with self._lock:
+                self._groups.pop(g.id, None)
+                self._lock.notify_all()
+            g.cancelled = True
+            self._emit(g, Failed(message))
+
+    def _view(self, lo: int, hi: int):
+        """A KVCache over rows [lo, hi): slices share storage, so writes land in the engine's cache."""
+        c = self.cache
+        v = object.__new__(type(c))
+        v.k = [t[lo:hi] for t in c.k]
+        v.v = [t[lo:hi] for t in c.v]
+        v.valid = c.valid[lo:hi]
+        return v
+
+    def _step(self, admitted: list[_Seq]) -> None:
+        self.steps += 1
+        budget = self.config.prefill_chunk
+        ready: list[tuple[_Seq, torch.Tensor]] = []  # sequences with logits for their next token
+        # prefill: FIFO over rows whose prompt is not fully cached yet
+        for s in sorted(self._rows.values(), key=lambda s: (s.group.arrival, s.index)):
+            if budget <= 0:
+                break
+            todo = s.n_prompt - s.n_cached
+            if todo <= 0:
+                continue
+            c = min(todo, budget)
+            budget -= c
+            ids = torch.tensor([s.tokens[s.n_cached : s.n_cached + c]], device=self.device)  # [1, c]
+            pos = torch.arange(s.n_cached, s.n_cached + c, device=self.device)[None]  # [1, c]
+            logits = self.model(ids, positions=pos, cache=self._view(s.row, s.row + 1), last_only=True)
+            s.n_cached += c
+            self.metrics.inc("prompt_tokens_total", c)
+            if s.n_cached == s.n_prompt:
+                ready.append((s, logits[0, -1]))
+        if ready:
+            self._sample_and_emit(ready)
+        # decode: every row with exactly one pending (uncached) token
+        dec = [s for s in self._rows.values() if not s.done and s.n_cached == len(s.tokens) - 1]
+        if not dec:
+            return
+        hi = max(s.row for s in dec) + 1
+        ids = torch.zeros(hi, 1, dtype=torch.long)
+        pos = torch.zeros(hi, 1, dtype=torch.long)
+        mask = torch.zeros(hi, 1, dtype=torch.bool)
+        for r in range(hi):
+            s = self._rows.get(r)
+            if s is None:
+                continue
+            # padding goes to the row's next free slot: masked now, overwritten by the row's next real token
+            pos[r, 0] = s.n_cached
+        for s in dec:
+            ids[s.row, 0] = s.tokens[-1]
+            mask[s.row, 0] = True
+        dev = self.device
+        logits = self.model(
+            ids.to(dev),
+            positions=pos.to(dev),
+            cache=self._view(0, hi),
+            input_mask=mask.to(dev),
+            last_only=True,
+        )  # [hi, 1, V]
+        for s in dec:
+            s.n_cached += 1
+        self._sample_and_emit([(s, logits[s.row, -1]) for s in dec])
+
+    # ---- sampling and output -------------------------------------------------------------------
+    def _sample_and_emit(self, ready: list[tuple[_Seq, torch.Tensor]]) -> None:
+        seqs = [s for s, _ in ready]
+        params = [s.group.req.params for s in seqs]
+        logits = torch.stack([lg for _, lg in ready])  # [R, V]
+        pen = any(p.needs_penalties for p in params)
+        k = max((p.top_logprobs for p in params if p.logprobs), default=0)
+        out = sample(
+            logits,
+            params,
+            generators=[s.generator for s in seqs],
+            prompt_tokens=[s.tokens[: s.n_prompt] for s in seqs] if pen else None,
+            output_tokens=[s.generated for s in seqs] if pen else None,
+            num_top_logprobs=k,
+        )
+        tokens = out.tokens.tolist()
+        want_lp = any(p.logprobs for p in params)
+        lps = out.logprobs.tolist() if want_lp else None
+        top_ids = out.top_ids.tolist() if k else None
+        top_lps = out.top_logprobs.tolist() if k else None
+        now = time.perf_counter()
+        for i, s in enumerate(seqs):
+            g = s.group
+            t = tokens[i]
+            s.tokens.append(t)
+            g.completion_tokens += 1
+            self.metrics.inc("generation_tokens_total")
+            if g.first_token_at is None:
+                g.first_token_at = now
+                self.metrics.observe("time_to_first_token_seconds", now - g.arrival)
+            if s.last_token_at is not None:
+                self.metrics.observe("inter_token_latency_seconds", now - s.last_token_at)
+            s.last_token_at = now
+            entry = None
+            if params[i].logprobs:
+                entry = {"token": self._piece(t), "logprob": lps[i], "token_id": t}
+                kk = params[i].top_logprobs
+                if kk:
+                    entry["top"] = [
+                        (self._piece(j), v) for j, v in zip(top_ids[i][:kk], top_lps[i][:kk], strict=True)
+                    ]
+            self._advance(s, t, entry)
+
+    def _piece(self, t: int) -> str:
+        return self.tokenizer.decode([t], skip_special_tokens=False)
+
+    def _advance(self, s: _Seq, t: int, entry: dict | None) -> None:
+        g = s.group
+        finish = None
+        if t in s.stop_ids:
+            finish = "stop"
+            delta_src = s.detok.finalize()
+            entry = None  # the end-of-sequence token is not part of the returned text
+        else:
+            delta_src = s.detok.add(t)
+            if len(s.generated) >= g.max_tokens:
+                finish = "length"
+                delta_src += s.detok.finalize()
+        s.text += delta_src
+        stops = g.req.params.stop
+        if stops and delta_src:
+            start = max(0, len(s.text) - len(delta_src) - max(len(x) for x in stops) + 1)
+            hits = [i for i in (s.text.find(x, start) for x in stops) if i >= 0]
+            if hits:
+                s.text = s.text[: min(hits)]
+                finish = "stop"
+        if finish is None:
+            hold = max((len(x) for x in stops), default=1) - 1  # the tail could begin a stop string
+            upto = max(s.sent, len(s.text) - hold)
+        else:
+            upto = len(s.text)
+        delta = s.text[s.sent : upto]
+        s.sent = upto
+        self._emit(g, Chunk(s.index, delta, [t], [entry] if entry else None, finish))
+        if finish is not None:
+            s.done = True
+            s.finish_reason = finish
+            self._release(s)
+            g.remaining -= 1
+            self._finish_group_if_done(g)

@@ -1,0 +1,291 @@
+"""OpenAI API request models (pydantic) and response builders, with honest rejection of what we do not support.
+
+Request bodies are checked in two passes: first every top-level key must be a parameter we implement (anything
+else -> 400 `unsupported_parameter` naming it), then pydantic validates types and ranges (-> 400
+`invalid_request_error` naming the field). Parameters OpenAI defines but we cannot honour (tools, echo, suffix,
+json response_format, ...) are accepted only at their neutral value, otherwise rejected by name.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_STOP = 16  # OpenAI allows 4; more is harmless and some agents send more
+MAX_LOGPROBS = 20
+MAX_N = 16
+
+
+class APIError(Exception):
+    """An error with an OpenAI-style JSON body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Parameters shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)  # 0 or -1: off (vLLM uses -1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted for compatibility; only ever logged
+    ignore_eos: bool = False  # vLLM extension: keep generating past end-of-sequence tokens
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if v is None:
+            return []
+        v = [v] if isinstance(v, str) else v
+        if len(v) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences, found {len(v)}")
+        if any(s == "" for s in v):
+            raise ValueError("stop sequences must be non-empty strings")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        if v is None:
+            return None
+        out = {}
+        for k, b in v.items():
+            try:
+                tid = int(k)
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, found {k!r}") from None
+            if not -100.0 <= b <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], found {b} for token {tid}")
+            out[tid] = float(b)
+        return out
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)  # the OpenAI default for completions
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s) as a list of strings or token-id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool = True  # vLLM extension
+
+    def effective_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# Parameters OpenAI defines that we accept only at their neutral value: name -> (is_neutral(value), why).
+_NEUTRAL = {
+    "echo": (lambda v: not v, "echo is not supported"),
+    "suffix": (lambda v: v is None, "suffix (insertion) is not supported"),
+    "tools": (lambda v: not v, "tool calling is not supported"),
+    "tool_choice": (lambda v: v in (None, "none"), "tool calling is not supported"),
+    "parallel_tool_calls": (lambda v: True, ""),
+    "response_format": (
+        lambda v: v is None or v.get("type") == "text",
+        "only response_format {'type': 'text'} is supported",
+    ),
+}
+
+
+def parse_request(cls: type[_Sampling], body: Any) -> _Sampling:
+    """Validate a JSON body into `cls`, raising APIError(400) that names the offending parameter(s)."""
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object")
+    unknown = sorted(k for k in body if k not in cls.model_fields)
+    if unknown:
+        names = ", ".join(repr(k) for k in unknown)
+        raise APIError(
+            400, f"Unsupported parameter(s): {names}", param=unknown[0], code="unsupported_parameter"
+        )
+    try:
+        req = cls.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        raise APIError(400, f"Invalid value for {loc!r}: {msg}", param=loc) from None
+    bad = [k for k, (ok, _) in _NEUTRAL.items() if k in body and not ok(getattr(req, k))]
+    if isinstance(req, CompletionRequest) and req.best_of not in (None, req.n):
+        bad.append("best_of")
+    if bad:
+        why = "; ".join(_NEUTRAL[k][1] if k in _NEUTRAL else "best_of must equal n" for k in bad)
+        names = ", ".join(repr(k) for k in bad)
+        raise APIError(
+            400, f"Unsupported parameter(s): {names}: {why}", param=bad[0], code="unsupported_parameter"
+        )
+    return req
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_simple(cls: type[BaseModel], body: Any) -> BaseModel:
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object")
+    unknown = sorted(k for k in body if k not in cls.model_fields)
+    if unknown:
+        names = ", ".join(repr(k) for k in unknown)
+        raise APIError(
+            400, f"Unsupported parameter(s): {names}", param=unknown[0], code="unsupported_parameter"
+        )
+    try:
+        return cls.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise APIError(400, f"Invalid value for {loc!r}: {err['msg']}", param=loc) from None
+
+
+# ---- responses ---------------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_logprobs(entries: list[dict], offset0: int = 0) -> dict[str, Any]:
+    """Legacy completions logprobs object from engine entries {token, logprob, top: [(token, logprob)]}."""
+    offsets, pos = [], offset0
+    for e in entries:
+        offsets.append(pos)
+        pos += len(e["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [dict(e["top"]) for e in entries] if entries and "top" in entries[0] else None,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(entries: list[dict]) -> dict[str, Any]:
+    def item(tok, lp):
+        return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**item(e["token"], e["logprob"]), "top_logprobs": [item(t, lp) for t, lp in e.get("top", [])]}
+            for e in entries
+        ],
+        "refusal": None,
+    }
+
+
+def completion_response(rid: str, model: str, choices: list[dict], use: dict) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": use,
+        "system_fingerprint": None,
+    }
+
+
+def chat_response(rid: str, model: str, choices: list[dict], use: dict) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": use,
+        "system_fingerprint": None,
+    }

@@ -1,0 +1,41 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def oracle_dirs(tmp_path_factory):
+    """variant -> (our checkpoint dir, transformers oracle dir), built once per session by transformers."""
+    from oracle import VARIANTS, make_checkpoint
+
+    base = tmp_path_factory.mktemp("oracle")
+    out = {}
+    for i, v in enumerate(VARIANTS):
+        ours = base / v
+        out[v] = (ours, make_checkpoint(ours, v, seed=100 + i))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """A tiny inference-mode BitNet model with random ternary weights (vocab 512)."""
+    from oracle import tiny_config_kwargs
+
+    from bitnetlm.models import ModelConfig, build_model
+
+    cfg = ModelConfig(arch="bitnet", rope_theta=10000.0, **tiny_config_kwargs("packed-autobitlinear"))
+    torch.manual_seed(0)
+    m = build_model(cfg, "train")
+    with torch.no_grad():
+        m.embed_tokens.weight.normal_()
+    from bitnetlm.quant import to_inference_
+
+    return to_inference_(m).eval()

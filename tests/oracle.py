@@ -1,0 +1,118 @@
+"""Tiny BitNet checkpoints written by transformers itself, in every variant of FORMATS.md.
+
+The reference library (transformers' BitNetForCausalLM / LlamaForCausalLM) writes and runs them, so our loader
+and forward are checked against the oracle, not against our own output.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+VARIANTS = ("fp", "online", "packed-autobitlinear", "packed-bitlinear", "1bitllm", "llama")
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def tiny_config_kwargs(variant: str) -> dict:
+    kw = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
+              bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    if variant == "1bitllm":
+        kw.update(num_key_value_heads=4, hidden_act="silu", tie_word_embeddings=False)
+    return kw
+
+
+def _reinit(model: torch.nn.Module, seed: int) -> None:
+    """Realistic spread: linears ~N(0, 0.05), embeddings ~N(0, 1), norms ~1 +- 0.1 (not all-ones)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "layernorm" in name:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif "embed" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+
+
+def _build_fp(path: Path, variant: str, seed: int, rope_theta: float = 10000.0):
+    from transformers import BitNetConfig, BitNetForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    kw = tiny_config_kwargs(variant)
+    if variant == "llama":
+        cfg = LlamaConfig(**kw, rope_theta=rope_theta)
+        model = LlamaForCausalLM(cfg)
+    else:
+        cfg = BitNetConfig(**kw, rope_theta=rope_theta)
+        model = BitNetForCausalLM(cfg)
+    _reinit(model, seed)
+    model.save_pretrained(path)
+    return model
+
+
+def make_checkpoint(path: Path, variant: str, seed: int = 0) -> Path:
+    """Write checkpoint `variant` into `path` using transformers; returns the directory to load in transformers.
+
+    For '1bitllm' the returned oracle dir is a BitNet online checkpoint with the same weights; `path` itself gets
+    the 1bitLLM spelling (BitnetForCausalLM, model_type llama, renamed sub-norms, weight_bits/input_bits).
+    """
+    path = Path(path)
+    if variant not in VARIANTS:
+        raise ValueError(variant)
+    if variant in ("fp", "llama"):
+        _build_fp(path, variant, seed)
+        return path
+    from transformers.integrations.bitnet import pack_weights
+
+    oracle = path if variant != "1bitllm" else path.with_name(path.name + "-oracle")
+    _build_fp(oracle, variant, seed)
+    cfg = json.loads((oracle / "config.json").read_text())
+    if variant in ("online", "1bitllm"):
+        cfg["quantization_config"] = {"quant_method": "bitnet", "linear_class": "autobitlinear",
+                                      "quantization_mode": "online"}
+        (oracle / "config.json").write_text(json.dumps(cfg, indent=2))
+        if variant == "1bitllm":
+            _write_1bitllm(path, oracle, cfg)
+        return oracle
+    linear_class = variant.removeprefix("packed-")
+    sd = load_file(str(oracle / "model.safetensors"))
+    out = {}
+    for k, v in sd.items():
+        if any(k.endswith(f"{p}.weight") for p in PROJ):
+            w = v.float()
+            s = w.abs().mean().clamp(min=1e-5)
+            t = (w / s).round().clamp(-1, 1).to(torch.int8)
+            out[k] = pack_weights(t.clone())
+            scale = s if linear_class == "autobitlinear" else 1.0 / s
+            out[k.removesuffix(".weight") + ".weight_scale"] = scale.reshape(1).to(torch.bfloat16 if linear_class == "autobitlinear" else torch.float32)
+        else:
+            out[k] = v
+    save_file(out, str(oracle / "model.safetensors"), metadata={"format": "pt"})
+    cfg["quantization_config"] = {"quant_method": "bitnet", "linear_class": linear_class, "quantization_mode": "offline"}
+    (oracle / "config.json").write_text(json.dumps(cfg, indent=2))
+    return oracle
+
+
+def _write_1bitllm(path: Path, oracle: Path, cfg: dict) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    sd = load_file(str(oracle / "model.safetensors"))
+    ren = {k.replace("self_attn.attn_sub_norm", "self_attn.inner_attn_ln").replace("mlp.ffn_sub_norm", "mlp.ffn_layernorm"): v
+           for k, v in sd.items()}
+    ren["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)  # real 1bitLLM files carry these buffers
+    save_file(ren, str(path / "model.safetensors"), metadata={"format": "pt"})
+    c = {k: v for k, v in cfg.items() if k not in ("quantization_config", "model_type", "architectures")}
+    c.update(architectures=["BitnetForCausalLM"], model_type="llama", weight_bits=1, input_bits=8)
+    (path / "config.json").write_text(json.dumps(c, indent=2))
+
+
+def oracle_model(oracle_dir: Path):
+    """The transformers model for an oracle directory, fp32, eval mode."""
+    import transformers
+
+    cfg = json.loads((Path(oracle_dir) / "config.json").read_text())
+    cls = transformers.LlamaForCausalLM if cfg.get("model_type") == "llama" else transformers.BitNetForCausalLM
+    return cls.from_pretrained(oracle_dir, dtype=torch.float32).eval()
