@@ -17,9 +17,20 @@ PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pr
 
 
 def tiny_config_kwargs(variant: str) -> dict:
-    kw = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
-              bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    kw = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+    )
     if variant == "1bitllm":
         kw.update(num_key_value_heads=4, hidden_act="silu", tie_word_embeddings=False)
     return kw
@@ -72,8 +83,11 @@ def make_checkpoint(path: Path, variant: str, seed: int = 0) -> Path:
     _build_fp(oracle, variant, seed)
     cfg = json.loads((oracle / "config.json").read_text())
     if variant in ("online", "1bitllm"):
-        cfg["quantization_config"] = {"quant_method": "bitnet", "linear_class": "autobitlinear",
-                                      "quantization_mode": "online"}
+        cfg["quantization_config"] = {
+            "quant_method": "bitnet",
+            "linear_class": "autobitlinear",
+            "quantization_mode": "online",
+        }
         (oracle / "config.json").write_text(json.dumps(cfg, indent=2))
         if variant == "1bitllm":
             _write_1bitllm(path, oracle, cfg)
@@ -88,11 +102,17 @@ def make_checkpoint(path: Path, variant: str, seed: int = 0) -> Path:
             t = (w / s).round().clamp(-1, 1).to(torch.int8)
             out[k] = pack_weights(t.clone())
             scale = s if linear_class == "autobitlinear" else 1.0 / s
-            out[k.removesuffix(".weight") + ".weight_scale"] = scale.reshape(1).to(torch.bfloat16 if linear_class == "autobitlinear" else torch.float32)
+            out[k.removesuffix(".weight") + ".weight_scale"] = scale.reshape(1).to(
+                torch.bfloat16 if linear_class == "autobitlinear" else torch.float32
+            )
         else:
             out[k] = v
     save_file(out, str(oracle / "model.safetensors"), metadata={"format": "pt"})
-    cfg["quantization_config"] = {"quant_method": "bitnet", "linear_class": linear_class, "quantization_mode": "offline"}
+    cfg["quantization_config"] = {
+        "quant_method": "bitnet",
+        "linear_class": linear_class,
+        "quantization_mode": "offline",
+    }
     (oracle / "config.json").write_text(json.dumps(cfg, indent=2))
     return oracle
 
@@ -100,9 +120,15 @@ def make_checkpoint(path: Path, variant: str, seed: int = 0) -> Path:
 def _write_1bitllm(path: Path, oracle: Path, cfg: dict) -> None:
     path.mkdir(parents=True, exist_ok=True)
     sd = load_file(str(oracle / "model.safetensors"))
-    ren = {k.replace("self_attn.attn_sub_norm", "self_attn.inner_attn_ln").replace("mlp.ffn_sub_norm", "mlp.ffn_layernorm"): v
-           for k, v in sd.items()}
-    ren["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)  # real 1bitLLM files carry these buffers
+    ren = {
+        k.replace("self_attn.attn_sub_norm", "self_attn.inner_attn_ln").replace(
+            "mlp.ffn_sub_norm", "mlp.ffn_layernorm"
+        ): v
+        for k, v in sd.items()
+    }
+    ren["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(
+        8
+    )  # real 1bitLLM files carry these buffers
     save_file(ren, str(path / "model.safetensors"), metadata={"format": "pt"})
     c = {k: v for k, v in cfg.items() if k not in ("quantization_config", "model_type", "architectures")}
     c.update(architectures=["BitnetForCausalLM"], model_type="llama", weight_bits=1, input_bits=8)
@@ -114,5 +140,7 @@ def oracle_model(oracle_dir: Path):
     import transformers
 
     cfg = json.loads((Path(oracle_dir) / "config.json").read_text())
-    cls = transformers.LlamaForCausalLM if cfg.get("model_type") == "llama" else transformers.BitNetForCausalLM
+    cls = (
+        transformers.LlamaForCausalLM if cfg.get("model_type") == "llama" else transformers.BitNetForCausalLM
+    )
     return cls.from_pretrained(oracle_dir, dtype=torch.float32).eval()

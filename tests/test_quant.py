@@ -26,7 +26,9 @@ def test_pack_hf_matches_formats_example():
 def test_pack_hf_equals_transformers(shape):
     from transformers.integrations.bitnet import pack_weights, unpack_weights
 
-    unpack_weights = getattr(unpack_weights, "_torchdynamo_orig_callable", unpack_weights)  # skip torch.compile
+    unpack_weights = getattr(
+        unpack_weights, "_torchdynamo_orig_callable", unpack_weights
+    )  # skip torch.compile
     t = torch.randint(-1, 2, shape, dtype=torch.int8)
     ours = pack_hf(t)
     theirs = pack_weights(t.clone())
@@ -63,7 +65,7 @@ def test_activation_quant_range_and_scale():
     q, a = quantize_activations(x)
     assert q.dtype == torch.int8 and int(q.abs().max()) <= 127
     assert torch.equal(q.abs().amax(-1), torch.full((4, 7), 127, dtype=torch.int8))
-    assert torch.allclose(q.float() / a, x, atol=float((x.abs().amax() / 127)))
+    assert torch.allclose(q.float() / a, x, atol=float(x.abs().amax() / 127))
 
 
 def test_int_matmul_is_exact():

@@ -157,7 +157,10 @@ def _float_tensor(f: GGUFFile, name: str, shape: tuple[int, ...], dtype: torch.d
 
 
 def load_gguf_model(
-    path: str | os.PathLike, mode: str = "infer", dtype: torch.dtype = torch.float32, strict_scales: bool = False
+    path: str | os.PathLike,
+    mode: str = "infer",
+    dtype: torch.dtype = torch.float32,
+    strict_scales: bool = False,
 ) -> CausalLM:
     """A model from a GGUF file (CPU). Ternary tensors give packed BitLinear weights without a float detour."""
     f = read_gguf(path)
@@ -209,7 +212,10 @@ def _projection(f, g, name, module, shape, cfg, permute, dtype, strict) -> dict[
         if n_head:
             t = unpermute_qk(t, n_head)
         if isinstance(module, BitLinear) and not module.training_mode:
-            return {name + ".packed": pack_hf(t), name + ".weight_scale": torch.tensor([s], dtype=torch.float32)}
+            return {
+                name + ".packed": pack_hf(t),
+                name + ".weight_scale": torch.tensor([s], dtype=torch.float32),
+            }
         w = t.float() * s
     else:
         w = torch.from_numpy(np.asarray(f.array(g), dtype=np.float32).copy())
@@ -280,7 +286,9 @@ def save_gguf(
     ternary = cfg.quant == "ternary"
     qkey = qtype.lower()
     if ternary and qkey not in codecs.TERNARY_TYPES:
-        raise ValueError(f"--type must be one of {sorted(codecs.TERNARY_TYPES)} for a ternary model, got {qtype!r}")
+        raise ValueError(
+            f"--type must be one of {sorted(codecs.TERNARY_TYPES)} for a ternary model, got {qtype!r}"
+        )
     arch = gguf_arch_name(cfg, arch_name)
     permute = arch == "llama"
     tensors: list[TensorToWrite] = []
@@ -290,7 +298,9 @@ def save_gguf(
         arr = _float_bytes(w, tid)
         tensors.append(TensorToWrite(gname + ".weight", arr, tid, tuple(w.shape)))
 
-    emb_tid = _smallest_lossless(model.embed_tokens.weight) if embed_type == "auto" else FLOAT_TYPES[embed_type]
+    emb_tid = (
+        _smallest_lossless(model.embed_tokens.weight) if embed_type == "auto" else FLOAT_TYPES[embed_type]
+    )
     add_float("token_embd", model.embed_tokens.weight, emb_tid)
     for i, layer in enumerate(model.layers):
         for ours, g in LAYER_NAMES.items():
@@ -330,7 +340,8 @@ def save_gguf(
 
     p = arch
     meta: dict = {
-        "general.name": getattr(model, "name", None) or f"{cfg.arch} {cfg.num_hidden_layers}L {cfg.hidden_size}d",
+        "general.name": getattr(model, "name", None)
+        or f"{cfg.arch} {cfg.num_hidden_layers}L {cfg.hidden_size}d",
         f"{p}.vocab_size": cfg.vocab_size,
         f"{p}.context_length": cfg.max_position_embeddings,
         f"{p}.embedding_length": cfg.hidden_size,

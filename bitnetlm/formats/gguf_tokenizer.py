@@ -27,7 +27,11 @@ SPLIT_PRES = {p: LLAMA3_SPLIT for p in LLAMA3_PRES}
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (the byte-level BPE alphabet)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -56,12 +60,23 @@ def _spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]
 
 def tokenizer_from_gguf_metadata(meta: dict[str, Any], source: str = "GGUF") -> tuple[Any, dict[str, Any]]:
     """(tokenizers.Tokenizer, tokenizer_config dict) described by GGUF metadata."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
 
     kind = meta.get("tokenizer.ggml.model")
     tokens = meta.get("tokenizer.ggml.tokens")
     if kind is None or tokens is None:
-        raise ValueError(f"{source}: no tokenizer in the GGUF metadata (tokenizer.ggml.model / tokens missing)")
+        raise ValueError(
+            f"{source}: no tokenizer in the GGUF metadata (tokenizer.ggml.model / tokens missing)"
+        )
     if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
         raise ValueError(f"{source}: tokenizer.ggml.tokens must be a list of strings")
     types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
@@ -75,20 +90,29 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any], source: str = "GGUF") -> 
         i = meta.get(f"tokenizer.ggml.{key}")
         return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
 
-    bos, eos, unk, pad = tok_of("bos_token_id"), tok_of("eos_token_id"), tok_of("unknown_token_id"), tok_of("padding_token_id")
+    bos, eos, unk, pad = (
+        tok_of("bos_token_id"),
+        tok_of("eos_token_id"),
+        tok_of("unknown_token_id"),
+        tok_of("padding_token_id"),
+    )
     if kind == "gpt2":
         merges = [tuple(m.split(" ", 1)) for m in merges_raw or []]
         model = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in LLAMA3_PRES, fuse_unk=False)
         tk = Tokenizer(model)
         if pre in SPLIT_PRES:
             tk.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Split(Regex(SPLIT_PRES[pre]), behavior="isolated"),
-                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+                [
+                    pre_tokenizers.Split(Regex(SPLIT_PRES[pre]), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
             )
         elif pre == "smollm":  # llama.cpp: digits one by one, then the GPT-2 split
             tk.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Digits(individual_digits=True),
-                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+                [
+                    pre_tokenizers.Digits(individual_digits=True),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+                ]
             )
         else:
             tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -104,7 +128,12 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any], source: str = "GGUF") -> 
             norms.insert(0, normalizers.Prepend("\u2581"))
         tk.normalizer = normalizers.Sequence(norms)
         tk.decoder = decoders.Sequence(
-            [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+            [
+                decoders.Replace("\u2581", " "),
+                decoders.ByteFallback(),
+                decoders.Fuse(),
+                decoders.Strip(" ", 1, 0),
+            ]
         )
         alphabet = None
     else:
@@ -114,7 +143,9 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any], source: str = "GGUF") -> 
         for t, ty in zip(tokens, types)
         if ty == CONTROL and (alphabet is None or set(t) <= alphabet or t.startswith("<"))
     ]
-    user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED]
+    user = [
+        AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED
+    ]
     if special:
         tk.add_special_tokens(special)
     if user:
@@ -123,7 +154,12 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any], source: str = "GGUF") -> 
     add_eos = meta.get("tokenizer.ggml.add_eos_token", False)
     if (add_bos and bos) or (add_eos and eos):
         single = (f"{bos}:0 " if add_bos and bos else "") + "$A:0" + (f" {eos}:0" if add_eos and eos else "")
-        pair = single + (f" {bos}:1 " if add_bos and bos else " ") + "$B:1" + (f" {eos}:1" if add_eos and eos else "")
+        pair = (
+            single
+            + (f" {bos}:1 " if add_bos and bos else " ")
+            + "$B:1"
+            + (f" {eos}:1" if add_eos and eos else "")
+        )
         specials = [(t, vocab[t]) for t in {bos if add_bos else None, eos if add_eos else None} if t]
         tk.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
     elif kind == "gpt2":
@@ -146,7 +182,10 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any], source: str = "GGUF") -> 
 def tokenizer_files_from_gguf(meta: dict[str, Any], source: str = "GGUF") -> dict[str, str]:
     """{'tokenizer.json': ..., 'tokenizer_config.json': ...} text of the tokenizer in GGUF metadata."""
     tk, config = tokenizer_from_gguf_metadata(meta, source)
-    return {"tokenizer.json": tk.to_str(), "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False)}
+    return {
+        "tokenizer.json": tk.to_str(),
+        "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False),
+    }
 
 
 def load_gguf_tokenizer(path: str | os.PathLike):

@@ -169,8 +169,12 @@ def _load_projection(ts: _Tensors, key: str, name: str, module, cfg: ModelConfig
             raise ValueError(f"{src}: tensor {skey!r} is 0 but linear_class 'bitlinear' divides by it")
         if isinstance(module, BitLinear) and not module.training_mode:
             return {name + ".packed": w, name + ".weight_scale": s.reshape(1).float()}
-        dense = unpack_hf(w, n).to(torch.float32) * s  # train / fp: latent weights = T * s
-        return {name + ".weight": dense.to(torch.float32 if isinstance(module, BitLinear) else dtype)}
+        t = unpack_hf(w, n).to(torch.float32)
+        if isinstance(module, BitLinear):
+            # latent weights whose absmean ternarization gives back exactly (T, s): mean|T * s/p| = s
+            p = t.abs().mean().clamp(min=1e-12)
+            return {name + ".weight": t * (s / p)}
+        return {name + ".weight": (t * s).to(dtype)}
     _expect(key, w, (n, k), src, _FLOAT_DTYPES)
     if isinstance(module, BitLinear) and not module.training_mode:  # float master weights -> ternary at load
         t, s = ternarize(w)

@@ -24,7 +24,9 @@ class StreamDetokenizer:
         self.text = ""  # everything emitted so far
 
     def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
+        )
 
     def add(self, token_id: int) -> str:
         """Append one token; return the newly complete text (may be "")."""

@@ -117,7 +117,9 @@ def context_length(model, ctx_size: int | None = None) -> int:
     cfg = getattr(model, "config", None)
     n = ctx_size or getattr(cfg, "max_position_embeddings", None)
     if not n:
-        raise ValueError("context length unknown: the model config has no max_position_embeddings; pass ctx_size")
+        raise ValueError(
+            "context length unknown: the model config has no max_position_embeddings; pass ctx_size"
+        )
     return int(n)
 
 
@@ -264,7 +266,9 @@ def _engine(
                 top = None
                 if r.params.top_logprobs and out.top_ids is not None:
                     k = r.params.top_logprobs
-                    top = list(zip(out.top_ids[j, :k].tolist(), out.top_logprobs[j, :k].tolist(), strict=True))
+                    top = list(
+                        zip(out.top_ids[j, :k].tolist(), out.top_logprobs[j, :k].tolist(), strict=True)
+                    )
                 n = len(r.out)
                 yield GenerationChunk(
                     text=text,

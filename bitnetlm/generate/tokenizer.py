@@ -87,7 +87,9 @@ def _compile_template(source: str):
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         # jinja's own tojson escapes HTML characters; transformers overrides it with plain json.dumps
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
     def strftime_now(fmt):
         return datetime.now().strftime(fmt)
@@ -145,7 +147,9 @@ class Tokenizer:
         model_type = type(backend.model).__name__
         clean = bool(self.config.get("clean_up_tokenization_spaces", False))
         # transformers skips this cleanup for BPE models: it would strip real spaces before punctuation
-        force = bool(self.config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"))
+        force = bool(
+            self.config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")
+        )
         self.clean_up_tokenization_spaces = clean and (model_type != "BPE" or force)
 
     # ---- construction --------------------------------------------------------------------
@@ -265,7 +269,11 @@ class Tokenizer:
         if isinstance(ids, int):
             ids = [ids]
         text = self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
-        clean = self.clean_up_tokenization_spaces if clean_up_tokenization_spaces is None else clean_up_tokenization_spaces
+        clean = (
+            self.clean_up_tokenization_spaces
+            if clean_up_tokenization_spaces is None
+            else clean_up_tokenization_spaces
+        )
         return _clean_up_tokenization(text) if clean else text
 
     # ---- chat template -------------------------------------------------------------------

@@ -47,7 +47,14 @@ def tiny_tokenizer(vocab_size: int = 512):
     return t
 
 
-def tiny_model(vocab_size: int, max_len: int = 256, seed: int = 0, layers: int = 2, hidden: int = 64):
+def tiny_model(
+    vocab_size: int,
+    max_len: int = 256,
+    seed: int = 0,
+    layers: int = 2,
+    hidden: int = 64,
+    backend: str | None = "reference",
+):
     """A random BitNet-architecture model (packed ternary projections) small enough for CPU tests."""
     from bitnetlm.models import ModelConfig, build_model
     from bitnetlm.quant.bitlinear import BitLinear
@@ -76,6 +83,7 @@ def tiny_model(vocab_size: int, max_len: int = 256, seed: int = 0, layers: int =
             if isinstance(m, BitLinear):
                 t = torch.randint(-1, 2, (m.out_features, m.in_features), generator=g, dtype=torch.int8)
                 m.load_ternary(t, 0.5 / m.in_features**0.5)
+                m.set_backend(backend)
     return model.eval()
 
 

@@ -77,7 +77,11 @@ def _dedupe(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[
     out, aliases, seen = {}, {}, {}
     for k, v in sd.items():
         v = v.detach()
-        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.dtype) if v.numel() else None
+        key = (
+            (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.dtype)
+            if v.numel()
+            else None
+        )
         if key is not None and key in seen:
             aliases[k] = seen[key]
             continue
@@ -136,7 +140,9 @@ def list_checkpoints(ckpt_root: str | os.PathLike) -> list[Path]:
     root = Path(ckpt_root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and STEP_RE.match(p.name) and (p / "trainer.json").is_file()]
+    found = [
+        p for p in root.iterdir() if p.is_dir() and STEP_RE.match(p.name) and (p / "trainer.json").is_file()
+    ]
     return sorted(found, key=lambda p: int(STEP_RE.match(p.name).group(1)))
 
 

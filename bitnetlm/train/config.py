@@ -32,6 +32,7 @@ class TrainConfig:
         '{"arch": "bitnet", "hidden_size": 256, "num_hidden_layers": 4, ...}; vocab_size defaults to the data\'s',
         default_factory=dict,
     )
+    init_std: float = _f(0.02, "from scratch: std of the normal init of matrices and embeddings")
     quantize: bool = _f(True, "train ternary (QAT); false = plain full-precision training (the baseline)")
     quantize_input: bool = _f(True, "per-token int8 activation fake quantization (W1.58A8)")
     quant_exclude: list[str] = _f(None, "module-name globs kept in full precision", default_factory=list)
@@ -56,7 +57,9 @@ class TrainConfig:
     )
     warmup_steps: int = _f(100, "linear learning-rate warm-up steps")
     stage2_at: float = _f(0.5, "two_stage: fraction of max_steps where stage 2 starts")
-    stage2_lr_ratio: float = _f(0.4, "two_stage: stage-2 peak learning rate as a fraction of the stage-1 peak")
+    stage2_lr_ratio: float = _f(
+        0.4, "two_stage: stage-2 peak learning rate as a fraction of the stage-1 peak"
+    )
     max_steps: int = _f(1000, "optimizer steps")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = off)")
     # ---- from full precision ---------------------------------------------------------------------
@@ -91,7 +94,9 @@ class TrainConfig:
         if self.data is None:
             raise ValueError("train config: 'data' (a prepared data directory) is required")
         if self.model is None and not self.model_config:
-            raise ValueError("train config: give 'model' (start from a checkpoint) or 'model_config' (from scratch)")
+            raise ValueError(
+                "train config: give 'model' (start from a checkpoint) or 'model_config' (from scratch)"
+            )
         for name in ("seq_len", "batch_size", "max_steps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"train config: {name!r} must be positive, found {getattr(self, name)}")
@@ -104,7 +109,9 @@ class TrainConfig:
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"train config: precision must be auto|bf16|fp32, found {self.precision!r}")
         if self.distributed not in ("auto", "ddp", "fsdp", "none"):
-            raise ValueError(f"train config: distributed must be auto|ddp|fsdp|none, found {self.distributed!r}")
+            raise ValueError(
+                f"train config: distributed must be auto|ddp|fsdp|none, found {self.distributed!r}"
+            )
         if not 0 <= self.kd_weight <= 1:
             raise ValueError(f"train config: kd_weight must be in [0, 1], found {self.kd_weight}")
         if (self.kd_weight > 0 or self.hidden_weight > 0) and not self.teacher:

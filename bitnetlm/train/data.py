@@ -194,10 +194,15 @@ def prepare_data(
         old.unlink()
     n_docs = 0
     for f in files:  # count documents first: decides the split policy (cheap next to tokenizing)
-        n_docs += sum(1 for _ in open(f, encoding="utf-8", errors="replace") if _.strip()) if f.suffix in (
-            ".jsonl",
-            ".json",
-        ) else 1
+        n_docs += (
+            sum(1 for _ in open(f, encoding="utf-8", errors="replace") if _.strip())
+            if f.suffix
+            in (
+                ".jsonl",
+                ".json",
+            )
+            else 1
+        )
     by_doc = n_docs >= cfg.doc_split_min_docs
     writers = {s: _ShardWriter(out, s, dtype, cfg.shard_tokens) for s in ("train", "val")}
     total_bytes = sum(f.stat().st_size for f in files)
@@ -289,7 +294,9 @@ class TokenShards:
             if n:
                 out.append(np.stack([np.full(n, i), np.arange(n) * length], axis=1))
         if not out:
-            raise ValueError(f"{self.dir}: split has {self.num_tokens} tokens, fewer than one window of {length}")
+            raise ValueError(
+                f"{self.dir}: split has {self.num_tokens} tokens, fewer than one window of {length}"
+            )
         return np.concatenate(out).astype(np.int64)
 
     def read(self, shard: int, offset: int, length: int) -> np.ndarray:
@@ -338,7 +345,9 @@ class PackedBatches:
         if self._perm_epoch != self.epoch:
             n = len(self.win)
             self._perm = (
-                np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle else np.arange(n)
+                np.random.default_rng([self.seed, self.epoch]).permutation(n)
+                if self.shuffle
+                else np.arange(n)
             )
             self._perm_epoch = self.epoch
         return self._perm
@@ -365,7 +374,12 @@ class PackedBatches:
         return out
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "global_batch": self.global_batch}
+        return {
+            "epoch": self.epoch,
+            "index": self.index,
+            "seed": self.seed,
+            "global_batch": self.global_batch,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("global_batch", self.global_batch) != self.global_batch:

@@ -65,10 +65,14 @@ def capture_hidden(model: nn.Module):
 def hidden_loss(student: list[torch.Tensor], teacher: list[torch.Tensor]) -> torch.Tensor:
     """Mean over layers of the MSE between the student's and the teacher's block outputs."""
     if len(student) != len(teacher):
-        raise ValueError(f"hidden-state distillation: student has {len(student)} blocks, teacher {len(teacher)}")
+        raise ValueError(
+            f"hidden-state distillation: student has {len(student)} blocks, teacher {len(teacher)}"
+        )
     losses = []
     for i, (s, t) in enumerate(zip(student, teacher, strict=True)):
         if s.shape != t.shape:
-            raise ValueError(f"hidden-state distillation: block {i} shapes differ: {tuple(s.shape)} vs {tuple(t.shape)}")
+            raise ValueError(
+                f"hidden-state distillation: block {i} shapes differ: {tuple(s.shape)} vs {tuple(t.shape)}"
+            )
         losses.append(F.mse_loss(s.float(), t.float()))
     return torch.stack(losses).mean()

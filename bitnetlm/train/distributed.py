@@ -48,7 +48,9 @@ def setup(device: str = "auto", mode: str = "auto") -> DistInfo:
     if world > 1 and mode == "none":
         raise ValueError(f"distributed 'none' but launched with WORLD_SIZE={world}; use ddp or fsdp")
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", device_id=dev if dev.type == "cuda" else None)
+        dist.init_process_group(
+            backend="nccl" if dev.type == "cuda" else "gloo", device_id=dev if dev.type == "cuda" else None
+        )
     if world == 1 and mode == "fsdp" and not dist.is_initialized():
         # FSDP2 needs a process group even for one process (a convenient way to test the code path)
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -76,7 +78,11 @@ def wrap(model: nn.Module, info: DistInfo, block_list: nn.ModuleList | None = No
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    return model.module if hasattr(model, "module") and isinstance(model, nn.parallel.DistributedDataParallel) else model
+    return (
+        model.module
+        if hasattr(model, "module") and isinstance(model, nn.parallel.DistributedDataParallel)
+        else model
+    )
 
 
 def all_reduce_mean(x: torch.Tensor, info: DistInfo) -> torch.Tensor:

@@ -147,9 +147,7 @@ def _mark_ternary(model: nn.Module, mode: str) -> None:
 
 
 def bitlinears(model: nn.Module, training_only: bool = True) -> list[BitLinear]:
-    return [
-        m for m in model.modules() if isinstance(m, BitLinear) and (m.training_mode or not training_only)
-    ]
+    return [m for m in model.modules() if isinstance(m, BitLinear) and (m.training_mode or not training_only)]
 
 
 def set_quant_lambda(model: nn.Module, lam: float) -> None:

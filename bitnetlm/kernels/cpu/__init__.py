@@ -108,7 +108,9 @@ class CpuBackend:
     def unpack(self, p: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
         return unpack_cpu(p, tuple(shape))
 
-    def linear(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_features: int) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_features: int
+    ) -> torch.Tensor:
         from bitnetlm.kernels.cpu.ops import linear
 
         return linear(x, packed, scale, out_features)

@@ -82,7 +82,9 @@ def ternary_matmul_i32(xq: torch.Tensor, packed: torch.Tensor, out_features: int
     _check_packed(packed, out_features, k, "cpu ternary_matmul_i32")
     x2 = xq.reshape(-1, k).contiguous()  # [M, K]
     out = torch.empty((x2.shape[0], out_features), dtype=torch.int32)
-    rc = lib().bn_ternary_matmul_i32(x2.data_ptr(), x2.shape[0], k, packed.data_ptr(), out_features, out.data_ptr())
+    rc = lib().bn_ternary_matmul_i32(
+        x2.data_ptr(), x2.shape[0], k, packed.data_ptr(), out_features, out.data_ptr()
+    )
     if rc != 0:
         raise RuntimeError(f"bn_ternary_matmul_i32 failed with code {rc}")
     return out.reshape(*xq.shape[:-1], out_features)
@@ -115,7 +117,9 @@ def gemm_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def gemm_i8row(x: torch.Tensor, w: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:
     """float32 x [..., K] @ (int8 W[N, K] * wscale[N, None])^T in float32 (the int8 LM head)."""
     if w.dtype != torch.int8 or w.dim() != 2 or not w.is_contiguous():
-        raise ValueError(f"gemm_i8row: weight must be contiguous int8 [N, K], found {w.dtype} {list(w.shape)}")
+        raise ValueError(
+            f"gemm_i8row: weight must be contiguous int8 [N, K], found {w.dtype} {list(w.shape)}"
+        )
     k = x.shape[-1]
     if w.shape[1] != k or wscale.shape != (w.shape[0],) or wscale.dtype != torch.float32:
         raise ValueError(
@@ -131,7 +135,9 @@ def gemm_i8row(x: torch.Tensor, w: torch.Tensor, wscale: torch.Tensor) -> torch.
 
 # ---- custom ops (torch.compile sees these) --------------------------------------------------------
 @torch.library.custom_op("bitnetlm::cpu_ternary_linear", mutates_args=())
-def cpu_ternary_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_features: int) -> torch.Tensor:
+def cpu_ternary_linear(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_features: int
+) -> torch.Tensor:
     return ternary_linear(x, packed, scale, out_features)
 
 

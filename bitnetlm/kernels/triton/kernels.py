@@ -43,7 +43,9 @@ def _div_rn(a, b, PTX: tl.constexpr):
 def _rne(x, PTX: tl.constexpr):
     """Round half to even (torch.round), |x| < 2**22."""
     if PTX:
-        return tl.inline_asm_elementwise("cvt.rni.f32.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(
+            "cvt.rni.f32.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
     else:
         return (x + 12582912.0) - 12582912.0
 
@@ -73,17 +75,29 @@ def _codes8(wb, I: tl.constexpr, PTX: tl.constexpr):
         elif I == 1:
             return tl.inline_asm_elementwise(
                 "{.reg .b32 t; shr.b32 t, $1, 2; and.b32 $0, t, 0x03030303;}",
-                "=r,r", [wb], dtype=tl.int8, is_pure=True, pack=4,
+                "=r,r",
+                [wb],
+                dtype=tl.int8,
+                is_pure=True,
+                pack=4,
             )
         elif I == 2:
             return tl.inline_asm_elementwise(
                 "{.reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x03030303;}",
-                "=r,r", [wb], dtype=tl.int8, is_pure=True, pack=4,
+                "=r,r",
+                [wb],
+                dtype=tl.int8,
+                is_pure=True,
+                pack=4,
             )
         else:
             return tl.inline_asm_elementwise(
                 "{.reg .b32 t; shr.b32 t, $1, 6; and.b32 $0, t, 0x03030303;}",
-                "=r,r", [wb], dtype=tl.int8, is_pure=True, pack=4,
+                "=r,r",
+                [wb],
+                dtype=tl.int8,
+                is_pure=True,
+                pack=4,
             )
     else:
         return ((wb >> (2 * I)) & 3).to(tl.int8)
@@ -115,12 +129,30 @@ def _activate(g, ACT: tl.constexpr):
 # --------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _gemv_kernel(
-    x_ptr, nw_ptr, w_ptr, s_ptr, r_ptr, y_ptr,
-    M, N, K, KW,  # N: output features (per half when GATED); KW: int32 words per packed row
-    stride_xm, stride_rm, stride_ym, eps,
-    HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-    PER_ROW: tl.constexpr, PTX: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, SBK: tl.constexpr,
+    x_ptr,
+    nw_ptr,
+    w_ptr,
+    s_ptr,
+    r_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    KW,  # N: output features (per half when GATED); KW: int32 words per packed row
+    stride_xm,
+    stride_rm,
+    stride_ym,
+    eps,
+    HAS_NORM: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    GATED: tl.constexpr,
+    ACT: tl.constexpr,
+    PER_ROW: tl.constexpr,
+    PTX: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BKW: tl.constexpr,
+    SBK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BM)
@@ -133,7 +165,9 @@ def _gemv_kernel(
     for k0 in range(0, K, SBK):
         offs_k = k0 + tl.arange(0, SBK)
         mk = offs_k < K
-        x = tl.load(x_rows[:, None] + offs_k[None, :], mask=mask_m[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        x = tl.load(x_rows[:, None] + offs_k[None, :], mask=mask_m[:, None] & mk[None, :], other=0.0).to(
+            tl.float32
+        )
         if HAS_NORM:
             g = tl.load(nw_ptr + offs_k, mask=mk, other=0.0).to(tl.float32)
             sumsq += tl.sum(x * x, axis=1)
@@ -160,8 +194,12 @@ def _gemv_kernel(
             wv2 = tl.load(w_ptr + (offs_n + N)[:, None] * KW + offs_w[None, :], mask=mw, other=0)
         for i in tl.static_range(4):
             kk = i * (4 * KW) + offs_w[:, None] * 4 + offs_j[None, :]  # [BKW, 4] activation index of slab i
-            mkk = kk < K
-            x = tl.load(x_rows[:, None, None] + kk[None, :, :], mask=mask_m[:, None, None] & mkk[None, :, :], other=0.0)
+            mkk = (kk < K) & (offs_w < KW)[:, None]
+            x = tl.load(
+                x_rows[:, None, None] + kk[None, :, :],
+                mask=mask_m[:, None, None] & mkk[None, :, :],
+                other=0.0,
+            )
             x = x.to(tl.float32)
             if HAS_NORM:
                 g = tl.load(nw_ptr + kk, mask=mkk, other=0.0).to(tl.float32)
@@ -169,7 +207,7 @@ def _gemv_kernel(
             q = _rne(x * a[:, None, None], PTX)
             q = tl.minimum(tl.maximum(q, -128.0), 127.0).to(tl.int32)
             xw = tl.sum((q & 255) << (offs_j * 8)[None, None, :], axis=2)  # [BM, BKW] four int8 per word
-            rs = _dp4a(xw, tl.full(xw.shape, 0x01010101, tl.int32), rs, PTX)
+            rs += tl.sum(q, axis=2)
             xb = tl.broadcast_to(xw[:, None, :], [BM, BN, BKW])
             c = tl.broadcast_to(((wv >> (2 * i)) & 0x03030303)[None, :, :], [BM, BN, BKW])
             acc = _dp4a(xb, c, acc, PTX)
@@ -183,7 +221,9 @@ def _gemv_kernel(
         y = _activate(y, ACT) * u
     mask_y = mask_m[:, None] & mask_n[None, :]
     if HAS_RES:
-        y += tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask_y, other=0.0).to(tl.float32)
+        y += tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask_y, other=0.0).to(
+            tl.float32
+        )
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask_y)
 
 
@@ -192,8 +232,19 @@ def _gemv_kernel(
 # --------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _quant_kernel(
-    x_ptr, nw_ptr, q_ptr, a_ptr, rs_ptr, K, KPAD, stride_xm, stride_qm, eps,
-    HAS_NORM: tl.constexpr, PTX: tl.constexpr, BK: tl.constexpr,
+    x_ptr,
+    nw_ptr,
+    q_ptr,
+    a_ptr,
+    rs_ptr,
+    K,
+    KPAD,
+    stride_xm,
+    stride_qm,
+    eps,
+    HAS_NORM: tl.constexpr,
+    PTX: tl.constexpr,
+    BK: tl.constexpr,
 ):
     m = tl.program_id(0)
     offs = tl.arange(0, BK)
@@ -220,10 +271,28 @@ def _quant_kernel(
 # --------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _gemm_kernel(
-    q_ptr, a_ptr, rs_ptr, w_ptr, s_ptr, r_ptr, y_ptr,
-    M, N, KP, stride_qm, stride_rm, stride_ym,
-    HAS_RES: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, PER_ROW: tl.constexpr, PTX: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, GROUP_M: tl.constexpr,
+    q_ptr,
+    a_ptr,
+    rs_ptr,
+    w_ptr,
+    s_ptr,
+    r_ptr,
+    y_ptr,
+    M,
+    N,
+    KP,
+    stride_qm,
+    stride_rm,
+    stride_ym,
+    HAS_RES: tl.constexpr,
+    GATED: tl.constexpr,
+    ACT: tl.constexpr,
+    PER_ROW: tl.constexpr,
+    PTX: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BKB: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
@@ -249,7 +318,8 @@ def _gemm_kernel(
         for i in tl.static_range(4):
             xa = tl.load(
                 q_ptr + offs_m[:, None] * stride_qm + (i * KP + offs_b)[None, :],
-                mask=mask_m[:, None] & mb[None, :], other=0,
+                mask=mask_m[:, None] & mb[None, :],
+                other=0,
             )  # [BM, BKB] int8
             acc = tl.dot(xa, tl.trans(_codes8(wb, i, PTX)), acc, out_dtype=tl.int32)
             if GATED:
@@ -262,7 +332,9 @@ def _gemm_kernel(
         y = _activate(y, ACT) * u
     mask_y = mask_m[:, None] & mask_n[None, :]
     if HAS_RES:
-        y += tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask_y, other=0.0).to(tl.float32)
+        y += tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask_y, other=0.0).to(
+            tl.float32
+        )
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask_y)
 
 
@@ -271,8 +343,18 @@ def _gemm_kernel(
 # --------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _w8_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -284,8 +366,14 @@ def _w8_kernel(
     for k0 in range(0, K, BK):
         offs_k = k0 + tl.arange(0, BK)
         mk = offs_k < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None] & mk[None, :], other=0.0)
-        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & mk[None, :], other=0)
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+            mask=mask_m[:, None] & mk[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & mk[None, :], other=0
+        )
         acc = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
     s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
     y = acc * s[None, :]

@@ -24,7 +24,9 @@ def packed_row_bytes(k: int) -> int:
 def pack_triton(t: torch.Tensor) -> torch.Tensor:
     """int8 ternary T [N, K] -> uint8 [N, Kp] in the triton-2bit-v1 layout."""
     if t.dtype != torch.int8 or t.dim() != 2:
-        raise TypeError(f"pack_triton: expected a 2-d int8 ternary tensor, found {t.dtype} of shape {tuple(t.shape)}")
+        raise TypeError(
+            f"pack_triton: expected a 2-d int8 ternary tensor, found {t.dtype} of shape {tuple(t.shape)}"
+        )
     n, k = t.shape
     kp = packed_row_bytes(k)
     codes = torch.ones((n, 4 * kp), dtype=torch.uint8, device=t.device)

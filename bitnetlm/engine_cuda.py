@@ -1,0 +1,392 @@
+"""CUDA decode engine: static KV cache, fused Triton layers, the whole decode step in one CUDA graph.
+
+Per layer and token the step is six launches: [RMSNorm + int8 quant + q|k|v W2A8 GEMV], [RoPE + KV-cache
+write], [single-query attention], [SubLN + quant + o_proj + residual], [RMSNorm + quant + gate|up + relu^2*up],
+[SubLN + quant + down_proj + residual]; then final norm, LM head (bf16, or int8 per-row scaled), sampling
+(argmax or exponential-race sampling on the device) and the bookkeeping (next token, position, output slot) --
+all captured once per batch size, replayed with no host synchronisation and no Python per layer.
+
+`weights="dense"` builds the same engine over full-precision (bf16) matrices (cuBLAS, same graph treatment):
+the baseline the ternary path is measured against. Prefill (T > 1) runs the GEMM path and PyTorch SDPA
+(flash attention) with a causal mask and always starts at position 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from bitnetlm.models.config import ModelConfig
+
+
+@dataclass
+class EngineConfig:
+    max_batch: int = 1
+    max_seq_len: int = 1024
+    dtype: torch.dtype = torch.bfloat16  # activations, KV cache, embedding/head (bf16 head by default)
+    weights: str = "ternary"  # "ternary" (Triton W2A8) or "dense" (cuBLAS, the baseline)
+    head: str = "fp"  # "fp" (embedding dtype) or "int8" (per-row scaled int8 embedding + LM head)
+
+
+@dataclass
+class _Layer:
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    attn_sub_norm: torch.Tensor | None
+    ffn_sub_norm: torch.Tensor | None
+    qkv: torch.Tensor  # ternary: packed uint8 [Nq+2Nkv, Kp]; dense: [Nq+2Nkv, hidden]
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    qkv_scale: torch.Tensor | None = None  # per output row (q, k, v scales differ)
+    o_scale: torch.Tensor | None = None
+    gate_up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
+
+
+@dataclass
+class _DecodeState:
+    graph: torch.cuda.CUDAGraph
+    tok: torch.Tensor  # [B, 1] next input token
+    pos: torch.Tensor  # [B] its position
+    step: torch.Tensor  # [1] output slot to write
+    out: torch.Tensor  # [B, max_seq_len] generated tokens
+    logits: torch.Tensor | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8: w ~= q * s[:, None]."""
+    s = w.float().abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    q = (w.float() / s[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, s
+
+
+class CudaEngine:
+    def __init__(
+        self, cfg: ModelConfig, layers: list[_Layer], embed, final_norm, head, inv_freq, ecfg: EngineConfig
+    ):
+        if cfg.hidden_act not in ("relu2", "silu"):
+            raise ValueError(f"CudaEngine: hidden_act {cfg.hidden_act!r} not supported (relu2, silu)")
+        self.cfg, self.ecfg, self.layers = cfg, ecfg, layers
+        dev = final_norm.device
+        self.device = dev
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.final_norm = final_norm
+        self.tied = head is None or head.data_ptr() == embed.data_ptr()
+        if ecfg.head == "int8":
+            self.embed_q, self.embed_s = _int8_rows(embed)
+            self.embed = None
+            if self.tied:
+                self.head_q, self.head_s = self.embed_q, self.embed_s
+            else:
+                self.head_q, self.head_s = _int8_rows(head)
+            self.head = None
+        else:
+            self.embed = embed.to(ecfg.dtype)
+            self.head = self.embed if self.tied else head.to(ecfg.dtype)
+        pos = torch.arange(ecfg.max_seq_len, device=dev, dtype=torch.float32)
+        freqs = pos[:, None] * inv_freq.to(dev, torch.float32)[None, :]  # [S, D/2]
+        self.cos, self.sin = freqs.cos().contiguous(), freqs.sin().contiguous()
+        shape = (ecfg.max_batch, self.nkv, ecfg.max_seq_len, self.hd)
+        self.k_cache = [torch.zeros(shape, device=dev, dtype=ecfg.dtype) for _ in layers]
+        self.v_cache = [torch.zeros(shape, device=dev, dtype=ecfg.dtype) for _ in layers]
+        self._graphs: dict[tuple, _DecodeState] = {}
+
+    # ---- construction ---------------------------------------------------------------------
+    @classmethod
+    def from_model(cls, model, ecfg: EngineConfig | None = None, device="cuda") -> CudaEngine:
+        """Engine over a bitnetlm CausalLM (ternary BitLinear projections, or nn.Linear for weights="dense")."""
+        from bitnetlm.kernels.triton.layout import pack_triton
+        from bitnetlm.quant.bitlinear import BitLinear
+
+        ecfg = ecfg or EngineConfig()
+        cfg = model.config
+        dev = torch.device(device)
+
+        def tern(mods):
+            ts, ss = [], []
+            for m in mods:
+                if not isinstance(m, BitLinear):
+                    raise TypeError(
+                        f"CudaEngine ternary weights need BitLinear projections, found {type(m).__name__}"
+                    )
+                if m.bias is not None:
+                    raise ValueError("CudaEngine: biased BitLinear layers are not supported")
+                t = m.ternary_weight()
+                ts.append(t)
+                ss.append(m.scale().float().reshape(1).expand(t.shape[0]))
+            return pack_triton(torch.cat(ts).to(dev)), torch.cat(ss).to(dev).contiguous()
+
+        def dense(mods):
+            ws = []
+            for m in mods:
+                if isinstance(m, BitLinear):
+                    ws.append(m.ternary_weight().float() * m.scale().float())
+                else:
+                    ws.append(m.weight.float())
+            return torch.cat(ws).to(dev, ecfg.dtype).contiguous(), None
+
+        build = tern if ecfg.weights == "ternary" else dense
+
+        def norm(n):
+            return None if n is None else n.weight.detach().to(dev, torch.float32).contiguous()
+
+        layers = []
+        for blk in model.layers:
+            at, mlp = blk.self_attn, blk.mlp
+            qkv, qkv_s = build([at.q_proj, at.k_proj, at.v_proj])
+            o, o_s = build([at.o_proj])
+            gu, gu_s = build([mlp.gate_proj, mlp.up_proj])
+            dn, dn_s = build([mlp.down_proj])
+            layers.append(
+                _Layer(
+                    norm(blk.input_layernorm),
+                    norm(blk.post_attention_layernorm),
+                    norm(at.attn_sub_norm),
+                    norm(mlp.ffn_sub_norm),
+                    qkv,
+                    o,
+                    gu,
+                    dn,
+                    qkv_s,
+                    o_s,
+                    gu_s,
+                    dn_s,
+                )
+            )
+        embed = model.embed_tokens.weight.detach().to(dev)
+        head = None if model.lm_head is None else model.lm_head.weight.detach().to(dev)
+        return cls(cfg, layers, embed, norm(model.norm), head, model.inv_freq, ecfg)
+
+    @classmethod
+    def random(
+        cls, cfg: ModelConfig, ecfg: EngineConfig | None = None, device="cuda", seed: int = 0
+    ) -> CudaEngine:
+        """Random weights of `cfg`'s exact shapes, in the real packed layout (benchmarks; no checkpoint needed)."""
+        from bitnetlm.kernels.triton.layout import pack_triton
+        from bitnetlm.models.transformer import rope_inv_freq
+
+        ecfg = ecfg or EngineConfig()
+        dev = torch.device(device)
+        g = torch.Generator(device=dev).manual_seed(seed)
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        nq, nkv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+
+        def mat(n, k, parts=1):
+            if ecfg.weights == "ternary":
+                t = torch.randint(-1, 2, (n, k), device=dev, dtype=torch.int8, generator=g)
+                s = 0.02 + 0.01 * torch.rand(parts, device=dev, generator=g)
+                return pack_triton(t), s.repeat_interleave(n // parts).contiguous()
+            return (0.02 * torch.randn(n, k, device=dev, generator=g)).to(ecfg.dtype), None
+
+        def nrm(n):
+            return 1 + 0.1 * torch.randn(n, device=dev, generator=g)
+
+        layers = []
+        for _ in range(cfg.num_hidden_layers):
+            qkv, qkv_s = mat(nq + 2 * nkv, h)
+            o, o_s = mat(h, nq)
+            gu, gu_s = mat(2 * i, h, parts=2)
+            dn, dn_s = mat(h, i)
+            sub = cfg.has_sub_norms
+            layers.append(
+                _Layer(
+                    nrm(h),
+                    nrm(h),
+                    nrm(nq) if sub else None,
+                    nrm(i) if sub else None,
+                    qkv,
+                    o,
+                    gu,
+                    dn,
+                    qkv_s,
+                    o_s,
+                    gu_s,
+                    dn_s,
+                )
+            )
+        embed = torch.randn(cfg.vocab_size, h, device=dev, generator=g).to(ecfg.dtype)
+        head = (
+            None
+            if cfg.tie_word_embeddings
+            else torch.randn(cfg.vocab_size, h, device=dev, generator=g).to(ecfg.dtype)
+        )
+        return cls(cfg, layers, embed, nrm(h), head, rope_inv_freq(cfg), ecfg)
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes resident for weights: projections, embedding, LM head (0 when tied), norms."""
+        proj = sum(t.numel() * t.element_size() for L in self.layers for t in (L.qkv, L.o, L.gate_up, L.down))
+        proj += sum(
+            t.numel() * 4
+            for L in self.layers
+            for t in (L.qkv_scale, L.o_scale, L.gate_up_scale, L.down_scale)
+            if t is not None
+        )
+        if self.ecfg.head == "int8":
+            emb = self.embed_q.numel() + self.embed_s.numel() * 4
+            head = 0 if self.tied else self.head_q.numel() + self.head_s.numel() * 4
+        else:
+            emb = self.embed.numel() * self.embed.element_size()
+            head = 0 if self.tied else self.head.numel() * self.head.element_size()
+        norms = sum(
+            t.numel() * 4
+            for L in self.layers
+            for t in (L.in_norm, L.post_norm, L.attn_sub_norm, L.ffn_sub_norm)
+            if t is not None
+        )
+        return {
+            "projections": proj,
+            "embedding": emb,
+            "lm_head": head,
+            "norms": norms + self.final_norm.numel() * 4,
+        }
+
+    def bytes_per_step(self, batch: int) -> int:
+        """Weight bytes one decode step must read: every projection and the LM head once, B embedding rows."""
+        wb = self.weight_bytes()
+        head = wb["lm_head"] if not self.tied else wb["embedding"]
+        row = wb["embedding"] // self.cfg.vocab_size
+        return wb["projections"] + head + wb["norms"] + batch * row
+
+    # ---- the forward ----------------------------------------------------------------------
+    def _lin(self, x, w, scale, n, norm=None, residual=None, gated=False):
+        if self.ecfg.weights == "ternary":
+            from bitnetlm.kernels.triton.launch import ternary_linear
+
+            return ternary_linear(
+                x,
+                w,
+                scale,
+                n,
+                norm_weight=norm,
+                residual=residual,
+                gated=gated,
+                act=self.cfg.hidden_act,
+                eps=self.eps,
+            )
+        from bitnetlm.kernels.triton.attention import gated_act, rmsnorm
+
+        if norm is not None:
+            x = rmsnorm(x, norm, self.eps)
+        y = torch.addmm(residual, x, w.t()) if residual is not None else x @ w.t()
+        return gated_act(y, self.cfg.hidden_act) if gated else y
+
+    def _embed(self, tok: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            return F.embedding(tok, self.embed)
+        return (self.embed_q[tok].float() * self.embed_s[tok][:, None]).to(self.ecfg.dtype)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        if self.head is not None:
+            return F.linear(h, self.head).float()
+        from bitnetlm.kernels.triton.launch import w8_linear
+
+        return w8_linear(h, self.head_q, self.head_s)
+
+    def forward(self, tok: torch.Tensor, pos: torch.Tensor, last_only: bool = True) -> torch.Tensor:
+        """tok [B, T] at positions pos[b] + t (T > 1 needs pos == 0) -> float32 logits [B, V] (last token)."""
+        from bitnetlm.kernels.triton.attention import attn_decode, rmsnorm, rope_cache
+
+        b, t = tok.shape
+        nh, nkv, hd = self.nh, self.nkv, self.hd
+        nqkv = (nh + 2 * nkv) * hd
+        h = self._embed(tok.reshape(-1))  # [B*T, hidden]
+        scale = 1.0 / math.sqrt(hd)
+        for li, L in enumerate(self.layers):
+            kc, vc = self.k_cache[li], self.v_cache[li]
+            qkv = self._lin(h, L.qkv, L.qkv_scale, nqkv, norm=L.in_norm)  # [B*T, (H+2Hkv)*D]
+            q = torch.empty((b, nh, t, hd), device=h.device, dtype=h.dtype)
+            rope_cache(qkv, self.cos, self.sin, pos, q, kc, vc, nh, nkv, t)
+            if t == 1:
+                o = torch.empty((b, nh, hd), device=h.device, dtype=h.dtype)
+                attn_decode(q.view(b, nh, hd), kc, vc, pos, o, scale)
+                o = o.view(b, nh * hd)
+            else:
+                o = F.scaled_dot_product_attention(
+                    q, kc[:b, :, :t], vc[:b, :, :t], is_causal=True, enable_gqa=nh != nkv
+                )  # [B, H, T, D]
+                o = o.transpose(1, 2).reshape(b * t, nh * hd)
+            h = self._lin(o, L.o, L.o_scale, h.shape[-1], norm=L.attn_sub_norm, residual=h)
+            g = self._lin(
+                h, L.gate_up, L.gate_up_scale, self.cfg.intermediate_size, norm=L.post_norm, gated=True
+            )
+            h = self._lin(g, L.down, L.down_scale, h.shape[-1], norm=L.ffn_sub_norm, residual=h)
+        if last_only:
+            h = h.view(b, t, -1)[:, -1]  # [B, hidden]
+        return self._head(rmsnorm(h, self.final_norm, self.eps))
+
+    # ---- sampling and the captured decode step ---------------------------------------------
+    @staticmethod
+    def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0) -> torch.Tensor:
+        """Next tokens [B] on the device (no host sync): argmax, or exponential-race sampling."""
+        if temperature <= 0:
+            return logits.argmax(dim=-1)
+        logits = logits / temperature
+        if top_k > 0:
+            kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        return (probs / torch.empty_like(probs).exponential_(1.0)).argmax(dim=-1)
+
+    def _check_batch(self, b: int, t: int) -> None:
+        if b > self.ecfg.max_batch:
+            raise ValueError(f"CudaEngine: batch {b} exceeds max_batch {self.ecfg.max_batch}")
+        if t > self.ecfg.max_seq_len:
+            raise ValueError(f"CudaEngine: {t} positions exceed max_seq_len {self.ecfg.max_seq_len}")
+
+    def decode_state(self, batch: int, temperature: float = 0.0, top_k: int = 0) -> _DecodeState:
+        """The captured decode step for this batch size and sampler (captured on first use)."""
+        key = (batch, float(temperature), int(top_k))
+        if key in self._graphs:
+            return self._graphs[key]
+        self._check_batch(batch, 1)
+        dev = self.device
+        tok = torch.zeros((batch, 1), dtype=torch.long, device=dev)
+        pos = torch.zeros((batch,), dtype=torch.int32, device=dev)
+        step = torch.zeros((1,), dtype=torch.long, device=dev)
+        out = torch.zeros((batch, self.ecfg.max_seq_len), dtype=torch.long, device=dev)
+
+        def body():
+            logits = self.forward(tok, pos)
+            nxt = self.sample(logits, temperature, top_k)  # [B]
+            out.index_copy_(1, step, nxt[:, None])
+            tok.copy_(nxt[:, None])
+            pos.add_(1)
+            step.add_(1)
+            return logits
+
+        body()  # eager warm-up: Triton compiles and tunes here, never during capture
+        s = torch.cuda.Stream(dev)
+        s.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(s):
+            body()
+        torch.cuda.current_stream(dev).wait_stream(s)
+        pos.zero_()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = body()
+        st = _DecodeState(graph, tok, pos, step, out, logits)
+        self._graphs[key] = st
+        return st
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0):
+        """prompt [B, T0] (same length rows) -> generated tokens [B, max_new_tokens] (one host sync, at the end)."""
+        prompt = prompt.to(self.device)
+        b, t0 = prompt.shape
+        self._check_batch(b, t0 + max_new_tokens)
+        st = self.decode_state(b, temperature, top_k)
+        pos0 = torch.zeros((b,), dtype=torch.int32, device=self.device)
+        first = self.sample(self.forward(prompt, pos0), temperature, top_k)  # [B]
+        st.out[:, 0] = first
+        st.tok.copy_(first[:, None])
+        st.pos.fill_(t0)
+        st.step.fill_(1)
+        for _ in range(max_new_tokens - 1):
+            st.graph.replay()
+        return st.out[:, :max_new_tokens].clone()

@@ -1,0 +1,259 @@
+"""Python launchers for the Triton kernels: shape checks, path choice (GEMV vs GEMM) and a small tuner.
+
+The tuner times a few candidate block shapes once per (kernel, shape class) with CUDA events and caches the
+winner; call the ops once outside CUDA-graph capture (a warm-up) so no tuning happens while capturing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from bitnetlm.kernels.triton import kernels as K
+from bitnetlm.kernels.triton.layout import packed_row_bytes
+
+GEMV_MAX_M = 16  # rows up to this use the dp4a GEMV; above it, int8 tensor-core GEMM
+PTX = not K.INTERPRET
+_choice: dict[tuple, dict] = {}
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _tune(key: tuple, candidates: list[dict], launch) -> dict:
+    """The fastest candidate for `key` (first candidate under the interpreter or during capture)."""
+    if key in _choice:
+        return _choice[key]
+    if K.INTERPRET or len(candidates) == 1 or torch.cuda.is_current_stream_capturing():
+        _choice[key] = candidates[0]
+        return candidates[0]
+    best, best_t = candidates[0], float("inf")
+    for cfg in candidates:
+        try:
+            t = triton.testing.do_bench(lambda cfg=cfg: launch(cfg), warmup=5, rep=20, return_mode="median")
+        except Exception:  # a candidate that does not compile (registers, shared memory) is skipped
+            continue
+        if t < best_t:
+            best, best_t = cfg, t
+    _choice[key] = best
+    return best
+
+
+def _gemv_candidates(bm: int, gated: bool) -> list[dict]:
+    if K.INTERPRET:
+        return [dict(BN=8, BKW=8, SBK=64, num_warps=1)]
+    out = []
+    for bn, bkw, nw in (
+        (16, 32, 4),
+        (8, 64, 4),
+        (16, 64, 4),
+        (32, 32, 4),
+        (8, 32, 2),
+        (4, 64, 2),
+        (32, 64, 8),
+    ):
+        work = bm * bn * bkw * (2 if gated else 1)
+        if work <= 8192 * (nw // 2 or 1):
+            out.append(dict(BN=bn, BKW=bkw, SBK=512, num_warps=nw))
+    return out or [dict(BN=8, BKW=16, SBK=512, num_warps=4)]
+
+
+def _gemm_candidates(m: int, gated: bool) -> list[dict]:
+    if K.INTERPRET:
+        return [dict(BM=16, BN=16, BKB=32, GROUP_M=4, num_warps=1, num_stages=1)]
+    c = [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 32, 128, 4, 4), (64, 64, 64, 4, 3)]
+    if m > 64:
+        c += [(128, 128, 64, 8, 3), (128, 64, 128, 4, 3), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3)]
+    out = []
+    for bm, bn, bkb, nw, ns in c:
+        if gated and bm * bn > 128 * 64:
+            continue
+        out.append(dict(BM=bm, BN=bn, BKB=bkb, GROUP_M=8, num_warps=nw, num_stages=ns))
+    return out
+
+
+def check_packed(packed: torch.Tensor, rows: int, k: int, where: str) -> None:
+    kp = packed_row_bytes(k)
+    if packed.dtype != torch.uint8 or packed.dim() != 2 or tuple(packed.shape) != (rows, kp):
+        raise ValueError(
+            f"{where}: expected packed triton-2bit-v1 weights uint8 [{rows}, {kp}] for K={k}, "
+            f"found {packed.dtype} {tuple(packed.shape)}"
+        )
+    if not packed.is_contiguous():
+        raise ValueError(f"{where}: packed weights must be contiguous")
+
+
+def ternary_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    out_features: int,
+    norm_weight: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    gated: bool = False,
+    act: str = "relu2",
+    eps: float = 1e-5,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y = [residual +] f((X @ T^T) * s / a) with X = int8(rmsnorm?(x)); f = act(gate) * up when `gated`.
+
+    x [..., K]; packed uint8 [R, Kp] with R = out_features (2*out_features when gated: gate rows then up rows);
+    scale float32 [1] or [R] (per output row). Output dtype = x.dtype (or `out`'s).
+    """
+    k = x.shape[-1]
+    lead = x.shape[:-1]
+    rows = out_features * (2 if gated else 1)
+    check_packed(packed, rows, k, "ternary_linear")
+    x2 = x.reshape(-1, k)  # [M, K]
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    scale = scale.reshape(-1)
+    per_row = scale.numel() != 1
+    if per_row and scale.numel() != rows:
+        raise ValueError(f"ternary_linear: scale has {scale.numel()} values, expected 1 or {rows}")
+    if scale.dtype != torch.float32:
+        scale = scale.float()
+    if out is None:
+        out = torch.empty((m, out_features), dtype=x.dtype, device=x.device)
+    y = out.reshape(m, out_features)
+    r = residual.reshape(m, out_features) if residual is not None else y
+    nw = norm_weight if norm_weight is not None else scale
+    actc = K.ACT_CODES[act]
+    if m == 0:
+        return out.reshape(*lead, out_features)
+    if m <= GEMV_MAX_M:
+        bm = _next_pow2(m)
+        kw = packed.shape[1] // 4
+        w32 = packed.view(torch.int32)  # [R, Kp/4]: four bytes = one word, little endian
+
+        def launch(cfg):
+            grid = (triton.cdiv(out_features, cfg["BN"]),)
+            K._gemv_kernel[grid](
+                x2,
+                nw,
+                w32,
+                scale,
+                r,
+                y,
+                m,
+                out_features,
+                k,
+                kw,
+                x2.stride(0),
+                r.stride(0),
+                y.stride(0),
+                eps,
+                HAS_NORM=norm_weight is not None,
+                HAS_RES=residual is not None,
+                GATED=gated,
+                ACT=actc,
+                PER_ROW=per_row,
+                PTX=PTX,
+                BM=bm,
+                **cfg,
+            )
+
+        key = ("gemv", out_features, k, bm, gated, norm_weight is not None, residual is not None, per_row)
+        launch(_tune(key, _gemv_candidates(bm, gated), launch))
+    else:
+        kp = packed.shape[1]
+        q = torch.empty((m, 4 * kp), dtype=torch.int8, device=x.device)
+        a = torch.empty((m,), dtype=torch.float32, device=x.device)
+        rs = torch.empty((m,), dtype=torch.int32, device=x.device)
+        K._quant_kernel[(m,)](
+            x2,
+            nw,
+            q,
+            a,
+            rs,
+            k,
+            4 * kp,
+            x2.stride(0),
+            q.stride(0),
+            eps,
+            HAS_NORM=norm_weight is not None,
+            PTX=PTX,
+            BK=_next_pow2(4 * kp),
+            num_warps=1 if K.INTERPRET else (8 if k > 4096 else 4),
+        )
+
+        def launch(cfg):
+            cfg = dict(cfg)
+            grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(out_features, cfg["BN"]),)
+            K._gemm_kernel[grid](
+                q,
+                a,
+                rs,
+                packed,
+                scale,
+                r,
+                y,
+                m,
+                out_features,
+                kp,
+                q.stride(0),
+                r.stride(0),
+                y.stride(0),
+                HAS_RES=residual is not None,
+                GATED=gated,
+                ACT=actc,
+                PER_ROW=per_row,
+                PTX=PTX,
+                **cfg,
+            )
+
+        mb = min(_next_pow2(m), 1024)  # tune per power-of-two bucket of M
+        key = ("gemm", out_features, k, mb, gated, residual is not None, per_row)
+        launch(_tune(key, _gemm_candidates(m, gated), launch))
+    return out.reshape(*lead, out_features)
+
+
+def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-5):
+    """The GEMM path's quantization alone: (xq int8 [M, K], a float32 [M], rowsum int32 [M]) for tests."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    kpad = 4 * packed_row_bytes(k)
+    q = torch.empty((m, kpad), dtype=torch.int8, device=x.device)
+    a = torch.empty((m,), dtype=torch.float32, device=x.device)
+    rs = torch.empty((m,), dtype=torch.int32, device=x.device)
+    nw = norm_weight if norm_weight is not None else a
+    K._quant_kernel[(m,)](
+        x2,
+        nw,
+        q,
+        a,
+        rs,
+        k,
+        kpad,
+        x2.stride(0),
+        q.stride(0),
+        eps,
+        HAS_NORM=norm_weight is not None,
+        PTX=PTX,
+        BK=_next_pow2(kpad),
+        num_warps=1 if K.INTERPRET else 4,
+    )
+    return q[:, :k], a, rs
+
+
+def w8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """float32 [..., N] = (x in bf16) @ (int8 w [N, K])^T * s[N]: the int8 LM head."""
+    k = x.shape[-1]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, n = x2.shape[0], w.shape[0]
+    y = torch.empty((m, n), dtype=torch.float32, device=x.device)
+    if K.INTERPRET:
+        cfg = dict(BM=16, BN=16, BK=32, num_warps=1)
+    else:
+        cfg = dict(
+            BM=16 if m <= 16 else 64, BN=64 if m <= 16 else 128, BK=128 if m <= 16 else 64, num_warps=4
+        )
+    grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]))
+    K._w8_kernel[grid](x2, w, s, y, m, n, k, x2.stride(0), y.stride(0), **cfg)
+    return y.reshape(*lead, n)

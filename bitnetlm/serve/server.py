@@ -1,0 +1,88 @@
+"""`serve()`: the library form of `bitnet serve` (load a model, build the engine, run the HTTP server)."""
+
+from __future__ import annotations
+
+import os
+
+from bitnetlm.serve.app import ServerConfig, ServerHandle, run_server, start_server
+from bitnetlm.serve.engine import EngineConfig
+
+
+def _config(
+    model_name: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    max_batch: int = 8,
+    max_queue: int = 64,
+    max_model_len: int | None = None,
+    prefill_chunk: int = 512,
+    cors_origins: list[str] | None = None,
+    max_body_bytes: int = 1 << 20,
+    graceful_timeout_s: float = 30.0,
+    log_level: str = "info",
+) -> ServerConfig:
+    return ServerConfig(
+        host=host,
+        port=port,
+        api_key=api_key if api_key is not None else (os.environ.get("BITNET_API_KEY") or None),
+        model_name=model_name,
+        cors_origins=list(cors_origins or []),
+        max_body_bytes=max_body_bytes,
+        graceful_timeout_s=graceful_timeout_s,
+        log_level=log_level,
+        engine=EngineConfig(
+            max_batch=max_batch, max_queue=max_queue, max_model_len=max_model_len, prefill_chunk=prefill_chunk
+        ),
+    )
+
+
+def _loader(model, device, dtype, backend):
+    def load():
+        import torch
+
+        from bitnetlm.loading import load as _load
+
+        dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        return _load(model, device=device, dtype=dt, backend=backend)
+
+    return load
+
+
+def serve(
+    model: str | os.PathLike,
+    *,
+    model_name: str | None = None,
+    device: str = "cpu",
+    dtype: str | None = None,
+    backend: str | None = None,
+    **server_kw,
+) -> None:
+    """Serve `model` (a path or zoo name) until SIGINT/SIGTERM. Keywords: see `bitnet serve --help`.
+
+    The port opens at once; /health answers 503 until the model has loaded.
+    """
+    name = model_name or os.path.basename(os.path.normpath(os.fspath(model)))
+    cfg = _config(name, **server_kw)
+    run_server(cfg, loader=_loader(model, device, dtype, backend))
+
+
+def start(
+    model=None,
+    tokenizer=None,
+    *,
+    path: str | os.PathLike | None = None,
+    model_name: str = "bitnet",
+    device: str = "cpu",
+    dtype: str | None = None,
+    backend: str | None = None,
+    **server_kw,
+) -> ServerHandle:
+    """Start a server on a background thread: from an in-memory (model, tokenizer) or a `path` to load.
+
+    Returns a handle with .url and .stop(); port=0 picks a free port.
+    """
+    cfg = _config(model_name, **server_kw)
+    if path is not None:
+        return start_server(cfg, loader=_loader(path, device, dtype, backend))
+    return start_server(cfg, model, tokenizer)

@@ -1,0 +1,158 @@
+"""GGUF models: HF -> GGUF (each ternary type) -> HF round trips, llama permutation vs transformers, tokenizers."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from bitnetlm.formats import gguf_codecs as codecs
+from bitnetlm.formats.gguf import load_gguf_model, save_gguf
+from bitnetlm.formats.gguf_file import read_gguf
+from bitnetlm.formats.gguf_tokenizer import tokenizer_from_gguf_metadata, tokenizer_metadata
+from bitnetlm.formats.hf import load_hf, save_hf
+from bitnetlm.models import ModelConfig, build_model
+from bitnetlm.quant.bitlinear import BitLinear
+
+TYPES = ("tq1_0", "tq2_0", "i2_s")
+
+
+def _tiny(arch="bitnet", seed=0, **kw):
+    # TQ types need rows of 256: hidden and intermediate are multiples of 256
+    base = dict(
+        vocab_size=300,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if arch == "1bitllm":
+        base.update(hidden_act="silu", num_key_value_heads=4, tie_word_embeddings=False)
+    if arch == "llama":
+        base.update(hidden_act="silu", quant="none", tie_word_embeddings=False)
+    base.update(kw)
+    cfg = ModelConfig(arch=arch, **base)
+    torch.manual_seed(seed)
+    m = build_model(cfg, "train" if cfg.quant == "ternary" else "fp")
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
+        m.embed_tokens.weight.normal_()
+    return m
+
+
+def _ternaries(model):
+    return [(n, m.ternary_weight(), m.scale()) for n, m in model.named_modules() if isinstance(m, BitLinear)]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hf") / "tiny"
+    save_hf(_tiny("bitnet"), d)
+    return load_hf(d), d
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_hf_gguf_hf_round_trip(hf_model, tmp_path, qtype):
+    model, _ = hf_model
+    ids = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(1))
+    path = save_gguf(model, tmp_path / f"m.{qtype}.gguf", qtype)
+    f = read_gguf(path)
+    assert f.metadata["general.architecture"] == "bitnet-b1.58"
+    assert f.tensors["blk.0.attn_q.weight"].type_id == codecs.TERNARY_TYPES[qtype]
+    assert "output.weight" not in f.tensors  # tied
+    g = load_gguf_model(path)
+    back = tmp_path / "back"
+    save_hf(g, back)
+    h = load_hf(back)
+    for (n1, t1, s1), (n2, t2, _), (n3, t3, s3) in zip(_ternaries(model), _ternaries(g), _ternaries(h)):
+        assert n1 == n2 == n3
+        assert torch.equal(t1, t2) and torch.equal(t1, t3), n1
+        if qtype == "i2_s":
+            assert float(s3) == float(s1)  # float32 per-tensor scale: lossless
+        else:
+            assert float(s3) == float(np.float16(float(s1)))  # fp16 block scale
+    with torch.no_grad():
+        ref, out = model(ids), h(ids)
+    diff = (ref - out).abs().max().item()
+    print(f"\n{qtype}: max |logit diff| after HF->GGUF->HF = {diff:.3g}")
+    if qtype == "i2_s":
+        assert diff == 0.0
+    else:
+        # bound: fp16 rounds each scale by <= 2^-11 relative; logits move by at most that order
+        assert diff <= 2.0**-11 * ref.abs().max().item() * 8
+
+
+def test_gguf_metadata_and_bits(hf_model, tmp_path):
+    model, _ = hf_model
+    f = read_gguf(save_gguf(model, tmp_path / "m.gguf", "tq1_0"))
+    p = "bitnet-b1.58"
+    assert f.metadata[f"{p}.block_count"] == 2 and f.metadata[f"{p}.embedding_length"] == 256
+    assert f.metadata[f"{p}.attention.head_count_kv"] == 2 and f.metadata[f"{p}.feed_forward_length"] == 512
+    ti = f.tensors["blk.1.ffn_down.weight"]
+    assert ti.shape == (256, 512) and ti.nbytes * 8 / ti.n_values == pytest.approx(1.6875)
+    assert f.tensors["blk.0.attn_norm.weight"].type_name == "F32"
+
+
+def test_1bitllm_arch_round_trip(tmp_path):
+    m = _tiny("1bitllm").eval()
+    path = save_gguf(m, tmp_path / "one.gguf", "i2_s")
+    assert read_gguf(path).metadata["general.architecture"] == "bitnet"
+    g = load_gguf_model(path)
+    assert g.config.arch == "1bitllm" and g.config.hidden_act == "silu" and not g.config.tie_word_embeddings
+    ids = torch.randint(0, 300, (1, 9))
+    from bitnetlm.quant import to_inference_
+
+    ref = to_inference_(m)
+    with torch.no_grad():
+        torch.testing.assert_close(g(ids), ref(ids), rtol=0, atol=0)
+
+
+def test_llama_fp_gguf_matches_transformers_gguf_loader(tmp_path):
+    """Our llama GGUF writer permutes q/k like llama.cpp: transformers' GGUF loader (the oracle) un-permutes it."""
+    transformers = pytest.importorskip("transformers")
+    m = _tiny("llama", num_key_value_heads=2).eval()
+    path = save_gguf(m, tmp_path / "llama.gguf", embed_type="f32")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file="llama.gguf", dtype=torch.float32
+    )
+    g = load_gguf_model(path, mode="fp")
+    ids = torch.randint(0, 300, (1, 11))
+    with torch.no_grad():
+        ours, theirs, orig = g(ids), ref(ids).logits, m(ids)
+    torch.testing.assert_close(ours, orig, rtol=0, atol=0)
+    torch.testing.assert_close(theirs, orig, rtol=1e-5, atol=1e-4)
+
+
+TEXTS = [
+    "Hello world",
+    "  leading spaces and\ttabs\n\nnewlines",
+    "numbers 1234567 and 3.14159",
+    "Ünïcödé 日本語 emoji 🙂",
+    "<|begin_of_text|>special<|eot_id|> tokens",
+    "don't won't I'll",
+]
+
+
+def test_llama3_tokenizer_round_trip_through_gguf(tmp_path):
+    from assets import asset
+    from tokenizers import Tokenizer
+
+    d = asset("llama3-tokenizer")
+    orig = Tokenizer.from_file(str(d / "tokenizer.json"))
+    meta, _ = tokenizer_metadata(d)
+    assert meta["tokenizer.ggml.pre"] == "llama-bpe" and len(meta["tokenizer.ggml.tokens"]) == 128256
+    assert meta["tokenizer.ggml.bos_token_id"] == 128000
+    tk, cfg = tokenizer_from_gguf_metadata(meta)
+    for t in TEXTS:
+        assert tk.encode(t).ids == orig.encode(t).ids, t
+        assert tk.decode(tk.encode(t).ids, skip_special_tokens=False) == orig.decode(
+            orig.encode(t).ids, skip_special_tokens=False
+        )
+    assert tk.encode("Hello world").ids == [128000, 9906, 1917]
+    assert cfg["chat_template"] == json.loads((d / "tokenizer_config.json").read_text())["chat_template"]
