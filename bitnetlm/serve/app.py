@@ -502,6 +502,10 @@ class ServerHandle:
         self.host, self.port = host, port
         self.url = f"http://{host}:{port}"
 
+    @property
+    def engine(self) -> Engine | None:
+        return self.server.config.app.state.bitnet.engine
+
     def stop(self, timeout: float = 60) -> None:
         self.server.should_exit = True
         self.thread.join(timeout)

@@ -145,6 +145,8 @@ class Engine:
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._groups: dict[int, _Group] = {}
         self._cancel: set[int] = set()
+        self._cancel_step: dict[int, int] = {}  # gid -> engine step when cancel() was called
+        self.max_cancel_lag_steps = 0  # most steps any cancellation waited before its rows were freed
         self._ids = itertools.count(1)
         self._free_rows = list(range(cfg.max_batch))  # kept sorted: lowest row first
         self._rows: dict[int, _Seq] = {}  # row -> running sequence (worker thread only)
@@ -202,6 +204,7 @@ class Engine:
         with self._lock:
             if gid in self._groups:
                 self._cancel.add(gid)
+                self._cancel_step.setdefault(gid, self.steps)
                 self._lock.notify_all()
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
@@ -234,6 +237,7 @@ class Engine:
                 "waiting": self._count_groups(False, locked=True),
                 "rows_in_use": self.config.max_batch - len(self._free_rows),
                 "steps": self.steps,
+                "max_cancel_lag_steps": self.max_cancel_lag_steps,
             }
 
     # ---- helpers -------------------------------------------------------------------------------
@@ -303,6 +307,8 @@ class Engine:
             return
         self._waiting = collections.deque(s for s in self._waiting if s.group.id not in gids)
         for gid in gids:
+            asked = self._cancel_step.pop(gid, self.steps)
+            self.max_cancel_lag_steps = max(self.max_cancel_lag_steps, self.steps - asked)
             g = self._groups.pop(gid, None)
             if g is None:
                 continue

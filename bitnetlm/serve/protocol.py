@@ -249,9 +249,17 @@ def completion_logprobs(entries: list[dict], offset0: int = 0) -> dict[str, Any]
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [dict(e["top"]) for e in entries] if entries and "top" in entries[0] else None,
+        "top_logprobs": [_top_dict(e["top"]) for e in entries] if entries and "top" in entries[0] else None,
         "text_offset": offsets,
     }
+
+
+def _top_dict(top: list[tuple[str, float]]) -> dict[str, float]:
+    # the legacy format is a dict: tokens that decode to the same string keep the most likely one
+    d: dict[str, float] = {}
+    for tok, lp in top:
+        d.setdefault(tok, lp)
+    return d
 
 
 def chat_logprobs(entries: list[dict]) -> dict[str, Any]:
