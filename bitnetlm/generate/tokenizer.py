@@ -326,6 +326,20 @@ class Tokenizer:
             return self.encode(text, add_special_tokens=False)
         return text
 
+    def save(self, path: str | os.PathLike) -> None:
+        """Write tokenizer.json and tokenizer_config.json into directory `path` (temp file + rename)."""
+        path = os.fspath(path)
+        os.makedirs(path, exist_ok=True)
+        tj = os.path.join(path, "tokenizer.json")
+        self.backend.save(tj + ".tmp")
+        os.replace(tj + ".tmp", tj)
+        cfg = dict(self.config)
+        cfg.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+        tc = os.path.join(path, "tokenizer_config.json")
+        with open(tc + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(cfg, f, indent=2, ensure_ascii=False)
+        os.replace(tc + ".tmp", tc)
+
     def __repr__(self) -> str:
         return (
             f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size}, bos={self.bos_token!r}, "
