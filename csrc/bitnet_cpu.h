@@ -1,0 +1,73 @@
+/* bitnet_cpu: ternary (1.58-bit) x int8 kernels for CPUs. Plain C11, no Python or torch headers.
+ *
+ * Packed layout "cpu-2bit-v1" (PackingFormat.CPU_2BIT):
+ *   T int8 [N, K] with values {-1, 0, 1} -> uint8 [N, Kp/4], Kp = K rounded up to a multiple of 128.
+ *   Each row is Kp/128 blocks of 32 bytes. In a block, byte j holds the codes (t + 1, in 0..2) of the
+ *   block's elements j, j+32, j+64, j+96 in bits 0-1, 2-3, 4-5, 6-7. Padding elements hold code 1 (t=0).
+ *   Why: one 32-byte load + shift + mask yields 32 consecutive codes, which line up with 32 consecutive
+ *   int8 activations, so the AVX2 maddubs / VNNI dpbusd / NEON paths need no shuffles.
+ *
+ * Math: with codes c = t + 1 (unsigned), sum_k t_k x_k = sum_k c_k x_k - sum_k x_k. The activation sum is
+ * computed once per token, so the unsigned-by-signed int8 instructions give the exact integer product.
+ *
+ * Activations: per token a = 127 / max(max|x|, 1e-5) (computed as reciprocal(m) * 127 like torch's
+ * scalar / tensor), X = clamp(round_half_even(x * a), -128, 127), and the linear output is
+ * y = float(X . T) * (s / a): bit-identical to bitnetlm.quant.ternary.bitlinear_reference in float32.
+ */
+#ifndef BITNET_CPU_H
+#define BITNET_CPU_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define BN_BLOCK 128 /* K elements per packed block */
+
+/* instruction-set paths (bn_isa_* values) */
+enum { BN_ISA_AUTO = -1, BN_ISA_SCALAR = 0, BN_ISA_AVX2 = 1, BN_ISA_AVX512VNNI = 2, BN_ISA_NEON = 3 };
+
+/* library info and configuration */
+const char *bn_version(void);
+int bn_isa_supported(int isa);      /* 1 when this build and this CPU can run the path */
+int bn_isa_best(void);              /* the path used by default */
+int bn_set_isa(int isa);            /* force a path (BN_ISA_AUTO = best); returns the active path or -1 */
+int bn_get_isa(void);
+const char *bn_isa_name(int isa);
+int bn_set_num_threads(int n);      /* n <= 0: the default given at bn_init (physical cores) */
+int bn_get_num_threads(void);
+
+/* packing */
+int64_t bn_padded_k(int64_t k);                        /* K rounded up to BN_BLOCK */
+int64_t bn_packed_row_bytes(int64_t k);                /* bytes per packed row = bn_padded_k(k) / 4 */
+void bn_pack(const int8_t *t, int64_t n, int64_t k, uint8_t *out);
+void bn_unpack(const uint8_t *p, int64_t n, int64_t k, int8_t *out);
+
+/* per-token int8 activation quantization: x fp32 [m, k] -> xq int8 [m, ldq] (zero padded from k to ldq),
+ * a fp32 [m] (may be NULL), xsum int32 [m] = sum of each row of xq (may be NULL). */
+void bn_quantize_act(const float *x, int64_t m, int64_t k, int8_t *xq, int64_t ldq, float *a, int32_t *xsum);
+
+/* exact integer product out[i, j] = sum_k xq[i, k] * T[j, k]; xq int8 [m, k] (any values), int32 out [m, n] */
+int bn_ternary_matmul_i32(const int8_t *xq, int64_t m, int64_t k, const uint8_t *packed, int64_t n, int32_t *out);
+
+/* ternary linear: y[m, n] = float((X . T)[m, n]) * (scale / a[m]) with X, a from bn_quantize_act(x) */
+int bn_ternary_linear_f32(const float *x, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float scale, float *y);
+
+/* several ternary linears sharing the same input (q/k/v, gate/up): one quantization, one thread dispatch.
+ * packed[i]: [n[i], k], y[i]: [m, n[i]] */
+int bn_ternary_linear_multi_f32(const float *x, int64_t m, int64_t k, int count, const uint8_t *const *packed,
+                                const int64_t *n, const float *scale, float *const *y);
+
+/* float heads: y[m, n] = x[m, :] . W[n, :] for W in bf16 (uint16 bit patterns) or int8 with per-row scales
+ * (y = wscale[n] * sum_k x[m, k] * q[n, k]); fp32 accumulation, multithreaded over n. */
+int bn_gemm_bf16(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y);
+int bn_gemm_i8row(const float *x, int64_t m, int64_t k, const int8_t *w, const float *wscale, int64_t n, float *y);
+
+/* STREAM-like copy bandwidth helper: copies src to dst with the library's threads (bytes) */
+void bn_parallel_copy(void *dst, const void *src, int64_t bytes);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,81 @@
+/* Internal declarations shared by the dispatcher and the per-ISA kernel files. */
+#ifndef BN_INTERNAL_H
+#define BN_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "bitnet_cpu.h"
+
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+#define BN_X86 1
+#endif
+#if defined(__aarch64__)
+#define BN_ARM 1
+#endif
+
+/* One ternary GEMM problem: rows [r0, r1) of the packed weights against all m tokens of xq. */
+typedef struct {
+    const int8_t *xq;    /* [m, ldx] int8, zero padded to ldx = Kp */
+    int64_t ldx;
+    const int32_t *xsum; /* [m] row sums of xq */
+    int64_t m;
+    const uint8_t *w;    /* [n, rb] packed cpu-2bit-v1 */
+    int64_t rb;          /* bytes per packed row = Kp / 4 */
+    int64_t nblk;        /* Kp / 128 */
+    int32_t *out_i32;    /* [m, ldo] exact products, or NULL */
+    float *out_f32;      /* [m, ldo] float(acc) * (scale / a[i]), or NULL */
+    int64_t ldo;
+    const float *a;      /* [m] activation scales (for out_f32) */
+    float scale;         /* weight scale s */
+} bn_gemm_args;
+
+typedef void (*bn_gemm_rows_fn)(const bn_gemm_args *g, int64_t r0, int64_t r1);
+typedef void (*bn_quant_fn)(const float *x, int64_t k, int8_t *xq, int64_t ldq, float *a, int32_t *xsum);
+typedef void (*bn_head_bf16_fn)(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t r0, int64_t r1,
+                                float *y, int64_t ldy);
+typedef void (*bn_head_i8_fn)(const float *x, int64_t m, int64_t k, const int8_t *w, const float *ws, int64_t r0,
+                              int64_t r1, float *y, int64_t ldy);
+
+typedef struct {
+    bn_gemm_rows_fn gemm_rows;
+    bn_quant_fn quant_row;
+    bn_head_bf16_fn head_bf16;
+    bn_head_i8_fn head_i8;
+} bn_kernels;
+
+/* Epilogue shared by every path: write one result. acc already has the activation sum subtracted. */
+static inline void bn_store(const bn_gemm_args *g, int64_t i, int64_t r, int32_t acc) {
+    if (g->out_f32) {
+        /* same float32 operations, in the same order, as the torch reference: acc * (s / a) */
+        float sa = g->scale / g->a[i];
+        g->out_f32[i * g->ldo + r] = (float)acc * sa;
+    } else {
+        g->out_i32[i * g->ldo + r] = acc;
+    }
+}
+
+/* per-ISA tables; a table is only defined when the file is compiled for a matching architecture */
+extern const bn_kernels bn_kernels_scalar;
+#ifdef BN_X86
+extern const bn_kernels bn_kernels_avx2;
+extern const bn_kernels bn_kernels_avx512;
+#endif
+#ifdef BN_ARM
+extern const bn_kernels bn_kernels_neon;
+#endif
+
+/* scalar pieces reused by vector paths for tails */
+void bn_quant_row_scalar(const float *x, int64_t k, int8_t *xq, int64_t ldq, float *a, int32_t *xsum);
+void bn_head_bf16_scalar(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t r0, int64_t r1, float *y,
+                         int64_t ldy);
+void bn_head_i8_scalar(const float *x, int64_t m, int64_t k, const int8_t *w, const float *ws, int64_t r0, int64_t r1,
+                       float *y, int64_t ldy);
+
+/* thread pool (threads.c) */
+typedef void (*bn_range_fn)(void *ctx, int64_t begin, int64_t end);
+void bn_parallel_for(int64_t n, bn_range_fn fn, void *ctx);
+int bn_pool_set_threads(int n);
+int bn_pool_threads(void);
+
+#endif

@@ -1,0 +1,227 @@
+/* AVX2 path: unsigned 2-bit codes x signed int8 activations with vpmaddubsw, widened by vpmaddwd.
+ * Compiled with a target pragma so the file builds without -mavx2; only called when the CPU has AVX2+FMA.
+ */
+#include "bn_internal.h"
+
+#ifdef BN_X86
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#elif defined(__GNUC__)
+#pragma GCC target("avx2,fma,f16c")
+#endif
+#include <immintrin.h>
+#include <math.h>
+
+#define BN_INLINE static inline __attribute__((always_inline))
+
+BN_INLINE int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+BN_INLINE float hsum_f32(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* one block (128 codes) against 128 activations: 4 maddubs summed in int16 (|sum| <= 4*512 = 2048,
+ * codes <= 2 and |x| <= 128), widened to int32 once per block */
+BN_INLINE __m256i block_dot(__m256i c0, __m256i c1, __m256i c2, __m256i c3, const int8_t *x, __m256i ones) {
+    __m256i s = _mm256_maddubs_epi16(c0, _mm256_loadu_si256((const __m256i *)x));
+    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(c1, _mm256_loadu_si256((const __m256i *)(x + 32))));
+    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(c2, _mm256_loadu_si256((const __m256i *)(x + 64))));
+    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(c3, _mm256_loadu_si256((const __m256i *)(x + 96))));
+    return _mm256_madd_epi16(s, ones);
+}
+
+/* decode: 32 packed bytes -> codes of elements 0-31, 32-63, 64-95, 96-127 */
+#define DECODE(p, c0, c1, c2, c3)                                  \
+    __m256i c0 = _mm256_and_si256(p, mask);                        \
+    __m256i c1 = _mm256_and_si256(_mm256_srli_epi16(p, 2), mask);  \
+    __m256i c2 = _mm256_and_si256(_mm256_srli_epi16(p, 4), mask);  \
+    __m256i c3 = _mm256_and_si256(_mm256_srli_epi16(p, 6), mask)
+
+/* one weight row against NT tokens starting at i0 (NT is a compile-time constant after inlining) */
+BN_INLINE void tile_1xT(const bn_gemm_args *g, int64_t r, int64_t i0, const int NT) {
+    const __m256i mask = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+    __m256i acc[4];
+    for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_si256();
+    const uint8_t *w = g->w + r * g->rb;
+    const int8_t *x = g->xq + i0 * g->ldx;
+    for (int64_t b = 0; b < g->nblk; b++) {
+        __m256i p = _mm256_loadu_si256((const __m256i *)(w + 32 * b));
+        DECODE(p, c0, c1, c2, c3);
+        for (int t = 0; t < NT; t++)
+            acc[t] = _mm256_add_epi32(acc[t], block_dot(c0, c1, c2, c3, x + t * g->ldx + 128 * b, ones));
+    }
+    for (int t = 0; t < NT; t++) bn_store(g, i0 + t, r, hsum_i32(acc[t]) - g->xsum[i0 + t]);
+}
+
+/* decode: 4 weight rows against one token, sharing the activation loads */
+static void gemv_4rows(const bn_gemm_args *g, int64_t r, int64_t i) {
+    const __m256i mask = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+    __m256i acc0 = _mm256_setzero_si256(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    const uint8_t *w0 = g->w + r * g->rb, *w1 = w0 + g->rb, *w2 = w1 + g->rb, *w3 = w2 + g->rb;
+    const int8_t *x = g->xq + i * g->ldx;
+    for (int64_t b = 0; b < g->nblk; b++) {
+        const int8_t *xb = x + 128 * b;
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)xb);
+        __m256i x1 = _mm256_loadu_si256((const __m256i *)(xb + 32));
+        __m256i x2 = _mm256_loadu_si256((const __m256i *)(xb + 64));
+        __m256i x3 = _mm256_loadu_si256((const __m256i *)(xb + 96));
+#define ROW(wr, acc)                                                                                       \
+    do {                                                                                                   \
+        __m256i p = _mm256_loadu_si256((const __m256i *)(wr + 32 * b));                                    \
+        __m256i s = _mm256_maddubs_epi16(_mm256_and_si256(p, mask), x0);                                   \
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(p, 2), mask), x1)); \
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(p, 4), mask), x2)); \
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(p, 6), mask), x3)); \
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(s, ones));                                           \
+    } while (0)
+        ROW(w0, acc0);
+        ROW(w1, acc1);
+        ROW(w2, acc2);
+        ROW(w3, acc3);
+#undef ROW
+    }
+    int32_t xs = g->xsum[i];
+    bn_store(g, i, r, hsum_i32(acc0) - xs);
+    bn_store(g, i, r + 1, hsum_i32(acc1) - xs);
+    bn_store(g, i, r + 2, hsum_i32(acc2) - xs);
+    bn_store(g, i, r + 3, hsum_i32(acc3) - xs);
+}
+
+#define ROW_CHUNK 32 /* weight rows kept hot in L1/L2 while all token tiles pass over them */
+
+static void gemm_rows_avx2(const bn_gemm_args *g, int64_t r0, int64_t r1) {
+    if (g->m < 3) {
+        for (int64_t i = 0; i < g->m; i++) {
+            int64_t r = r0;
+            for (; r + 4 <= r1; r += 4) gemv_4rows(g, r, i);
+            for (; r < r1; r++) tile_1xT(g, r, i, 1);
+        }
+        return;
+    }
+    for (int64_t rc = r0; rc < r1; rc += ROW_CHUNK) {
+        int64_t re = rc + ROW_CHUNK < r1 ? rc + ROW_CHUNK : r1;
+        int64_t i0 = 0;
+        for (; i0 + 4 <= g->m; i0 += 4)
+            for (int64_t r = rc; r < re; r++) tile_1xT(g, r, i0, 4);
+        int64_t rem = g->m - i0;
+        for (int64_t r = rc; r < re; r++) {
+            if (rem == 3) tile_1xT(g, r, i0, 3);
+            else if (rem == 2) tile_1xT(g, r, i0, 2);
+            else if (rem == 1) tile_1xT(g, r, i0, 1);
+        }
+    }
+}
+
+static void quant_row_avx2(const float *x, int64_t k, int8_t *xq, int64_t ldq, float *a, int32_t *xsum) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 mx = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(x + i), absmask));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    float m = _mm_cvtss_f32(m4);
+    for (; i < k; i++) {
+        float v = fabsf(x[i]);
+        m = v > m ? v : m;
+    }
+    if (m < 1e-5f) m = 1e-5f;
+    float r = 1.0f / m;
+    float s = r * 127.0f; /* torch's 127 / t == reciprocal(t) * 127 */
+    const __m256 vs = _mm256_set1_ps(s);
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i ones16 = _mm256_set1_epi16(1);
+    __m256i sum = _mm256_setzero_si256();
+    i = 0;
+    for (; i + 32 <= k; i += 32) {
+        /* cvtps rounds half to even under the default MXCSR mode, as torch.round does */
+        __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), vs));
+        __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), vs));
+        __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 16), vs));
+        __m256i q3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 24), vs));
+        __m256i h01 = _mm256_packs_epi32(q0, q1), h23 = _mm256_packs_epi32(q2, q3);
+        __m256i b = _mm256_packs_epi16(h01, h23); /* saturation = clamp to [-128, 127] */
+        b = _mm256_permutevar8x32_epi32(b, perm);
+        _mm256_storeu_si256((__m256i *)(xq + i), b);
+        /* sum of the int8 values: sign-extend to int16 pairs and madd with ones */
+        __m256i lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(b));
+        __m256i hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(b, 1));
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_add_epi16(lo, hi), ones16));
+    }
+    int32_t tot = hsum_i32(sum);
+    for (; i < k; i++) {
+        float q = nearbyintf(x[i] * s);
+        if (q > 127.0f) q = 127.0f;
+        if (q < -128.0f) q = -128.0f;
+        xq[i] = (int8_t)q;
+        tot += (int32_t)q;
+    }
+    for (; i < ldq; i++) xq[i] = 0;
+    if (a) *a = s;
+    if (xsum) *xsum = tot;
+}
+
+static void head_bf16_avx2(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t r0, int64_t r1, float *y,
+                           int64_t ldy) {
+    int64_t k32 = k & ~(int64_t)31;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint16_t *wr = w + r * k;
+        for (int64_t i = 0; i < m; i++) {
+            const float *xi = x + i * k;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t j = 0; j < k32; j += 32) {
+#define BF(off) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(wr + j + off))), 16))
+                a0 = _mm256_fmadd_ps(BF(0), _mm256_loadu_ps(xi + j), a0);
+                a1 = _mm256_fmadd_ps(BF(8), _mm256_loadu_ps(xi + j + 8), a1);
+                a2 = _mm256_fmadd_ps(BF(16), _mm256_loadu_ps(xi + j + 16), a2);
+                a3 = _mm256_fmadd_ps(BF(24), _mm256_loadu_ps(xi + j + 24), a3);
+#undef BF
+            }
+            float acc = hsum_f32(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+            for (int64_t j = k32; j < k; j++) {
+                union { uint32_t u; float f; } cv = {(uint32_t)wr[j] << 16};
+                acc += xi[j] * cv.f;
+            }
+            y[i * ldy + r] = acc;
+        }
+    }
+}
+
+static void head_i8_avx2(const float *x, int64_t m, int64_t k, const int8_t *w, const float *ws, int64_t r0,
+                         int64_t r1, float *y, int64_t ldy) {
+    int64_t k32 = k & ~(int64_t)31;
+    for (int64_t r = r0; r < r1; r++) {
+        const int8_t *wr = w + r * k;
+        for (int64_t i = 0; i < m; i++) {
+            const float *xi = x + i * k;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t j = 0; j < k32; j += 32) {
+#define I8(off) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wr + j + off))))
+                a0 = _mm256_fmadd_ps(I8(0), _mm256_loadu_ps(xi + j), a0);
+                a1 = _mm256_fmadd_ps(I8(8), _mm256_loadu_ps(xi + j + 8), a1);
+                a2 = _mm256_fmadd_ps(I8(16), _mm256_loadu_ps(xi + j + 16), a2);
+                a3 = _mm256_fmadd_ps(I8(24), _mm256_loadu_ps(xi + j + 24), a3);
+#undef I8
+            }
+            float acc = hsum_f32(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+            for (int64_t j = k32; j < k; j++) acc += xi[j] * (float)wr[j];
+            y[i * ldy + r] = acc * ws[r];
+        }
+    }
+}
+
+const bn_kernels bn_kernels_avx2 = {gemm_rows_avx2, quant_row_avx2, head_bf16_avx2, head_i8_avx2};
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#endif
+#endif /* BN_X86 */
