@@ -12,6 +12,7 @@ import asyncio
 import hmac
 import json
 import logging
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -564,7 +565,15 @@ def run_server(cfg: ServerConfig, model=None, tokenizer=None, loader=None) -> No
     server = _uvicorn_server(app, cfg)
     sock = _bind(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
-    log.warning("bitnet serve: listening on http://%s:%d (model %s)", host, port, cfg.model_name)
+    print(
+        f"bitnet serve: listening on http://{host}:{port} (model {cfg.model_name})",
+        file=sys.stderr,
+        flush=True,
+    )
     if cfg.api_key is None and cfg.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("bitnet serve: bound to %s without --api-key: anyone who can reach it can use it", host)
+        print(
+            f"bitnet serve: WARNING: bound to {host} without --api-key: anyone who can reach it can use it",
+            file=sys.stderr,
+            flush=True,
+        )
     server.run(sockets=[sock])

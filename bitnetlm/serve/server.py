@@ -37,34 +37,34 @@ def _config(
     )
 
 
-def _loader(model, device, dtype, backend):
+def _loader(model, device, dtype, backend, threads=None):
     def load():
-        import torch
+        from bitnetlm.commands.generate import load_model_and_tokenizer
 
-        from bitnetlm.loading import load as _load
-
-        dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        return _load(model, device=device, dtype=dt, backend=backend)
+        return load_model_and_tokenizer(model, device=device, backend=backend, dtype=dtype, threads=threads)
 
     return load
 
 
 def serve(
-    model: str | os.PathLike,
+    model: str | os.PathLike | None = None,
     *,
     model_name: str | None = None,
-    device: str = "cpu",
+    device: str = "auto",
     dtype: str | None = None,
     backend: str | None = None,
+    threads: int | None = None,
     **server_kw,
 ) -> None:
-    """Serve `model` (a path or zoo name) until SIGINT/SIGTERM. Keywords: see `bitnet serve --help`.
+    """Serve `model` (a path or zoo name; None = the zoo default) until SIGINT/SIGTERM, then drain and return.
 
-    The port opens at once; /health answers 503 until the model has loaded.
+    Keywords: host, port, api_key, max_batch, max_queue, max_model_len, prefill_chunk, cors_origins,
+    max_body_bytes, graceful_timeout_s, log_level (see `bitnet serve --help`). The port opens at once;
+    /health answers 503 until the model has loaded.
     """
-    name = model_name or os.path.basename(os.path.normpath(os.fspath(model)))
+    name = model_name or (os.path.basename(os.path.normpath(os.fspath(model))) if model else "bitnet")
     cfg = _config(name, **server_kw)
-    run_server(cfg, loader=_loader(model, device, dtype, backend))
+    run_server(cfg, loader=_loader(model, device, dtype, backend, threads))
 
 
 def start(
@@ -73,7 +73,7 @@ def start(
     *,
     path: str | os.PathLike | None = None,
     model_name: str = "bitnet",
-    device: str = "cpu",
+    device: str = "auto",
     dtype: str | None = None,
     backend: str | None = None,
     **server_kw,
