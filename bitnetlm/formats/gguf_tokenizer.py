@@ -47,7 +47,7 @@ def _spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]
     ordered by the merged token's score (best first), ties by the pieces' ids (as tokenizers' extractor)."""
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = []
-    for tok, score in sorted(zip(tokens, scores), key=lambda x: -x[1]):
+    for tok, _ in sorted(zip(tokens, scores), key=lambda x: -x[1]):
         local = []
         for i in range(1, len(tok)):
             a, b = tok[:i], tok[i:]
