@@ -150,8 +150,14 @@ def process_logits(
     if not (need_k or need_p or need_min):
         return x
     sampled_rows = torch.tensor([not p.greedy for p in params], device=x.device)
-    sorted_x, order = x.sort(dim=-1, descending=True)  # [B, V]
-    rank = torch.arange(v, device=x.device)[None, :]  # [1, V]
+    ks = [p.top_k for p in params if not p.greedy]
+    if ks and all(0 < k < v for k in ks):
+        # every sampled row has a top-k: only the max(k) best candidates can survive, no full-vocabulary sort
+        sorted_x, order = x.topk(max(ks), dim=-1)  # [B, K] descending
+    else:
+        sorted_x, order = x.sort(dim=-1, descending=True)  # [B, V]
+    n = sorted_x.shape[1]
+    rank = torch.arange(n, device=x.device)[None, :]  # [1, K]
     remove = torch.zeros_like(sorted_x, dtype=torch.bool)
     if need_k:
         k = _row_tensor([p.top_k if p.top_k > 0 else v for p in params], x.device, torch.long)
@@ -167,9 +173,9 @@ def process_logits(
             min_p = _row_tensor([p.min_p for p in params], x.device)
             remove |= probs < min_p[:, None] * probs[:, :1]
     remove[:, 0] = False  # always keep the most likely token
-    remove &= sampled_rows[:, None]
-    # scatter the sorted mask back to vocabulary order
-    mask = torch.zeros_like(remove).scatter_(1, order, remove)
+    # back to vocabulary order; tokens outside the candidate set are removed
+    mask = torch.ones_like(x, dtype=torch.bool).scatter_(1, order, remove)  # [B, V]
+    mask &= sampled_rows[:, None]  # greedy rows: nothing removed, argmax decides
     return x.masked_fill(mask, float("-inf"))
 
 

@@ -1,0 +1,156 @@
+"""bitnet chat -m MODEL: interactive chat with the model's chat template (library: chat_session).
+
+Reads one user message per line from stdin (works from a pipe as well as a terminal). Commands:
+/exit or /quit (or end of input) ends the session, /reset forgets the conversation (keeps --system).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from bitnetlm.commands.generate import add_model_arguments, load_model_and_tokenizer, sampling_params
+
+HELP = "commands: /exit (or /quit, end of input) ends, /reset forgets the conversation, /help shows this"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+
+
+def _fit(tok, messages: list[dict], ctx: int, reserve: int) -> tuple[list[dict], list[int]]:
+    """Drop the oldest turns (never the system prompt nor the last message) until the prompt fits."""
+    msgs = list(messages)
+    while True:
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        if len(ids) + reserve <= ctx:
+            return msgs, ids
+        first = 1 if msgs and msgs[0].get("role") == "system" else 0
+        if len(msgs) - first <= 1:
+            if len(ids) < ctx:
+                return msgs, ids  # fits with a shorter answer
+            raise ValueError(f"this message needs {len(ids)} tokens but the context holds {ctx}")
+        del msgs[first]
+
+
+def chat_session(
+    model,
+    tokenizer,
+    lines,
+    params=None,
+    *,
+    system: str | None = None,
+    ctx_size: int | None = None,
+    out=None,
+    err=None,
+    verbose: bool = False,
+    json_lines: bool = False,
+    interactive: bool = False,
+) -> list[dict]:
+    """Run a chat over the user messages in `lines` (an iterable of str); returns the conversation.
+
+    Each answer is streamed to `out` (a JSON line per turn with json_lines=True).
+    """
+    from bitnetlm.generate import format_stats, make_params
+    from bitnetlm.generate.generate import _engine, _result, context_length
+
+    out = out or sys.stdout
+    err = err or sys.stderr
+    p = make_params(params)
+    ctx = context_length(model, ctx_size)
+    base = [{"role": "system", "content": system}] if system else []
+    messages = list(base)
+    prompt = "> " if interactive else ""
+
+    def ask():
+        if prompt:
+            err.write(prompt)
+            err.flush()
+
+    ask()
+    for raw in lines:
+        line = raw.rstrip("\r\n")
+        cmd = line.strip()
+        if not cmd:
+            ask()
+            continue
+        if cmd in ("/exit", "/quit", "/bye"):
+            break
+        if cmd == "/reset":
+            messages = list(base)
+            print("(conversation reset)", file=err)
+            ask()
+            continue
+        if cmd in ("/help", "/?"):
+            print(HELP, file=err)
+            ask()
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            messages, ids = _fit(tokenizer, messages, ctx, reserve=min(p.max_tokens, ctx // 4))
+        except ValueError as e:
+            print(f"error: {e}", file=err)
+            messages.pop()
+            ask()
+            continue
+        import time
+
+        t0 = time.perf_counter()
+        chunks = []
+        for c in _engine(model, tokenizer, [ids], [p], ctx_size=ctx):
+            chunks.append(c)
+            if not json_lines and c.text:
+                out.write(c.text)
+                out.flush()
+        res = _result(chunks, len(ids), t0)
+        messages.append({"role": "assistant", "content": str(res)})
+        if json_lines:
+            rec = {
+                "role": "assistant",
+                "content": str(res),
+                "finish_reason": res.finish_reason,
+                "prompt_tokens": res.prompt_tokens,
+                "generation_tokens": res.generation_tokens,
+                "generation_tps": res.generation_tps,
+                "ttft_s": res.ttft_s,
+            }
+            out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        else:
+            out.write("\n")
+        out.flush()
+        if verbose:
+            print(format_stats(res), file=err)
+        ask()
+    return messages
+
+
+def run(args) -> int:
+    model, tok = load_model_and_tokenizer(args.model, args.device, args.backend, args.dtype, args.threads)
+    if not tok.chat_template:
+        raise ValueError(f"{args.model}: the tokenizer has no chat_template; use `bitnet generate` instead")
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(HELP, file=sys.stderr)
+    chat_session(
+        model,
+        tok,
+        sys.stdin,
+        sampling_params(args),
+        system=args.system,
+        ctx_size=args.ctx_size,
+        verbose=args.verbose,
+        json_lines=args.json,
+        interactive=interactive,
+    )
+    return 0
+
+
+def main(argv=None) -> int:
+    from bitnetlm.cli import main as cli_main
+
+    return cli_main(["chat", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

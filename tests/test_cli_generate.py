@@ -1,0 +1,96 @@
+"""`bitnet generate` and `bitnet chat` end to end on a saved tiny checkpoint with the real LLaMA-3 tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from assets import asset
+from test_generate import tiny_llama3_bitnet
+
+import bitnetlm
+from bitnetlm.cli import main
+from bitnetlm.generate import Tokenizer, generate
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMON = ["--device", "cpu", "--backend", "reference", "--temp", "0", "--ignore-eos"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli") / "tiny"
+    bitnetlm.save(tiny_llama3_bitnet(seed=1), d, tokenizer=Tokenizer.from_dir(asset("llama3-tokenizer")))
+    return d
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir):
+    model, tok = bitnetlm.load(model_dir, backend="reference")
+    return model, tok
+
+
+def test_generate_json_matches_library(model_dir, loaded, capsys):
+    rc = main(
+        ["generate", "-m", str(model_dir), "-p", "The capital of France is", "-n", "6", "--json", *COMMON]
+    )
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    ref = generate(*loaded, "The capital of France is", max_tokens=6, temperature=0, ignore_eos=True)
+    assert out["tokens"] == ref.tokens and out["text"] == str(ref)
+    assert out["generation_tokens"] == 6 and out["prompt_tokens"] == 6 and out["finish_reason"] == "length"
+
+
+def test_generate_positional_prompt_stream_and_verbose(model_dir, loaded, capsys):
+    rc = main(["generate", "-m", str(model_dir), "Hello", "-n", "5", "--verbose", "--seed", "3", *COMMON])
+    assert rc == 0
+    cap = capsys.readouterr()
+    ref = generate(*loaded, "Hello", max_tokens=5, temperature=0, ignore_eos=True)
+    assert cap.out == str(ref) + "\n"
+    assert "tokens/s" in cap.err and "time to first token" in cap.err
+
+
+def test_generate_system_prompt_uses_chat_template(model_dir, loaded, capsys):
+    rc = main(
+        ["generate", "-m", str(model_dir), "-p", "Hi", "--system", "Be brief.", "-n", "2", "--json", *COMMON]
+    )
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    _, tok = loaded
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert out["prompt_tokens"] == len(tok.apply_chat_template(msgs, tokenize=True))
+
+
+def test_generate_errors(model_dir, tmp_path, capsys):
+    assert main(["generate", "-m", str(tmp_path / "nope"), "-p", "x"]) == 2
+    assert "nope" in capsys.readouterr().err
+    assert main(["generate", "-m", str(model_dir)]) == 2
+    assert "no prompt" in capsys.readouterr().err
+    assert main(["generate", "-m", str(model_dir), "-p", "Hi", "-c", "2", *COMMON]) == 2
+    assert "context holds 2" in capsys.readouterr().err
+
+
+def test_chat_repl_through_a_pipe(model_dir, loaded):
+    model, tok = loaded
+    stdin = "Hello\n\n/reset\nHello\nHow are you?\n/exit\nnever read\n"
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "bitnetlm.cli", "chat", "-m", str(model_dir), "-n", "4", "--json", *COMMON]
+    p = subprocess.run(cmd, input=stdin, capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    turns = [json.loads(line) for line in p.stdout.splitlines()]
+    assert len(turns) == 3  # /exit stops before "never read"
+    kw = dict(max_tokens=4, temperature=0, ignore_eos=True)
+    first = generate(model, tok, [{"role": "user", "content": "Hello"}], **kw)
+    assert turns[0]["content"] == str(first) == turns[1]["content"]  # /reset forgot the first turn
+    history = [
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": str(first)},
+        {"role": "user", "content": "How are you?"},
+    ]
+    second = generate(model, tok, history, **kw)
+    assert turns[2]["content"] == str(second)
+    assert turns[2]["prompt_tokens"] == len(tok.apply_chat_template(history, tokenize=True))
+    assert "conversation reset" in p.stderr
