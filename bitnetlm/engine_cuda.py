@@ -58,6 +58,27 @@ class _DecodeState:
     extra: dict = field(default_factory=dict)
 
 
+def capture(fn, before_capture=None, warmup: int = 2):
+    """Run `fn` eagerly (Triton compiles and tunes here, never while capturing), then capture it in a CUDA graph.
+
+    Returns (graph, output of the captured call); replaying the graph recomputes that output in place.
+    """
+    fn()
+    dev = torch.cuda.current_device()
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(dev).wait_stream(s)
+    if before_capture is not None:
+        before_capture()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row symmetric int8: w ~= q * s[:, None]."""
     s = w.float().abs().amax(dim=1).clamp(min=1e-8) / 127.0
@@ -360,16 +381,7 @@ class CudaEngine:
             step.add_(1)
             return logits
 
-        body()  # eager warm-up: Triton compiles and tunes here, never during capture
-        s = torch.cuda.Stream(dev)
-        s.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(s):
-            body()
-        torch.cuda.current_stream(dev).wait_stream(s)
-        pos.zero_()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = body()
+        graph, logits = capture(body, before_capture=pos.zero_)
         st = _DecodeState(graph, tok, pos, step, out, logits)
         self._graphs[key] = st
         return st

@@ -18,6 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from triton import knobs
+from triton.language.extra import libdevice
 
 INTERPRET = bool(knobs.runtime.interpret)
 ACT_CODES = {"relu2": 0, "silu": 1}
@@ -43,9 +44,7 @@ def _div_rn(a, b, PTX: tl.constexpr):
 def _rne(x, PTX: tl.constexpr):
     """Round half to even (torch.round), |x| < 2**22."""
     if PTX:
-        return tl.inline_asm_elementwise(
-            "cvt.rni.f32.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
-        )
+        return libdevice.rint(x)
     else:
         return (x + 12582912.0) - 12582912.0
 
@@ -355,6 +354,7 @@ def _w8_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    PTX: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -374,7 +374,171 @@ def _w8_kernel(
         w = tl.load(
             w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & mk[None, :], other=0
         )
-        acc = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+        if PTX:
+            acc = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+        else:  # the interpreter has no bf16 dot; same products, exact int8 -> f32
+            acc = tl.dot(
+                x.to(tl.bfloat16).to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee"
+            )
     s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
     y = acc * s[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=mask_m[:, None] & mask_n[None, :])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# split-K GEMM: small M (decode). Many programs each own a K chunk so every SM has its loads in flight at once;
+# partial int32 sums meet in a zeroed workspace through atomics and the last program of each output tile
+# (a counter per tile) reads them back with atomic_xchg (zeroing the workspace for the next call, so CUDA-graph
+# replays need no memset) and runs the epilogue. Integer adds commute: the result is exact and deterministic.
+# --------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _splitk_kernel(
+    q_ptr,
+    a_ptr,
+    rs_ptr,
+    w_ptr,
+    s_ptr,
+    r_ptr,
+    y_ptr,
+    ws_ptr,
+    cnt_ptr,
+    M,
+    N,
+    KP,
+    CHUNKS_PER_SPLIT,
+    SPLIT,
+    stride_qm,
+    stride_rm,
+    stride_ym,
+    HAS_RES: tl.constexpr,
+    GATED: tl.constexpr,
+    ACT: tl.constexpr,
+    PER_ROW: tl.constexpr,
+    PTX: tl.constexpr,
+    USE_SPLIT: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BKB: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros([BM, BN], tl.int32)
+    acc2 = tl.zeros([BM, BN], tl.int32)
+    b_lo = pid_s * CHUNKS_PER_SPLIT * BKB
+    b_hi = tl.minimum(b_lo + CHUNKS_PER_SPLIT * BKB, KP)
+    for b0 in range(b_lo, b_hi, BKB):
+        offs_b = b0 + tl.arange(0, BKB)
+        mb = offs_b < b_hi
+        mw = mask_n[:, None] & mb[None, :]
+        wb = tl.load(w_ptr + offs_n[:, None] * KP + offs_b[None, :], mask=mw, other=0)  # [BN, BKB] uint8
+        if GATED:
+            wb2 = tl.load(w_ptr + (offs_n + N)[:, None] * KP + offs_b[None, :], mask=mw, other=0)
+        for i in tl.static_range(4):
+            xa = tl.load(
+                q_ptr + offs_m[:, None] * stride_qm + (i * KP + offs_b)[None, :],
+                mask=mask_m[:, None] & mb[None, :],
+                other=0,
+            )  # [BM, BKB] int8
+            acc = tl.dot(xa, tl.trans(_codes8(wb, i, PTX)), acc, out_dtype=tl.int32)
+            if GATED:
+                acc2 = tl.dot(xa, tl.trans(_codes8(wb2, i, PTX)), acc2, out_dtype=tl.int32)
+    mask_y = mask_m[:, None] & mask_n[None, :]
+    if USE_SPLIT:
+        wcols = N * 2 if GATED else N
+        ws = ws_ptr + offs_m[:, None] * wcols + offs_n[None, :]
+        tl.atomic_add(ws, acc, mask=mask_y, sem="relaxed")
+        if GATED:
+            tl.atomic_add(ws + N, acc2, mask=mask_y, sem="relaxed")
+        tl.debug_barrier()
+        tile = pid_m * tl.num_programs(0) + pid_n
+        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if done == SPLIT - 1:
+            tl.debug_barrier()
+            acc = tl.atomic_xchg(ws, tl.zeros([BM, BN], tl.int32), mask=mask_y, sem="relaxed")
+            if GATED:
+                acc2 = tl.atomic_xchg(ws + N, tl.zeros([BM, BN], tl.int32), mask=mask_y, sem="relaxed")
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
+            _splitk_store(
+                acc,
+                acc2,
+                a_ptr,
+                rs_ptr,
+                s_ptr,
+                r_ptr,
+                y_ptr,
+                offs_m,
+                offs_n,
+                mask_m,
+                mask_n,
+                N,
+                stride_rm,
+                stride_ym,
+                HAS_RES,
+                GATED,
+                ACT,
+                PER_ROW,
+                PTX,
+            )
+    else:
+        _splitk_store(
+            acc,
+            acc2,
+            a_ptr,
+            rs_ptr,
+            s_ptr,
+            r_ptr,
+            y_ptr,
+            offs_m,
+            offs_n,
+            mask_m,
+            mask_n,
+            N,
+            stride_rm,
+            stride_ym,
+            HAS_RES,
+            GATED,
+            ACT,
+            PER_ROW,
+            PTX,
+        )
+
+
+@triton.jit
+def _splitk_store(
+    acc,
+    acc2,
+    a_ptr,
+    rs_ptr,
+    s_ptr,
+    r_ptr,
+    y_ptr,
+    offs_m,
+    offs_n,
+    mask_m,
+    mask_n,
+    N,
+    stride_rm,
+    stride_ym,
+    HAS_RES: tl.constexpr,
+    GATED: tl.constexpr,
+    ACT: tl.constexpr,
+    PER_ROW: tl.constexpr,
+    PTX: tl.constexpr,
+):
+    a = tl.load(a_ptr + offs_m, mask=mask_m, other=1.0)
+    rs = tl.load(rs_ptr + offs_m, mask=mask_m, other=0)
+    y = _epilogue(acc, rs, a, s_ptr, offs_n, mask_n, PER_ROW, PTX)
+    if GATED:
+        u = _epilogue(acc2, rs, a, s_ptr, offs_n + N, mask_n, PER_ROW, PTX)
+        y = _activate(y, ACT) * u
+    mask_y = mask_m[:, None] & mask_n[None, :]
+    if HAS_RES:
+        y += tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask_y, other=0.0).to(
+            tl.float32
+        )
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask_y)

@@ -6,15 +6,19 @@ winner; call the ops once outside CUDA-graph capture (a warm-up) so no tuning ha
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 
 from bitnetlm.kernels.triton import kernels as K
 from bitnetlm.kernels.triton.layout import packed_row_bytes
 
-GEMV_MAX_M = 16  # rows up to this use the dp4a GEMV; above it, int8 tensor-core GEMM
+GEMV_MAX_M = 16  # rows up to this may use the fused dp4a GEMV (the tuner decides against split-K)
+SPLITK_MAX_M = 64  # rows up to this use split-K tensor-core GEMM; above it, the plain tiled GEMM
 PTX = not K.INTERPRET
 _choice: dict[tuple, dict] = {}
+TUNE = os.environ.get("BITNETLM_TRITON_TUNE", "1") != "0"  # 0: first candidate, no timing (tests)
 
 
 def _next_pow2(n: int) -> int:
@@ -25,7 +29,7 @@ def _tune(key: tuple, candidates: list[dict], launch) -> dict:
     """The fastest candidate for `key` (first candidate under the interpreter or during capture)."""
     if key in _choice:
         return _choice[key]
-    if K.INTERPRET or len(candidates) == 1 or torch.cuda.is_current_stream_capturing():
+    if K.INTERPRET or len(candidates) == 1 or not TUNE or torch.cuda.is_current_stream_capturing():
         _choice[key] = candidates[0]
         return candidates[0]
     best, best_t = candidates[0], float("inf")
@@ -42,35 +46,73 @@ def _tune(key: tuple, candidates: list[dict], launch) -> dict:
 
 def _gemv_candidates(bm: int, gated: bool) -> list[dict]:
     if K.INTERPRET:
-        return [dict(BN=8, BKW=8, SBK=64, num_warps=1)]
+        return [dict(BN=64, BKW=16, SBK=128, num_warps=1)]  # few programs: the interpreter pays per op
     out = []
-    for bn, bkw, nw in (
-        (16, 32, 4),
-        (8, 64, 4),
-        (16, 64, 4),
-        (32, 32, 4),
-        (8, 32, 2),
-        (4, 64, 2),
-        (32, 64, 8),
-    ):
-        work = bm * bn * bkw * (2 if gated else 1)
-        if work <= 8192 * (nw // 2 or 1):
+    tiles = ((16, 32, 4), (8, 64, 4), (32, 32, 4), (4, 64, 2), (8, 32, 2), (8, 16, 4), (4, 32, 4), (4, 16, 2))
+    for bn, bkw, nw in tiles:
+        # keep the int32 accumulators at <= 32 registers a thread
+        if bm * bn * bkw * (2 if gated else 1) <= 32 * 32 * nw:
             out.append(dict(BN=bn, BKW=bkw, SBK=512, num_warps=nw))
-    return out or [dict(BN=8, BKW=16, SBK=512, num_warps=4)]
+    return out[:5]
 
 
 def _gemm_candidates(m: int, gated: bool) -> list[dict]:
     if K.INTERPRET:
-        return [dict(BM=16, BN=16, BKB=32, GROUP_M=4, num_warps=1, num_stages=1)]
-    c = [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 32, 128, 4, 4), (64, 64, 64, 4, 3)]
-    if m > 64:
-        c += [(128, 128, 64, 8, 3), (128, 64, 128, 4, 3), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3)]
+        return [dict(BM=32, BN=64, BKB=32, GROUP_M=4, num_warps=1, num_stages=1)]
+    if m <= 64:
+        c = [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 32, 128, 4, 4)]
+    else:
+        c = [(128, 128, 64, 8, 3), (128, 64, 128, 4, 3), (128, 128, 128, 8, 3), (64, 128, 128, 4, 3)]
     out = []
     for bm, bn, bkb, nw, ns in c:
         if gated and bm * bn > 128 * 64:
             continue
         out.append(dict(BM=bm, BN=bn, BKB=bkb, GROUP_M=8, num_warps=nw, num_stages=ns))
     return out
+
+
+def _splitk_candidates(m: int, n: int, kp: int, gated: bool) -> list[dict]:
+    bm = 16 if m <= 16 else 64
+    if K.INTERPRET:
+        tiles = [(64, 32, 8)]  # several splits even on small shapes: the atomics path is what CI checks
+    else:
+        tiles = [(64, 64, 400), (64, 128, 400), (32, 128, 400), (128, 64, 400), (64, 64, 800), (32, 64, 800)]
+    out = []
+    for bn, bkb, target in tiles:
+        if gated and bn > 64:
+            continue
+        n_tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
+        chunks = triton.cdiv(kp, bkb)
+        split = max(1, min(chunks, round(target / n_tiles)))
+        per = triton.cdiv(chunks, split)
+        split = triton.cdiv(chunks, per)  # no empty splits
+        out.append(
+            dict(
+                path="splitk",
+                BM=bm,
+                BN=bn,
+                BKB=bkb,
+                SPLIT=split,
+                CPS=per,
+                num_warps=4,
+                num_stages=1 if K.INTERPRET else 3,
+            )
+        )
+    return out
+
+
+_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device, m: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed int32 partial sums [M, cols] and per-tile counters; every call leaves them zeroed again."""
+    key = (str(device), m, cols)
+    if key not in _workspaces:
+        _workspaces[key] = (
+            torch.zeros((m, cols), dtype=torch.int32, device=device),
+            torch.zeros((8192,), dtype=torch.int32, device=device),
+        )
+    return _workspaces[key]
 
 
 def check_packed(packed: torch.Tensor, rows: int, k: int, where: str) -> None:
@@ -95,6 +137,7 @@ def ternary_linear(
     act: str = "relu2",
     eps: float = 1e-5,
     out: torch.Tensor | None = None,
+    path: str | None = None,
 ) -> torch.Tensor:
     """y = [residual +] f((X @ T^T) * s / a) with X = int8(rmsnorm?(x)); f = act(gate) * up when `gated`.
 
@@ -123,42 +166,39 @@ def ternary_linear(
     actc = K.ACT_CODES[act]
     if m == 0:
         return out.reshape(*lead, out_features)
-    if m <= GEMV_MAX_M:
-        bm = _next_pow2(m)
-        kw = packed.shape[1] // 4
-        w32 = packed.view(torch.int32)  # [R, Kp/4]: four bytes = one word, little endian
+    flags = (gated, norm_weight is not None, residual is not None, per_row)
+    kp = packed.shape[1]
+    bm = _next_pow2(m)
 
-        def launch(cfg):
-            grid = (triton.cdiv(out_features, cfg["BN"]),)
-            K._gemv_kernel[grid](
-                x2,
-                nw,
-                w32,
-                scale,
-                r,
-                y,
-                m,
-                out_features,
-                k,
-                kw,
-                x2.stride(0),
-                r.stride(0),
-                y.stride(0),
-                eps,
-                HAS_NORM=norm_weight is not None,
-                HAS_RES=residual is not None,
-                GATED=gated,
-                ACT=actc,
-                PER_ROW=per_row,
-                PTX=PTX,
-                BM=bm,
-                **cfg,
-            )
+    def launch_gemv(cfg):
+        cfg = {k2: v for k2, v in cfg.items() if k2 != "path"}
+        grid = (triton.cdiv(out_features, cfg["BN"]),)
+        K._gemv_kernel[grid](
+            x2,
+            nw,
+            packed.view(torch.int32),
+            scale,
+            r,
+            y,
+            m,
+            out_features,
+            k,
+            kp // 4,
+            x2.stride(0),
+            r.stride(0),
+            y.stride(0),
+            eps,
+            HAS_NORM=norm_weight is not None,
+            HAS_RES=residual is not None,
+            GATED=gated,
+            ACT=actc,
+            PER_ROW=per_row,
+            PTX=PTX,
+            BM=bm,
+            **cfg,
+        )
 
-        key = ("gemv", out_features, k, bm, gated, norm_weight is not None, residual is not None, per_row)
-        launch(_tune(key, _gemv_candidates(bm, gated), launch))
-    else:
-        kp = packed.shape[1]
+    def quant():
         q = torch.empty((m, 4 * kp), dtype=torch.int8, device=x.device)
         a = torch.empty((m,), dtype=torch.float32, device=x.device)
         rs = torch.empty((m,), dtype=torch.int32, device=x.device)
@@ -178,35 +218,82 @@ def ternary_linear(
             BK=_next_pow2(4 * kp),
             num_warps=1 if K.INTERPRET else (8 if k > 4096 else 4),
         )
+        return q, a, rs
 
-        def launch(cfg):
-            cfg = dict(cfg)
-            grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(out_features, cfg["BN"]),)
-            K._gemm_kernel[grid](
-                q,
-                a,
-                rs,
-                packed,
-                scale,
-                r,
-                y,
-                m,
-                out_features,
-                kp,
-                q.stride(0),
-                r.stride(0),
-                y.stride(0),
-                HAS_RES=residual is not None,
-                GATED=gated,
-                ACT=actc,
-                PER_ROW=per_row,
-                PTX=PTX,
-                **cfg,
-            )
+    def launch_splitk(cfg):
+        q, a, rs = quant()
+        ws, cnt = _workspace(x.device, m, rows)
+        grid = (triton.cdiv(out_features, cfg["BN"]), cfg["SPLIT"], triton.cdiv(m, cfg["BM"]))
+        K._splitk_kernel[grid](
+            q,
+            a,
+            rs,
+            packed,
+            scale,
+            r,
+            y,
+            ws,
+            cnt,
+            m,
+            out_features,
+            kp,
+            cfg["CPS"],
+            cfg["SPLIT"],
+            q.stride(0),
+            r.stride(0),
+            y.stride(0),
+            HAS_RES=residual is not None,
+            GATED=gated,
+            ACT=actc,
+            PER_ROW=per_row,
+            PTX=PTX,
+            USE_SPLIT=cfg["SPLIT"] > 1,
+            BM=cfg["BM"],
+            BN=cfg["BN"],
+            BKB=cfg["BKB"],
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+        )
 
-        mb = min(_next_pow2(m), 1024)  # tune per power-of-two bucket of M
-        key = ("gemm", out_features, k, mb, gated, residual is not None, per_row)
-        launch(_tune(key, _gemm_candidates(m, gated), launch))
+    def launch_gemm(cfg):
+        q, a, rs = quant()
+        cfg = {k2: v for k2, v in cfg.items() if k2 != "path"}
+        grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(out_features, cfg["BN"]),)
+        K._gemm_kernel[grid](
+            q,
+            a,
+            rs,
+            packed,
+            scale,
+            r,
+            y,
+            m,
+            out_features,
+            kp,
+            q.stride(0),
+            r.stride(0),
+            y.stride(0),
+            HAS_RES=residual is not None,
+            GATED=gated,
+            ACT=actc,
+            PER_ROW=per_row,
+            PTX=PTX,
+            **cfg,
+        )
+
+    def launch(cfg):
+        {"gemv": launch_gemv, "splitk": launch_splitk, "gemm": launch_gemm}[cfg["path"]](cfg)
+
+    gemv = [dict(path="gemv", **c) for c in _gemv_candidates(bm, gated)]
+    splitk = _splitk_candidates(m, out_features, kp, gated) if m <= SPLITK_MAX_M or path == "splitk" else []
+    gemm = [dict(path="gemm", **c) for c in _gemm_candidates(m, gated)]
+    if path is None:  # the first candidate is the untuned default
+        cands = splitk + gemv[:2] if m <= GEMV_MAX_M else (splitk if m <= SPLITK_MAX_M else gemm)
+    else:
+        cands = {"gemv": gemv, "splitk": splitk, "gemm": gemm}[path]
+    mb = min(bm, 1024)  # tune per power-of-two bucket of M
+    key = (path or "auto", out_features, k, mb, *flags)
+    launch(_tune(key, cands, launch))
     return out.reshape(*lead, out_features)
 
 
@@ -255,5 +342,5 @@ def w8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor
             BM=16 if m <= 16 else 64, BN=64 if m <= 16 else 128, BK=128 if m <= 16 else 64, num_warps=4
         )
     grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]))
-    K._w8_kernel[grid](x2, w, s, y, m, n, k, x2.stride(0), y.stride(0), **cfg)
+    K._w8_kernel[grid](x2, w, s, y, m, n, k, x2.stride(0), y.stride(0), PTX=PTX, **cfg)
     return y.reshape(*lead, n)

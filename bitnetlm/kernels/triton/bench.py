@@ -1,0 +1,153 @@
+"""The CUDA half of `bitnet bench`: prefill and CUDA-graph decode of the Triton engine vs our own bf16 engine.
+
+Both engines are `bitnetlm.engine_cuda.CudaEngine` over the same model shape with random weights (ternary in
+the real packed layout vs unquantized bf16 matrices), with the same CUDA-graph treatment, timed with CUDA
+events. Reported per batch size: prefill ms and tokens/s, decode ms/step, tokens/s and the GB/s of weights
+a decode step reads (projections + LM head + embedding rows, gpt-fast style), and the ternary/bf16 ratio.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+
+import torch
+
+
+def gpu_name() -> str:
+    p = torch.cuda.get_device_properties(0)
+    return f"{p.name} ({p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs), torch {torch.__version__}"
+
+
+def _events_ms(fn, reps: int) -> list[float]:
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return out
+
+
+@torch.no_grad()
+def bench_engine(eng, batches=(1, 8, 64), n_prompt: int = 512, n_gen: int = 128, reps: int = 5) -> list[dict]:
+    """Rows of prefill/decode timings of one engine (graphs captured per batch size)."""
+    from bitnetlm.engine_cuda import capture
+
+    vocab = eng.cfg.vocab_size
+    rows = []
+    for b in batches:
+        tok = torch.randint(0, vocab, (b, n_prompt), device=eng.device)
+        pos0 = torch.zeros((b,), dtype=torch.int32, device=eng.device)
+        graph, _ = capture(lambda tok=tok, pos0=pos0: eng.forward(tok, pos0))
+        pre = _events_ms(graph.replay, reps)
+        st = eng.decode_state(b)
+
+        def decode(st=st):
+            st.tok.random_(0, vocab)
+            st.pos.fill_(n_prompt)  # continue after the prefilled prompt
+            st.step.fill_(1)
+            for _ in range(n_gen):
+                st.graph.replay()
+
+        dec = _events_ms(decode, reps)
+        pre_ms, dec_ms = statistics.median(pre), statistics.median(dec) / n_gen
+        nbytes = eng.bytes_per_step(b)
+        rows.append(
+            dict(
+                weights=eng.ecfg.weights,
+                head=eng.ecfg.head,
+                batch=b,
+                prefill_tokens=n_prompt,
+                prefill_ms=pre_ms,
+                prefill_tok_s=b * n_prompt / pre_ms * 1e3,
+                decode_ms_per_step=dec_ms,
+                decode_tok_s=b / dec_ms * 1e3,
+                decode_weight_gb_s=nbytes / dec_ms / 1e6,
+                weight_bytes_per_step=nbytes,
+                weight_gib=sum(eng.weight_bytes().values()) / 2**30,
+            )
+        )
+        del graph
+        eng._graphs.clear()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_cuda(
+    shape: dict | None = None,
+    batches=(1, 8, 64),
+    n_prompt: int = 512,
+    n_gen: int = 128,
+    heads=("fp",),
+    baseline: bool = True,
+    reps: int = 5,
+) -> dict:
+    """Ternary engine (each head option) and the bf16 baseline on the same shape; returns rows + ratios."""
+    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
+    from bitnetlm.models import ModelConfig
+
+    cfg = ModelConfig(**(shape or {}))
+    seq = n_prompt + n_gen + 1
+    rows = []
+    kinds = [("ternary", h) for h in heads] + ([("dense", "fp")] if baseline else [])
+    for weights, head in kinds:
+        ecfg = EngineConfig(max_batch=max(batches), max_seq_len=seq, weights=weights, head=head)
+        torch.cuda.reset_peak_memory_stats()
+        eng = CudaEngine.random(cfg, ecfg)
+        rows += bench_engine(eng, batches, n_prompt, n_gen, reps)
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    ratios = []
+    for r in rows:
+        if r["weights"] != "ternary":
+            continue
+        base = [d for d in rows if d["weights"] == "dense" and d["batch"] == r["batch"]]
+        if base:
+            ratios.append(
+                dict(
+                    head=r["head"],
+                    batch=r["batch"],
+                    decode_speedup=r["decode_tok_s"] / base[0]["decode_tok_s"],
+                    prefill_speedup=r["prefill_tok_s"] / base[0]["prefill_tok_s"],
+                )
+            )
+    return dict(gpu=gpu_name(), config=dict(n_prompt=n_prompt, n_gen=n_gen), results=rows, ratios=ratios)
+
+
+def markdown(res: dict) -> str:
+    out = [
+        f"GPU: {res['gpu']}; prompt {res['config']['n_prompt']} tokens, decode {res['config']['n_gen']} steps "
+        "after it; random weights of the shape",
+        "",
+        "| weights | head | batch | prefill ms | prefill tok/s | decode ms/step | decode tok/s | weights GB/s | vs bf16 (decode) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in res["results"]:
+        sp = [x for x in res["ratios"] if x["batch"] == r["batch"] and x["head"] == r["head"]]
+        ratio = f"{sp[0]['decode_speedup']:.2f}x" if r["weights"] == "ternary" and sp else "-"
+        name = "ternary (Triton W2A8)" if r["weights"] == "ternary" else "bf16 (cuBLAS)"
+        out.append(
+            f"| {name} | {'bf16' if r['head'] == 'fp' else r['head']} | {r['batch']} | {r['prefill_ms']:.2f} | "
+            f"{r['prefill_tok_s']:,.0f} | {r['decode_ms_per_step']:.3f} | {r['decode_tok_s']:,.0f} | "
+            f"{r['decode_weight_gb_s']:,.0f} | {ratio} |"
+        )
+    return "\n".join(out)
+
+
+def run_cuda(args) -> int:
+    """`bitnet bench --device cuda`: the hook called by bitnetlm.bench.run."""
+    from bitnetlm.bench import SHAPES
+
+    shape = SHAPES[args.shape or "2b4t"]
+    n_prompt = args.n_prompt[-1] if args.n_prompt else 512
+    n_gen = args.n_gen[-1] if args.n_gen else 128
+    batches = tuple(getattr(args, "batch", None) or (1, 8, 64))
+    heads = ("int8",) if args.head_dtype == "int8" else ("fp",)
+    res = bench_cuda(shape, batches, n_prompt, n_gen, heads=heads, reps=max(1, args.repetitions))
+    print(json.dumps(res, indent=2) if args.json else markdown(res))
+    return 0

@@ -1,0 +1,221 @@
+"""Triton kernels vs the pure-torch reference: integer product exact, float result bit-identical.
+
+Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set below before the kernel
+modules are imported) on small ragged shapes; the `gpu` tests run the compiled kernels on the 2B4T shapes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+    # a kernel module imported earlier without the interpreter would hold compiled-only kernels: re-import
+    for name in [m for m in sys.modules if m.startswith("bitnetlm.kernels.triton")]:
+        del sys.modules[name]
+
+L = importlib.import_module("bitnetlm.kernels.triton.launch")
+layout = importlib.import_module("bitnetlm.kernels.triton.layout")
+kmod = importlib.import_module("bitnetlm.kernels.triton.kernels")
+
+from bitnetlm.quant.ternary import int_matmul, int_matmul_f32, quantize_activations  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+
+
+def _fused_reference(x, t, scale, norm=None, residual=None, gated=False, act="relu2", eps=1e-5):
+    """Reference for the fused launcher: RMSNorm, per-token quant, exact product, scale, act, residual."""
+    xf = x.float()
+    if norm is not None:
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        xf = (xf * rstd) * norm.float()
+    xq, a = quantize_activations(xf)
+    y = int_matmul_f32(xq, t) * (scale.float().reshape(1, -1) / a)
+    if gated:
+        n = t.shape[0] // 2
+        g, u = y[:, :n], y[:, n:]
+        y = (torch.relu(g) ** 2 if act == "relu2" else torch.nn.functional.silu(g)) * u
+    if residual is not None:
+        y = y + residual.float()
+    return y
+
+
+def _case(m, n, k, seed, dev=DEV):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(-1, 2, (n, k), generator=g, dtype=torch.int8)
+    x = torch.randn(m, k, generator=g) * (1 + 3 * torch.rand(m, 1, generator=g))
+    s = 0.01 + torch.rand(1, generator=g)
+    return t.to(dev), x.to(dev), s.to(dev)
+
+
+def test_layout_roundtrip_and_example():
+    g = torch.Generator().manual_seed(0)
+    for n, k in [(1, 1), (5, 17), (8, 64), (3, 100)]:
+        t = torch.randint(-1, 2, (n, k), generator=g, dtype=torch.int8)
+        p = layout.pack_triton(t)
+        assert p.shape == (n, layout.packed_row_bytes(k)) and p.shape[1] % 4 == 0
+        assert torch.equal(layout.unpack_triton(p, (n, k)), t)
+    # k = 0..15 -> slabs of width Kp = 4: byte b holds k = b, b+4, b+8, b+12 (codes t+1, low bits first)
+    t = torch.zeros(1, 16, dtype=torch.int8)
+    t[0, 0], t[0, 4], t[0, 8], t[0, 12] = 1, -1, 1, 0
+    assert layout.pack_triton(t)[0, 0].item() == 2 | (0 << 2) | (2 << 4) | (1 << 6)
+    with pytest.raises(ValueError, match="expected uint8"):
+        layout.unpack_triton(p, (n + 1, k))
+
+
+# every path (fused dp4a GEMV, split-K tensor-core GEMM with atomics, tiled GEMM) on ragged N and K
+# (K not a multiple of 16 exercises the padding; M > 16 the BM=64 tiles)
+@pytest.mark.parametrize("path", ["gemv", "splitk", "gemm"])
+@pytest.mark.parametrize("m,n,k", [(1, 70, 200), (3, 40, 64), (17, 33, 130)])
+def test_ternary_linear_exact(m, n, k, path):
+    t, x, s = _case(m, n, k, seed=m * 1000 + n)
+    p = layout.pack_triton(t)
+    y = L.ternary_linear(x, p, s, n, path=path)
+    xq, a = quantize_activations(x)
+    ref = int_matmul_f32(xq, t) * (s / a)
+    assert torch.equal(y, ref)  # bit-identical float result
+    # the integer part: with x already integer and max |x| = 127 per row, a = 1 and s = 1 give X @ T^T itself
+    xi = torch.randint(-127, 128, (m, k), device=x.device).float()
+    xi[:, 0] = 127
+    yi = L.ternary_linear(xi, p, torch.ones(1, device=x.device), n, path=path)
+    assert torch.equal(yi.to(torch.int32), int_matmul(xi.to(torch.int8).cpu(), t.cpu()).to(x.device))
+    # split-K leaves its workspace zeroed for the next call (CUDA-graph replays rely on it)
+    assert all(int(w.abs().sum()) == 0 and int(c.abs().sum()) == 0 for w, c in L._workspaces.values())
+
+
+def test_default_dispatch_exact():
+    for m in (2, 40):
+        t, x, s = _case(m, 24, 100, seed=m)
+        xq, a = quantize_activations(x)
+        assert torch.equal(L.ternary_linear(x, layout.pack_triton(t), s, 24), int_matmul_f32(xq, t) * (s / a))
+
+
+def test_quantize_rows_exact():
+    _, x, _ = _case(5, 1, 70, seed=3)
+    x[2] = 0  # all-zero row: the 1e-5 clamp
+    q, a, rs = L.quantize_rows(x)
+    xq, ar = quantize_activations(x)
+    assert torch.equal(q, xq) and torch.equal(a, ar[:, 0]) and torch.equal(rs, xq.int().sum(1))
+
+
+@pytest.mark.parametrize("m", [2, 20])
+def test_fused_variants(m):
+    """norm + per-row scale (q|k|v), gated relu2 / silu (gate|up), residual: against the fused reference."""
+    n, k = 24, 80
+    t, x, _ = _case(m, 2 * n, k, seed=m)
+    g = torch.Generator().manual_seed(7)
+    norm = (1 + 0.1 * torch.randn(k, generator=g)).to(x.device)
+    srow = (0.01 + torch.rand(2 * n, generator=g)).to(x.device)
+    res = torch.randn(m, n, generator=g).to(x.device)
+    p = layout.pack_triton(t)
+    y = L.ternary_linear(x, p, srow, 2 * n, norm_weight=norm)
+    torch.testing.assert_close(y, _fused_reference(x, t, srow, norm), rtol=2e-2, atol=2e-2)
+    for act in ("relu2", "silu"):
+        y = L.ternary_linear(x, p, srow, n, norm_weight=norm, gated=True, act=act)
+        torch.testing.assert_close(
+            y, _fused_reference(x, t, srow, norm, gated=True, act=act), rtol=3e-2, atol=3e-2
+        )
+    tn = t[:n]
+    y = L.ternary_linear(x, layout.pack_triton(tn), srow[:1], n, residual=res)
+    xq, a = quantize_activations(x)
+    assert torch.equal(y, int_matmul_f32(xq, tn) * (srow[:1] / a) + res)
+
+
+def test_bad_packed_shape_is_a_clear_error():
+    t, x, s = _case(1, 8, 32, seed=1)
+    with pytest.raises(ValueError, match="expected packed triton-2bit-v1 weights"):
+        L.ternary_linear(x, layout.pack_triton(t)[:, :4].contiguous(), s, 8)
+
+
+def test_w8_linear():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 64, generator=g).to(DEV)
+    w = torch.randint(-127, 128, (40, 64), generator=g, dtype=torch.int8).to(DEV)
+    s = torch.rand(40, generator=g).to(DEV)
+    y = L.w8_linear(x, w, s)
+    ref = (x.bfloat16().float() @ w.float().T) * s
+    # the interpreter truncates f32 -> bf16 where the GPU rounds: compare loosely, exactness is the GPU's test
+    torch.testing.assert_close(y, ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+
+
+def test_backend_and_custom_op_trace():
+    from bitnetlm.kernels.triton import BACKEND, ops
+
+    assert BACKEND.name == "triton" and BACKEND.layout.value == "triton-2bit-v1"
+    assert BACKEND.is_available(DEV)
+    t, x, s = _case(2, 16, 32, seed=9)
+    p = BACKEND.pack(t)
+    assert torch.equal(BACKEND.unpack(p, (16, 32)), t)
+    xq, a = quantize_activations(x)
+    assert torch.equal(BACKEND.linear(x, p, s, 16), int_matmul_f32(xq, t) * (s / a))
+
+    def f(x):
+        return ops.ternary_linear(x * 2, p, s, 16) + 1
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)  # traces through the fake impl
+    assert torch.equal(compiled(x), f(x))
+
+
+def test_engine_forward_matches_model(tiny_model):
+    """The fused engine (prefill: GEMV path + SDPA; decode: attention kernel) vs the model's own forward."""
+    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
+
+    eng = CudaEngine.from_model(
+        tiny_model, EngineConfig(max_batch=2, max_seq_len=16, dtype=torch.float32), device=DEV
+    )
+    m = tiny_model.to(DEV)
+    tok = torch.randint(0, 512, (2, 5), generator=torch.Generator().manual_seed(0)).to(DEV)
+    with torch.no_grad():
+        ref = m(tok)[:, -1]
+        got = eng.forward(tok, torch.zeros(2, dtype=torch.int32, device=DEV))
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+        nxt = ref.argmax(-1, keepdim=True)
+        ref2 = m(torch.cat([tok, nxt], 1))[:, -1]
+        got2 = eng.forward(nxt, torch.full((2,), 5, dtype=torch.int32, device=DEV))
+        torch.testing.assert_close(got2, ref2, rtol=1e-4, atol=1e-4 * ref2.abs().max().item())
+    tiny_model.to("cpu")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU: compiled kernels on the BitNet b1.58 2B4T shapes
+# ---------------------------------------------------------------------------------------------------------
+SHAPES_2B4T = [(3840, 2560), (2560, 2560), (2560, 6912), (640, 2560)]  # q|k|v, o, down, k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "m,path",
+    [(m, p) for m in (1, 5, 8, 16, 64, 300) for p in ("gemv", "splitk", "gemm") if p != "gemv" or m <= 16],
+)
+def test_gpu_2b4t_shapes_exact(m, path):
+    for n, k in SHAPES_2B4T:
+        t, x, s = _case(m, n, k, seed=n + k + m, dev="cuda")
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype)
+            y = L.ternary_linear(xd, layout.pack_triton(t), s, n, path=path)
+            xq, a = quantize_activations(xd)
+            acc = int_matmul(xq.cpu(), t.cpu()).cuda()  # int64 matmul runs on the CPU only
+            assert torch.equal(y.float(), (acc.float() * (s / a)).to(dtype).float()), (m, n, k, dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_gated_2b4t_and_int8_head():
+    t, x, _ = _case(8, 2 * 6912, 2560, seed=11, dev="cuda")
+    srow = torch.rand(2 * 6912, device="cuda") * 0.05
+    norm = 1 + 0.1 * torch.randn(2560, device="cuda")
+    for m in (8, 64):
+        xm = torch.randn(m, 2560, device="cuda")
+        y = L.ternary_linear(xm, layout.pack_triton(t), srow, 6912, norm_weight=norm, gated=True)
+        torch.testing.assert_close(y, _fused_reference(xm, t, srow, norm, gated=True), rtol=2e-3, atol=2e-3)
+    w = torch.randint(-127, 128, (1000, 2560), dtype=torch.int8, device="cuda")
+    s = torch.rand(1000, device="cuda")
+    for m in (1, 40):
+        xm = torch.randn(m, 2560, device="cuda")
+        ref = (xm.bfloat16().float() @ w.float().T) * s
+        torch.testing.assert_close(L.w8_linear(xm, w, s), ref, rtol=1e-4, atol=1e-3)
