@@ -13,9 +13,10 @@ def __getattr__(name):
 
         return getattr(loading, name)
     if name in ("generate", "stream_generate", "batch_generate"):
-        from bitnetlm import generate as _g
+        import importlib
 
-        return getattr(_g, name)
+        pkg = importlib.import_module("bitnetlm.generate")  # a callable package: bitnetlm.generate(...) works
+        return pkg if name == "generate" else getattr(pkg, name)
     if name in ("quantize_", "convert_"):
         from bitnetlm.train import qat
 

@@ -51,3 +51,11 @@ def test_2b4t_parameter_count_matches_formats_md():
     from bitnetlm.models import ModelConfig
 
     assert ModelConfig().num_parameters() == 2_412_820_480  # microsoft/bitnet-b1.58-2B-4T, FORMATS.md
+
+
+def test_lazy_reexports():
+    import bitnetlm
+
+    assert callable(bitnetlm.generate) and callable(bitnetlm.stream_generate) and callable(bitnetlm.batch_generate)
+    assert callable(bitnetlm.load) and callable(bitnetlm.save)
+    assert callable(bitnetlm.quantize_) and callable(bitnetlm.convert_)
