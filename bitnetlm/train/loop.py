@@ -15,6 +15,7 @@ import copy
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -191,6 +192,7 @@ class Trainer:
         self.best_val = math.inf
         self.bad_evals = 0
         self.last_val = None
+        self.resumed_from = None
         dev = self.info.device
         use_bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and dev.type == "cuda")
         self.autocast = (
@@ -221,8 +223,9 @@ class Trainer:
         self.tokens_seen = int(state.get("tokens_seen", 0))
         self.best_val = float(state.get("best_val", math.inf))
         self.bad_evals = int(state.get("bad_evals", 0))
-        if self.info.is_main and cfg.progress:
-            print(f"resumed from {path} (step {self.step})", flush=True)
+        self.resumed_from = self.step
+        if self.info.is_main:
+            print(f"resumed from {path} (step {self.step})", file=sys.stderr, flush=True)
         return True
 
     def save(self) -> Path | None:
@@ -377,6 +380,7 @@ class Trainer:
             "checkpoint": str(final_ckpt) if final_ckpt else None,
             "export": str(export_dir) if export_dir else None,
             "tokens": self.tokens_seen,
+            "resumed_from": self.resumed_from,
         }
 
     def _eval_and_check(self) -> bool:
