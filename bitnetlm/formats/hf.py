@@ -223,9 +223,8 @@ def save_hf(
     hf_cfg = cfg.to_hf()
     if cfg.arch == "1bitllm":  # saved as BitNet with SiLU: transformers has no 1bitLLM class
         hf_cfg["hidden_act"] = cfg.hidden_act
-    if dtype is not None:
-        hf_cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     sd = state_dict_hf(model, dtype)
+    hf_cfg["torch_dtype"] = str(sd["model.embed_tokens.weight"].dtype).removeprefix("torch.")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
