@@ -12,6 +12,7 @@ import random
 import httpx
 import openai
 import pytest
+import torch
 
 from bitnetlm.generate import SamplingParams, generate
 from bitnetlm.serve import start
@@ -21,6 +22,16 @@ from bitnetlm.serve.testing import tiny_model_and_tokenizer
 WORDS = (
     "the quick brown fox jumps over lazy dog truth universally acknowledged single man fortune wife".split()
 )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    # the tiny test model gains nothing from intra-op threads, and on a busy 2-core CI machine OpenMP
+    # spin-waiting makes each step several times slower; restore the setting for other test modules
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

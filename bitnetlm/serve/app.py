@@ -144,12 +144,12 @@ class _Run:
     async def events(self, request: Request) -> AsyncIterator[tuple[int, Any]]:
         """(prompt index, event) until every group finished; cancels everything if the client disconnects."""
         watcher = asyncio.ensure_future(_wait_disconnect(request))
+        get = None
         try:
             while self.open:
                 get = asyncio.ensure_future(self.queue.get())
                 done, _ = await asyncio.wait({get, watcher}, return_when=asyncio.FIRST_COMPLETED)
                 if get not in done:
-                    get.cancel()
                     return  # client gone: the finally clause cancels the engine work
                 i, ev = get.result()
                 if isinstance(ev, (Finished, Failed)):
@@ -157,6 +157,8 @@ class _Run:
                 yield i, ev
         finally:
             watcher.cancel()
+            if get is not None and not get.done():
+                get.cancel()
             if self.open:
                 self.cancel()
 
