@@ -392,3 +392,61 @@ def save_gguf(
     path = Path(path)
     write_gguf(path, arch, meta, tensors, value_types=types)
     return path
+
+
+# ---- inspect --------------------------------------------------------------------------------------
+
+
+def inspect_gguf(path: str | os.PathLike) -> dict:
+    """`bitnet inspect` report of a GGUF file: metadata (long arrays summarized), tensor table, bits per weight."""
+    from bitnetlm.formats.gguf_file import read_gguf
+
+    f = read_gguf(path)
+    tensors, ternary_n, ternary_b, total_n = [], 0, 0, 0
+    for ti in f.tensors.values():
+        n = ti.n_values
+        total_n += n
+        if ti.type_id in codecs.TYPE_NAMES:
+            ternary_n += n
+            ternary_b += ti.nbytes
+        tensors.append(
+            {
+                "name": ti.name,
+                "dtype": ti.type_name,
+                "shape": list(ti.shape),
+                "bits_per_weight": round(8 * ti.nbytes / max(n, 1), 4),
+            }
+        )
+    meta = {}
+    for k, v in f.metadata.items():
+        if isinstance(v, list) and len(v) > 8:
+            meta[k] = f"[{len(v)} items]"
+        elif isinstance(v, str) and len(v) > 200:
+            meta[k] = v[:200] + f"... ({len(v)} chars)"
+        else:
+            meta[k] = v
+    data_bytes = sum(ti.nbytes for ti in f.tensors.values())
+    try:
+        cfg = config_from_gguf(f)
+        arch, quant = cfg.arch, cfg.quant
+    except GGUFError as e:
+        arch, quant = f.metadata.get("general.architecture"), f"unknown ({e})"
+    types = sorted({t["dtype"] for t in tensors})
+    return {
+        "path": str(path),
+        "format": f"gguf v{f.version}",
+        "architecture": f"{arch} (gguf: {f.metadata.get('general.architecture')})",
+        "quantization": quant
+        if quant != "ternary"
+        else "ternary ("
+        + ", ".join(sorted({t["dtype"] for t in tensors if t["dtype"] in ("TQ1_0", "TQ2_0", "I2_S")}))
+        + ")",
+        "layout": ", ".join(types),
+        "parameters": total_n,
+        "ternary_parameters": ternary_n,
+        "bits_per_ternary_weight": (8 * ternary_b / ternary_n) if ternary_n else None,
+        "bits_per_weight_overall": 8 * data_bytes / max(total_n, 1),
+        "file_bytes": Path(path).stat().st_size,
+        "config": meta,
+        "tensors": tensors,
+    }

@@ -281,3 +281,64 @@ def onnx_session(path: str | os.PathLike):
 
     so = ort.SessionOptions()
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def inspect_onnx(path: str | os.PathLike) -> dict:
+    """`bitnet inspect` report of an ONNX file: opset, inputs/outputs, initializer table, bits per weight."""
+    import onnx
+    from onnx import TensorProto
+
+    mp = onnx.load(str(path), load_external_data=False)
+    bits = {
+        TensorProto.INT2: 2,
+        TensorProto.UINT2: 2,
+        TensorProto.INT4: 4,
+        TensorProto.UINT4: 4,
+        TensorProto.INT8: 8,
+        TensorProto.UINT8: 8,
+        TensorProto.FLOAT16: 16,
+        TensorProto.BFLOAT16: 16,
+        TensorProto.FLOAT: 32,
+        TensorProto.INT64: 64,
+        TensorProto.INT32: 32,
+        TensorProto.DOUBLE: 64,
+    }
+    tensors, total_n, total_bits, tern_n = [], 0, 0, 0
+    for t in mp.graph.initializer:
+        n = int(np.prod(t.dims)) if len(t.dims) else 1
+        b = bits.get(t.data_type, 32)
+        total_n += n
+        total_bits += n * b
+        if t.data_type in (TensorProto.INT2, TensorProto.UINT2) and len(t.dims):  # not the zero-point scalars
+            tern_n += n
+        tensors.append(
+            {
+                "name": t.name,
+                "dtype": TensorProto.DataType.Name(t.data_type),
+                "shape": list(t.dims),
+                "bits_per_weight": b,
+            }
+        )
+
+    def io(vs):  # noqa: E306
+        return [f"{v.name}: {[d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]}" for v in vs]
+
+    meta = {p.key: p.value for p in mp.metadata_props}
+    return {
+        "path": str(path),
+        "format": f"onnx (ir {mp.ir_version}, opsets {[(o.domain or 'ai.onnx', o.version) for o in mp.opset_import]})",
+        "architecture": meta.get("bitnetlm_arch"),
+        "quantization": "ternary (INT2 DequantizeLinear + MatMul)" if tern_n else "none",
+        "parameters": total_n,
+        "ternary_parameters": tern_n,
+        "bits_per_ternary_weight": 2.0 if tern_n else None,
+        "bits_per_weight_overall": total_bits / max(total_n, 1),
+        "file_bytes": Path(path).stat().st_size,
+        "config": {
+            "metadata": meta,
+            "inputs": io(mp.graph.input),
+            "outputs": io(mp.graph.output),
+            "nodes": len(mp.graph.node),
+        },
+        "tensors": tensors,
+    }

@@ -1,0 +1,56 @@
+"""bitnet convert IN OUT --to {hf,gguf,onnx} [--type tq1_0|tq2_0|i2_s] [--force]"""
+
+from __future__ import annotations
+
+
+def add_arguments(p) -> None:
+    p.add_argument("input", help="source model: HF directory or .gguf file")
+    p.add_argument("output", help="output path (directory for hf, file for gguf/onnx)")
+    p.add_argument("--to", required=True, choices=["hf", "gguf", "onnx"], help="target format")
+    p.add_argument(
+        "--type",
+        default=None,
+        choices=["tq1_0", "tq2_0", "i2_s"],
+        help="GGUF type of the ternary projections (tq1_0 1.69 bpw, tq2_0 2.06 bpw, i2_s 2 bpw + "
+        "exact float32 scale; TQ types round each scale to fp16). Default: tq2_0 for ternary models",
+    )
+    p.add_argument(
+        "--storage",
+        default="2bit",
+        choices=["2bit", "base3"],
+        help="hf only: 2bit = transformers-loadable packed layout (default); base3 = 1.6 bits/weight "
+        "distribution encoding, decoded at load by bitnet-lm only",
+    )
+    p.add_argument(
+        "--embed-type",
+        default="auto",
+        choices=["auto", "f32", "f16", "bf16"],
+        help="gguf only: type of token_embd/output (auto = smallest lossless of bf16/f16/f32)",
+    )
+    p.add_argument(
+        "--gguf-arch",
+        default=None,
+        choices=["bitnet", "bitnet-b1.58", "bitnet-25", "llama"],
+        help="gguf only: general.architecture to write (default: bitnet-b1.58 for BitNet 2B4T-style, "
+        "bitnet for 1bitLLM, llama for LLaMA)",
+    )
+    p.add_argument("-f", "--force", action="store_true", help="overwrite OUTPUT if it exists")
+
+
+def run(args) -> int:
+    import sys
+
+    from bitnetlm.convert import convert
+
+    out = convert(
+        args.input,
+        args.output,
+        to=args.to,
+        qtype=args.type,
+        force=args.force,
+        storage=args.storage,
+        embed_type=args.embed_type,
+        gguf_arch=args.gguf_arch,
+    )
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
