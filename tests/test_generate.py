@@ -172,3 +172,20 @@ def test_chat_messages_and_lazy_exports(model, tok):
     assert sys_r.prompt_tokens == len(sys_ids)
     assert next(iter(bitnetlm.stream_generate(model, tok, "Hi", max_tokens=1))).generation_tokens == 1
     assert len(bitnetlm.batch_generate(model, tok, ["a", "b"], max_tokens=1)) == 2
+
+
+@pytest.mark.gpu
+def test_cuda_batched_equals_individual_and_oracle(tok):
+    model = tiny_llama3_bitnet().to("cuda")
+    prepare(model, "cuda", "reference")
+    ids = tok.encode(PROMPTS[0])
+    r = generate(model, tok, PROMPTS[0], max_tokens=8, temperature=0, ignore_eos=True)
+    assert r.tokens == _greedy_no_cache(model, ids, 8)
+    params = [
+        SamplingParams(max_tokens=8, temperature=1.0, top_k=50, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, min_p=0.05, seed=8, ignore_eos=True),
+    ]
+    batch = batch_generate(model, tok, PROMPTS, params)
+    for prompt, p, b in zip(PROMPTS, params, batch, strict=True):
+        assert b.tokens == generate(model, tok, prompt, p).tokens
