@@ -218,4 +218,4 @@ def test_gpu_gated_2b4t_and_int8_head():
     for m in (1, 40):
         xm = torch.randn(m, 2560, device="cuda")
         ref = (xm.bfloat16().float() @ w.float().T) * s
-        torch.testing.assert_close(L.w8_linear(xm, w, s), ref, rtol=1e-4, atol=1e-3)
+        torch.testing.assert_close(L.w8_linear(xm, w, s), ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item())

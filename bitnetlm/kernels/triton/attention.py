@@ -125,6 +125,9 @@ def _attn_decode_kernel(
     tl.store(o_ptr + (b * H + h) * D + offs_d, (acc / l_i).to(o_ptr.dtype.element_ty))
 
 
+ATTN_BLOCK = (128, 8)  # (keys per loop trip, warps): few trips, since decode attention is latency-bound
+
+
 def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float) -> None:
     """One query per row: q [B, H, D] attends to cache slots 0..pos[b]; out [B, H, D]."""
     b, h, d = q.shape[0], q.shape[1], q.shape[-1]
@@ -139,8 +142,8 @@ def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float) -> None:
         k_cache.shape[1],
         k_cache.shape[2],
         D=d,
-        BS=16 if INTERPRET else 64,
-        num_warps=1 if INTERPRET else 4,
+        BS=16 if INTERPRET else ATTN_BLOCK[0],
+        num_warps=1 if INTERPRET else ATTN_BLOCK[1],
     )
 
 

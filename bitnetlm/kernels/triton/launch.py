@@ -44,15 +44,26 @@ def _tune(key: tuple, candidates: list[dict], launch) -> dict:
     return best
 
 
-def _gemv_candidates(bm: int, gated: bool) -> list[dict]:
+def _gemv_candidates(bm: int, gated: bool, k: int = 4096) -> list[dict]:
     if K.INTERPRET:
         return [dict(BN=64, BKW=16, SBK=128, num_warps=1)]  # few programs: the interpreter pays per op
     out = []
-    tiles = ((16, 32, 4), (8, 64, 4), (32, 32, 4), (4, 64, 2), (8, 32, 2), (8, 16, 4), (4, 32, 4), (4, 16, 2))
+    # decode is latency-bound: few loop trips (wide BKW / SBK) and many small programs keep loads in flight
+    tiles = (
+        (4, 256, 4),
+        (8, 128, 4),
+        (4, 128, 2),
+        (16, 32, 4),
+        (8, 64, 4),
+        (4, 64, 2),
+        (8, 32, 2),
+        (8, 16, 4),
+    )
     for bn, bkw, nw in tiles:
-        # keep the int32 accumulators at <= 32 registers a thread
+        # keep the int32 accumulators at <= 32 registers a thread, the stats tile at <= 64
         if bm * bn * bkw * (2 if gated else 1) <= 32 * 32 * nw:
-            out.append(dict(BN=bn, BKW=bkw, SBK=512, num_warps=nw))
+            sbk = max(128, min(triton.next_power_of_2(k), 64 * 32 * nw // bm))
+            out.append(dict(BN=bn, BKW=bkw, SBK=sbk, num_warps=nw))
     return out[:5]
 
 
@@ -76,7 +87,7 @@ def _splitk_candidates(m: int, n: int, kp: int, gated: bool) -> list[dict]:
     if K.INTERPRET:
         tiles = [(64, 32, 8)]  # several splits even on small shapes: the atomics path is what CI checks
     else:
-        tiles = [(64, 64, 400), (64, 128, 400), (32, 128, 400), (128, 64, 400), (64, 64, 800), (32, 64, 800)]
+        tiles = [(64, 64, 400), (64, 128, 400), (32, 128, 400), (64, 64, 800), (32, 64, 800), (32, 128, 1600)]
     out = []
     for bn, bkb, target in tiles:
         if gated and bn > 64:
@@ -284,7 +295,7 @@ def ternary_linear(
     def launch(cfg):
         {"gemv": launch_gemv, "splitk": launch_splitk, "gemm": launch_gemm}[cfg["path"]](cfg)
 
-    gemv = [dict(path="gemv", **c) for c in _gemv_candidates(bm, gated)]
+    gemv = [dict(path="gemv", **c) for c in _gemv_candidates(bm, gated, k)]
     splitk = _splitk_candidates(m, out_features, kp, gated) if m <= SPLITK_MAX_M or path == "splitk" else []
     gemm = [dict(path="gemm", **c) for c in _gemm_candidates(m, gated)]
     if path is None:  # the first candidate is the untuned default

@@ -1,0 +1,73 @@
+"""Where a CUDA-graph decode step spends its time (device machine): kernel table of one engine's decode.
+
+    python benchmarks/gpu_profile.py [--batches 1,8] [--weights ternary]
+
+Random weights of the 2B4T shape; replays the captured decode step under torch.profiler and prints the kernels
+by total time, plus decode ms/step for the attention block-size variants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--weights", default="ternary")
+    ap.add_argument("--context", type=int, default=512)
+    args = ap.parse_args()
+    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
+    from bitnetlm.kernels.triton import attention
+    from bitnetlm.models import ModelConfig
+
+    batches = [int(b) for b in args.batches.split(",")]
+    eng = CudaEngine.random(
+        ModelConfig(),
+        EngineConfig(max_batch=max(batches), max_seq_len=args.context + 200, weights=args.weights),
+    )
+    for b in batches:
+        for blk in ((128, 8), (64, 4), (256, 8)):
+            attention.ATTN_BLOCK = blk
+            eng._graphs.clear()
+            st = eng.decode_state(b)
+            st.pos.fill_(args.context)
+            st.step.fill_(1)
+            for _ in range(3):
+                st.graph.replay()
+            a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            st.pos.fill_(args.context)
+            st.step.fill_(1)
+            a.record()
+            for _ in range(100):
+                st.graph.replay()
+            e.record()
+            e.synchronize()
+            print(f"batch {b} attn block {blk}: {a.elapsed_time(e) / 100:.3f} ms/step", flush=True)
+        attention.ATTN_BLOCK = (128, 8)
+        eng._graphs.clear()
+        st = eng.decode_state(b)
+        st.pos.fill_(args.context)
+        st.step.fill_(1)
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                st.graph.replay()
+            torch.cuda.synchronize()
+        print(f"--- batch {b}: kernels over 10 decode steps", flush=True)
+        print(
+            prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60),
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
