@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import httpx
 import openai
@@ -302,3 +303,60 @@ def test_api_key_protects_everything_but_health(mt):
         # CORS is off by default: no Access-Control-Allow-Origin header
         r = httpx.get(h.url + "/health", headers={"Origin": "http://evil.example"})
         assert "access-control-allow-origin" not in r.headers
+
+
+def test_prompt_batch_and_n_streaming(mt, client):
+    model, tok = mt
+    prompts = ["the lazy dog", "a single man in possession"]
+    refs = [
+        generate(model, tok, p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)) for p in prompts
+    ]
+    r = client.completions.create(
+        model="bitnet", prompt=prompts, n=2, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [str(refs[0])] * 2 + [str(refs[1])] * 2
+    assert r.usage.prompt_tokens == sum(len(tok.encode(p)) for p in prompts)
+    assert r.usage.completion_tokens == 4 * 6
+    s = client.chat.completions.create(
+        model="bitnet", messages=[{"role": "user", "content": "hi"}], n=3, max_tokens=5, stream=True, seed=3
+    )
+    texts = {}
+    finished = set()
+    for ch in s:
+        for c in ch.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finished.add(c.index)
+    assert finished == {0, 1, 2}
+    ref = generate(model, tok, [{"role": "user", "content": "hi"}], SamplingParams(max_tokens=5, seed=3))
+    assert texts[0] == str(ref)
+
+
+def test_health_is_503_while_loading(mt):
+    import threading
+
+    model, tok = mt
+    gate = threading.Event()
+
+    def loader():
+        gate.wait(60)
+        return model, tok
+
+    from bitnetlm.serve.app import ServerConfig, start_server
+
+    h = start_server(ServerConfig(port=0, log_level="warning"), loader=loader)
+    try:
+        r = httpx.get(h.url + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        r = httpx.get(h.url + "/v1/models")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+        gate.set()
+        for _ in range(500):
+            if httpx.get(h.url + "/health").status_code == 200:
+                break
+            time.sleep(0.02)
+        assert httpx.get(h.url + "/health").json() == {"status": "ok"}
+        assert httpx.get(h.url + "/v1/models").status_code == 200
+    finally:
+        h.stop()

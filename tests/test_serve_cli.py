@@ -47,7 +47,12 @@ def test_bitnet_serve_process_health_auth_and_graceful_drain(tmp_path):
     model, tok = tiny_model_and_tokenizer(max_len=256)
     bitnetlm.save(model, tmp_path / "tiny", tokenizer=tok)
     env = dict(
-        os.environ, BITNET_API_KEY="k", BITNET_MAX_BATCH="2", BITNET_BACKEND="reference", BITNET_PORT="0"
+        os.environ,
+        BITNET_API_KEY="k",
+        BITNET_MAX_BATCH="2",
+        BITNET_BACKEND="reference",
+        BITNET_PORT="0",
+        BITNET_THREADS="1",
     )
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
     proc = subprocess.Popen(

@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""Bounded loopback load test of `bitnet serve`: requests/s, TTFT p50/p99 and tokens/s at 1, 8, 32 clients.
+
+Starts `bitnet serve` in a subprocess on 127.0.0.1 (a free port), then for each concurrency level sends a fixed
+number of streaming /v1/completions requests from that many concurrent clients (each client sends its next
+request as soon as the previous one finished) and prints a markdown table naming the machine.
+
+  python benchmarks/serve_load.py                       # tiny random model (weights random, numbers = overhead)
+  python benchmarks/serve_load.py -m path/to/model --max-tokens 64 --requests 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} logical cores, Python {platform.python_version()}"
+
+
+def start_server(model: str, args, env_extra: dict) -> tuple[subprocess.Popen, str]:
+    env = dict(os.environ, BITNET_PORT="0", **env_extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "bitnetlm.cli", "serve", "-m", model, "--log-level", "warning"]
+    cmd += ["--max-batch", str(args.max_batch), "--max-queue", str(args.requests + 8)]
+    if args.device:
+        cmd += ["--device", args.device]
+    if args.backend:
+        cmd += ["--backend", args.backend]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    url = None
+    while url is None:
+        line = proc.stderr.readline()
+        if not line:
+            raise RuntimeError(f"server exited (rc={proc.poll()})")
+        m = re.search(r"listening on (http://\S+)", line)
+        url = m.group(1) if m else None
+    threading.Thread(target=lambda: [sys.stderr.write(x) for x in proc.stderr], daemon=True).start()
+    import httpx
+
+    t0 = time.monotonic()
+    while httpx.get(url + "/health").status_code != 200:
+        if proc.poll() is not None or time.monotonic() - t0 > 600:
+            raise RuntimeError("server did not become healthy")
+        time.sleep(0.1)
+    return proc, url
+
+
+async def one(client, url, prompt, max_tokens) -> tuple[float, float, int]:
+    """(ttft, total seconds, completion tokens) for one streaming request."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    body["stream_options"] = {"include_usage": True}
+    t0 = time.perf_counter()
+    ttft, tokens = None, 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            d = json.loads(line[6:])
+            if d["choices"] and ttft is None:
+                ttft = time.perf_counter() - t0
+            if d.get("usage"):
+                tokens = d["usage"]["completion_tokens"]
+    return ttft or 0.0, time.perf_counter() - t0, tokens
+
+
+async def level(url, concurrency, n_requests, prompts, max_tokens) -> dict:
+    import httpx
+
+    queue = list(range(n_requests))
+    results = []
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
+
+        async def worker():
+            while queue:
+                i = queue.pop()
+                results.append(await one(client, url, prompts[i % len(prompts)], max_tokens))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*[worker() for _ in range(concurrency)])
+        wall = time.perf_counter() - t0
+    ttfts = sorted(r[0] for r in results)
+    toks = sum(r[2] for r in results)
+
+    def pct(q):
+        return ttfts[min(len(ttfts) - 1, int(round(q * (len(ttfts) - 1))))]
+
+    return {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "wall_s": wall,
+        "req_s": len(results) / wall,
+        "ttft_p50_ms": 1000 * pct(0.5),
+        "ttft_p99_ms": 1000 * pct(0.99),
+        "tok_s": toks / wall,
+        "tokens": toks,
+        "mean_latency_s": statistics.mean(r[1] for r in results),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "-m", "--model", help="model to serve (default: a tiny random model written to a temp dir)"
+    )
+    ap.add_argument("--concurrency", default="1,8,32", help="comma-separated client counts (default: 1,8,32)")
+    ap.add_argument("--requests", type=int, default=64, help="requests per concurrency level (default: 64)")
+    ap.add_argument("--max-tokens", type=int, default=32, help="completion tokens per request (default: 32)")
+    ap.add_argument("--prompt-words", type=int, default=48, help="words per prompt (default: 48)")
+    ap.add_argument("--max-batch", type=int, default=32, help="server --max-batch (default: 32)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--backend", default=None)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    args = ap.parse_args(argv)
+
+    tmp = None
+    model = args.model
+    label = model
+    env_extra = {}
+    if model is None:
+        sys.path.insert(0, str(ROOT))
+        import bitnetlm
+        from bitnetlm.serve.testing import tiny_model_and_tokenizer
+
+        m, tok = tiny_model_and_tokenizer(max_len=1024, layers=4, hidden=256)
+        tmp = tempfile.TemporaryDirectory()
+        model = os.path.join(tmp.name, "tiny")
+        bitnetlm.save(m, model, tokenizer=tok)
+        label = "tiny random BitNet (4 layers, hidden 256, vocab 506; random weights)"
+        env_extra["BITNET_BACKEND"] = args.backend or "reference"
+    words = (
+        "the quick brown fox jumps over the lazy dog while a single man in possession of a fortune".split()
+    )
+    prompts = [" ".join(words[(i + j) % len(words)] for j in range(args.prompt_words)) for i in range(64)]
+    proc, url = start_server(model, args, env_extra)
+    rows = []
+    try:
+        asyncio.run(level(url, 1, 2, prompts, 4))  # warm-up
+        for c in [int(x) for x in args.concurrency.split(",")]:
+            rows.append(asyncio.run(level(url, c, args.requests, prompts, args.max_tokens)))
+            print(f"  concurrency {c}: done", file=sys.stderr)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        if tmp is not None:
+            tmp.cleanup()
+    print(f"\n### bitnet serve load test: {label}\n")
+    print(
+        f"machine: {machine()}; server --max-batch {args.max_batch}; {args.requests} streaming requests per row,"
+    )
+    print(
+        f"~{args.prompt_words}-word prompts, {args.max_tokens} completion tokens each (greedy, ignore_eos)\n"
+    )
+    print(
+        "| clients | requests | requests/s | TTFT p50 (ms) | TTFT p99 (ms) | output tokens/s | mean latency (s) |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['concurrency']} | {r['requests']} | {r['req_s']:.2f} | {r['ttft_p50_ms']:.0f} | "
+            f"{r['ttft_p99_ms']:.0f} | {r['tok_s']:.1f} | {r['mean_latency_s']:.2f} |"
+        )
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
