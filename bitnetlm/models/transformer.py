@@ -14,7 +14,7 @@ from torch import nn
 
 from bitnetlm.models.cache import KVCache
 from bitnetlm.models.config import ModelConfig
-from bitnetlm.quant.bitlinear import BitLinear
+from bitnetlm.quant.bitlinear import BitLinear, multi_linear
 
 
 class RMSNorm(nn.Module):
@@ -91,9 +91,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, layer: int, cache: KVCache | None, cache_pos, mask):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k, v = multi_linear((self.q_proj, self.k_proj, self.v_proj), x)  # one kernel call where possible
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
+        k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
@@ -101,15 +102,37 @@ class Attention(nn.Module):
             idx = cache_pos[:, None, :, None].expand(b, self.n_kv, t, self.head_dim)  # [B, Hkv, T, D]
             cache.k[layer].scatter_(2, idx, k.to(cache.k[layer].dtype))
             cache.v[layer].scatter_(2, idx, v.to(cache.v[layer].dtype))
-            k, v = cache.k[layer].to(q.dtype), cache.v[layer].to(q.dtype)
-        if self.n_kv != self.n_heads:
+            k, v = cache.k[layer], cache.v[layer]
+            if k.device.type == "cpu" and not torch.compiler.is_compiling():
+                # CPU decode: attend over the slots written so far only (later ones are masked out anyway)
+                n = int(cache_pos.max()) + 1
+                k, v, mask = k[:, :, :n], v[:, :, :n], mask[..., :n]
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        if self.n_kv != self.n_heads and mask is not None:
+            # GQA without copying K/V per head: the `rep` query heads of one KV head become rep*T query rows
             rep = self.n_heads // self.n_kv
-            k = k[:, :, None].expand(b, self.n_kv, rep, *k.shape[2:]).reshape(b, self.n_heads, *k.shape[2:])
-            v = v[:, :, None].expand(b, self.n_kv, rep, *v.shape[2:]).reshape(b, self.n_heads, *v.shape[2:])
-        if mask is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1)
+            qg = q.reshape(b, self.n_kv, rep * t, self.head_dim)  # [B, Hkv, rep*T, D]
+            mg = mask[:, :, None].expand(b, 1, rep, t, mask.shape[-1]).reshape(b, 1, rep * t, mask.shape[-1])
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mg).reshape(
+                b, self.n_heads, t, self.head_dim
+            )
         else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            if self.n_kv != self.n_heads:
+                rep = self.n_heads // self.n_kv
+                k = (
+                    k[:, :, None]
+                    .expand(b, self.n_kv, rep, *k.shape[2:])
+                    .reshape(b, self.n_heads, *k.shape[2:])
+                )
+                v = (
+                    v[:, :, None]
+                    .expand(b, self.n_kv, rep, *v.shape[2:])
+                    .reshape(b, self.n_heads, *v.shape[2:])
+                )
+            if mask is None:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         o = o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # [B, T, H*D]
         if self.attn_sub_norm is not None:
             o = self.attn_sub_norm(o)
@@ -127,7 +150,8 @@ class MLP(nn.Module):
         self.act = _act(cfg.hidden_act)
 
     def forward(self, x):
-        y = self.act(self.gate_proj(x)) * self.up_proj(x)
+        g, u = multi_linear((self.gate_proj, self.up_proj), x)
+        y = self.act(g) * u
         if self.ffn_sub_norm is not None:
             y = self.ffn_sub_norm(y)
         return self.down_proj(y)
@@ -162,9 +186,14 @@ class CausalLM(nn.Module):
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        # optional compact (bf16 / int8) embedding and LM head for CPU decode: kernels.cpu.head.set_head_dtype
+        self.compact_embed = None
+        self.compact_head = None
 
     # ---- parts ----------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.compact_embed is not None:
+            return self.compact_embed.embed(input_ids)
         return self.embed_tokens(input_ids)
 
     def lm_head_weight(self) -> torch.Tensor:
@@ -173,6 +202,8 @@ class CausalLM(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head (tied to the embedding unless the config says otherwise)."""
         h = self.norm(h)
+        if self.compact_head is not None:
+            return self.compact_head(h)
         if self.lm_head is None:
             return F.linear(h, self.embed_tokens.weight)
         return self.lm_head(h)

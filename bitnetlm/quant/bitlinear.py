@@ -170,3 +170,25 @@ def to_inference_(model: nn.Module) -> nn.Module:
     if hasattr(model, "mode") and getattr(model, "mode", None) == "train":
         model.mode = "infer"
     return model
+
+
+def multi_linear(layers, x: torch.Tensor) -> list[torch.Tensor]:
+    """[layer(x) for layer in layers], as one kernel call where possible.
+
+    Inference BitLinears that share a backend offering `linear_multi` (the CPU kernels) are computed together:
+    one activation quantization and one thread dispatch for q/k/v or gate/up. Results are identical.
+    """
+    be = getattr(layers[0], "_backend", None)
+    if (
+        be is not None
+        and hasattr(be, "linear_multi")
+        and all(
+            isinstance(m, BitLinear) and not m.training_mode and m.bias is None and m._backend is be
+            for m in layers
+        )
+        and be.is_available(x.device)
+    ):
+        return be.linear_multi(
+            x, [m.packed for m in layers], [m.weight_scale for m in layers], [m.out_features for m in layers]
+        )
+    return [m(x) for m in layers]

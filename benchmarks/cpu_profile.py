@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""Where a CPU decode step spends its time: LM head kernel alone, one full step, torch ops by profiler,
+under different torch / kernel thread settings. Random 2B4T-shaped weights.
+
+    python benchmarks/cpu_profile.py --layers 30 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from bitnetlm import bench  # noqa: E402
+from bitnetlm.kernels import cpu  # noqa: E402
+from bitnetlm.kernels.cpu import ops  # noqa: E402
+
+
+def step_time(model, torch_threads: int, n: int = 16) -> float:
+    torch.set_num_threads(torch_threads)
+    cache = model.new_cache(1, n + 4)
+    tok = torch.tensor([[7]])
+    with torch.inference_mode():
+        for pos in range(2):
+            model(tok, positions=torch.tensor([[pos]]), cache=cache)
+        t0 = time.perf_counter()
+        for pos in range(2, n + 2):
+            model(tok, positions=torch.tensor([[pos]]), cache=cache)
+    return (time.perf_counter() - t0) / n
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args()
+    cfg = dict(arch="bitnet", num_hidden_layers=a.layers)
+    model = bench.random_model(cfg, "bf16")
+    cpu.set_num_threads(a.threads)
+    w = model.compact_head.weight
+    x = torch.randn(1, w.shape[1])
+    from bitnetlm.kernels.cpu.head import quantize_rows_int8
+
+    q, s = quantize_rows_int8(w)
+    for name, f in (
+        ("bf16 head", lambda: ops.gemm_bf16(x, w)),
+        ("int8 head", lambda: ops.gemm_i8row(x, q, s)),
+    ):
+        f()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            f()
+        dt = (time.perf_counter() - t0) / 5
+        nb = w.numel() * (2 if "bf16" in name else 1)
+        print(f"{name}: {dt * 1e3:.1f} ms, {nb / dt / 1e9:.1f} GB/s")
+    for tt in (1, a.threads):
+        print(
+            f"decode step, torch threads {tt}, kernel threads {a.threads}: {step_time(model, tt) * 1e3:.1f} ms"
+        )
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.set_num_threads(1)
+        cache = model.new_cache(1, 16)
+        tok = torch.tensor([[7]])
+        with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            for pos in range(4):
+                model(tok, positions=torch.tensor([[pos]]), cache=cache)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    print("spin_us", os.environ.get("BITNETLM_SPIN_US", "300"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,333 @@
+"""`bitnet bench`: prefill (ppN) and decode (tgN) tokens/s, llama-bench style, as a table or --json.
+
+    bitnet bench --shape 2b4t -p 128,512 -n 128 -t 1,2          # random weights of the exact 2B4T shape
+    bitnet bench -m path/to/model --head-dtype int8 --json
+
+ppN: one forward pass over an N-token prompt into an empty KV cache (only the last position's logits, as
+llama.cpp computes them). tgN: N single-token decode steps from an empty cache. Each test repeats `-r`
+times; the table shows mean +- std of tokens/s. Device-specific parts (`_setup_threads`, `_sync`) are
+small functions so other devices extend the same command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+# model shapes for random-weight benchmarks (the real checkpoints are not available offline)
+SHAPES = {
+    "2b4t": dict(arch="bitnet"),  # ModelConfig defaults are BitNet b1.58 2B4T
+    "large": dict(  # 1bitLLM/bitnet_b1_58-large (0.7B)
+        arch="1bitllm",
+        vocab_size=32002,
+        hidden_size=1536,
+        intermediate_size=4096,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+}
+
+
+# ---- random-weight models ---------------------------------------------------------------------------
+def _code_lut() -> torch.Tensor:
+    # byte value for each of the 81 combinations of four 2-bit codes in {0, 1, 2}
+    d = torch.arange(81)
+    return ((d % 3) | ((d // 3 % 3) << 2) | ((d // 9 % 3) << 4) | ((d // 27 % 3) << 6)).to(torch.uint8)
+
+
+def random_packed(n: int, k: int, backend, gen: torch.Generator) -> torch.Tensor:
+    """Uniform random ternary weights [n, k] directly in `backend`'s packed layout."""
+    from bitnetlm.quant.packing import PackingFormat
+
+    if PackingFormat(backend.layout) is PackingFormat.CPU_2BIT and k % 128 == 0:
+        idx = torch.randint(0, 81, (n, k // 4), generator=gen, dtype=torch.int64)
+        return _code_lut()[idx]  # [n, k/4] bytes of four uniform codes
+    return backend.pack(torch.randint(-1, 2, (n, k), generator=gen, dtype=torch.int8))
+
+
+def random_model(
+    shape: str | dict, head_dtype: str | None = "bf16", backend: str | None = None, seed: int = 0
+):
+    """An inference model of a real shape with random ternary weights, packed for the CPU backend.
+
+    Built on the meta device and filled tensor by tensor, so no float32 copy of the embedding is ever made
+    when head_dtype is "bf16" or "int8" (the 2B4T embedding alone is 1.3 GB in float32).
+    """
+    from torch import nn
+
+    from bitnetlm.kernels import select_backend
+    from bitnetlm.kernels.cpu.head import CompactHead
+    from bitnetlm.models import ModelConfig, build_model
+    from bitnetlm.models.transformer import rope_inv_freq
+    from bitnetlm.quant.bitlinear import BitLinear
+
+    cfg = ModelConfig(**(SHAPES[shape] if isinstance(shape, str) else shape))
+    gen = torch.Generator().manual_seed(seed)
+    be = select_backend("cpu", backend)
+    with torch.device("meta"):
+        model = build_model(cfg, "infer")
+    for mod in model.modules():
+        if isinstance(mod, BitLinear):
+            mod.packed = random_packed(mod.out_features, mod.in_features, be, gen)
+            mod.weight_scale = torch.rand(1, generator=gen) * 0.5 + 0.5
+            mod.layout = be.layout
+            mod._backend = be
+    model.inv_freq = rope_inv_freq(cfg)
+
+    def table(v: int) -> torch.Tensor:
+        w = torch.empty(v, cfg.hidden_size, dtype=torch.bfloat16)
+        for i in range(0, v, 8192):
+            w[i : i + 8192] = torch.randn(min(8192, v - i), cfg.hidden_size, generator=gen)
+        return w
+
+    emb = table(cfg.vocab_size)
+    if head_dtype is None:
+        model.embed_tokens.weight = nn.Parameter(emb.float(), requires_grad=False)
+        if model.lm_head is not None:
+            model.lm_head.weight = nn.Parameter(table(cfg.vocab_size).float(), requires_grad=False)
+    else:
+        model.embed_tokens.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        model.compact_embed = CompactHead(emb, head_dtype)
+        if model.lm_head is None:
+            model.compact_head = model.compact_embed
+        else:
+            model.compact_head = CompactHead(table(cfg.vocab_size), head_dtype)
+            model.lm_head = None
+    for mod in model.modules():  # norms: real ones
+        for name, p in list(mod.named_parameters(recurse=False)):
+            if p.is_meta:
+                setattr(mod, name, nn.Parameter(torch.ones(p.shape, dtype=p.dtype), requires_grad=False))
+    return model.eval()
+
+
+def model_bytes(model) -> int:
+    """Bytes of weights held by the model (packed projections, head/embedding, norms)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_meta or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+# ---- device-specific parts ------------------------------------------------------------------------
+def _setup_threads(device: torch.device, n: int, decode: bool = False) -> int:
+    """CPU: n kernel threads. torch's own ops get n threads for prefill but 1 for decode: in a decode step
+    they are tiny, and libgomp workers spinning after each of them steal the cores the C kernels need
+    (measured: 2B4T step 92 ms with torch at 1 thread vs 156 ms at 2, 2 kernel threads on 2 cores)."""
+    if device.type == "cpu":
+        from bitnetlm.kernels import cpu
+
+        kernels = cpu.available()
+        torch.set_num_threads(1 if (decode and kernels) else n)
+        if kernels:
+            cpu.set_num_threads(n)
+    return n
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def default_threads() -> list[int]:
+    from bitnetlm.kernels.cpu import physical_cores
+
+    n = physical_cores()
+    return [1, n] if n > 1 else [1]
+
+
+# ---- the tests ------------------------------------------------------------------------------------
+@torch.inference_mode()
+def time_prefill(model, n_prompt: int, device: torch.device, vocab: int, gen: torch.Generator) -> float:
+    ids = torch.randint(0, vocab, (1, n_prompt), generator=gen).to(device)
+    cache = model.new_cache(1, n_prompt, device=device)
+    _sync(device)
+    t0 = time.perf_counter()
+    model(ids, cache=cache, last_only=True)
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+@torch.inference_mode()
+def time_decode(model, n_gen: int, device: torch.device, vocab: int, gen: torch.Generator) -> float:
+    cache = model.new_cache(1, n_gen, device=device)
+    tok = torch.randint(0, vocab, (1, 1), generator=gen).to(device)
+    _sync(device)
+    t0 = time.perf_counter()
+    for pos in range(n_gen):
+        logits = model(tok, positions=torch.tensor([[pos]], device=device), cache=cache)
+        tok = logits[:, -1].argmax(-1, keepdim=True)
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def bench(
+    model,
+    n_prompt=(128, 512),
+    n_gen=(128,),
+    threads=None,
+    repetitions: int = 3,
+    device="cpu",
+    label: str = "",
+    warmup: bool = True,
+) -> list[dict]:
+    """Run ppN / tgN for each thread count; returns one dict per (threads, test)."""
+    device = torch.device(device)
+    threads = list(threads or default_threads())
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    backend = _backend_name(model)
+    rows = []
+    for nt in threads:
+        _setup_threads(device, nt)
+        if warmup:
+            time_decode(model, 4, device, vocab, gen)
+            time_prefill(model, 16, device, vocab, gen)
+        tests = [(f"pp{n}", n, time_prefill) for n in n_prompt if n > 0]
+        tests += [(f"tg{n}", n, time_decode) for n in n_gen if n > 0]
+        for name, n, fn in tests:
+            _setup_threads(device, nt, decode=fn is time_decode)
+            speeds = [n / fn(model, n, device, vocab, gen) for _ in range(repetitions)]
+            rows.append(
+                dict(
+                    model=label,
+                    size_gib=model_bytes(model) / 2**30,
+                    params=model.config.num_parameters(),
+                    backend=backend,
+                    head=_head_name(model),
+                    device=device.type,
+                    threads=nt,
+                    test=name,
+                    tokens_per_s=statistics.mean(speeds),
+                    std=statistics.stdev(speeds) if len(speeds) > 1 else 0.0,
+                    runs=speeds,
+                )
+            )
+    return rows
+
+
+def _backend_name(model) -> str:
+    from bitnetlm.quant.bitlinear import BitLinear
+
+    for m in model.modules():
+        if isinstance(m, BitLinear) and getattr(m, "_backend", None) is not None:
+            name = m._backend.name
+            if name == "cpu":
+                from bitnetlm.kernels import cpu
+
+                name = f"cpu-{cpu.get_isa()}"
+            return name
+    return "torch"
+
+
+def _head_name(model) -> str:
+    h = getattr(model, "compact_head", None)
+    if h is not None:
+        return h.dtype_name
+    return str(model.lm_head_weight().dtype).replace("torch.", "")
+
+
+def machine_name() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    import os
+
+    return f"{cpu}, {os.cpu_count()} CPUs, {platform.system()} {platform.machine()}"
+
+
+def markdown(rows: list[dict]) -> str:
+    out = [
+        "| model | size | params | backend | head | threads | test | t/s |",
+        "| --- | ---: | ---: | --- | --- | ---: | --- | ---: |",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['model']} | {r['size_gib']:.2f} GiB | {r['params'] / 1e9:.2f} B | {r['backend']} | {r['head']} | "
+            f"{r['threads']} | {r['test']} | {r['tokens_per_s']:.2f} ± {r['std']:.2f} |"
+        )
+    return "\n".join(out)
+
+
+# ---- CLI ------------------------------------------------------------------------------------------
+def _int_list(s: str) -> list[int]:
+    try:
+        return [int(v) for v in s.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, found {s!r}") from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", help="model directory, .gguf file or zoo name (or use --shape)")
+    p.add_argument(
+        "--shape", choices=sorted(SHAPES), help="random weights of a real model shape instead of -m"
+    )
+    p.add_argument(
+        "-p", "--n-prompt", type=_int_list, default=[128, 512], help="prompt lengths (default: 128,512)"
+    )
+    p.add_argument("-n", "--n-gen", type=_int_list, default=[128], help="tokens to generate (default: 128)")
+    p.add_argument(
+        "-t", "--threads", type=_int_list, default=None, help="thread counts (default: 1,physical cores)"
+    )
+    p.add_argument("-r", "--repetitions", type=int, default=3, help="runs of each test (default: 3)")
+    p.add_argument(
+        "--head-dtype",
+        choices=["bf16", "int8", "none"],
+        default="bf16",
+        help="embedding/LM head storage on CPU: bf16 (default), int8 (per-row scaled) or none (model dtype)",
+    )
+    p.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
+    p.add_argument("--backend", default=None, help="kernel backend (default: best for the device)")
+    p.add_argument("--json", action="store_true", help="print results as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    head = None if args.head_dtype == "none" else args.head_dtype
+    if bool(args.model) == bool(args.shape):
+        print("bitnet bench: give exactly one of -m/--model or --shape", file=sys.stderr)
+        return 2
+    if args.device.startswith("cuda"):  # the CUDA half lives with the Triton kernels
+        from bitnetlm.kernels.triton.bench import run_cuda
+
+        return run_cuda(args)
+    if args.device != "cpu":
+        print(f"bitnet bench: device {args.device!r} is not supported by this command yet", file=sys.stderr)
+        return 2
+    if args.shape:
+        model = random_model(args.shape, head_dtype=head, backend=args.backend)
+        label = f"{args.shape} (random weights)"
+    else:
+        import bitnetlm
+        from bitnetlm.kernels.cpu.head import set_head_dtype
+
+        model = bitnetlm.loading.load_model(args.model, device=args.device, backend=args.backend).eval()
+        set_head_dtype(model, head)
+        label = str(args.model)
+    rows = bench(model, args.n_prompt, args.n_gen, args.threads, args.repetitions, args.device, label)
+    if args.json:
+        print(json.dumps({"machine": machine_name(), "results": rows}, indent=2))
+    else:
+        print(f"machine: {machine_name()}\n")
+        print(markdown(rows))
+    return 0
