@@ -360,3 +360,31 @@ def test_health_is_503_while_loading(mt):
         assert httpx.get(h.url + "/v1/models").status_code == 200
     finally:
         h.stop()
+
+
+def test_real_llama3_tokenizer_chat_and_stream_match_offline():
+    """The LLaMA-3 tokenizer (128,256 ids, byte-level BPE, the real chat template) through the whole server."""
+    from assets import asset
+
+    from bitnetlm.generate import Tokenizer
+    from bitnetlm.serve.testing import tiny_model
+
+    tok = Tokenizer.from_dir(asset("llama3-tokenizer"))
+    model = tiny_model(tok.vocab_size, max_len=128, seed=3)
+    msgs = [{"role": "user", "content": "Grüße! Wie geht's? 你好 🙂"}]
+    ref = generate(model, tok, msgs, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    assert len(str(ref)) > 40 and any(ord(ch) > 127 for ch in str(ref))  # multi-byte text streams through
+    with start(model, tok, port=0, model_name="llama3-tiny", log_level="warning") as h:
+        c = openai.OpenAI(base_url=h.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        kw = dict(
+            model="llama3-tiny", messages=msgs, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+        )
+        r = c.chat.completions.create(**kw)
+        assert r.choices[0].message.content == str(ref)
+        assert r.usage.prompt_tokens == len(tok.apply_chat_template(msgs, tokenize=True))
+        streamed = "".join(
+            ch.choices[0].delta.content or "" for ch in c.chat.completions.create(stream=True, **kw)
+        )
+        assert streamed == str(ref)
+        t = httpx.post(h.url + "/tokenize", json={"prompt": "Hello world"}).json()
+        assert t["tokens"] == [128000, 9906, 1917]
