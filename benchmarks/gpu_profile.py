@@ -33,8 +33,8 @@ def main() -> int:
         EngineConfig(max_batch=max(batches), max_seq_len=args.context + 200, weights=args.weights),
     )
     for b in batches:
-        for blk in ((128, 8), (64, 4), (256, 8)):
-            attention.ATTN_BLOCK = blk
+        for blk in (64, 32, 128):
+            attention.ATTN_CHUNK = blk
             eng._graphs.clear()
             st = eng.decode_state(b)
             st.pos.fill_(args.context)
@@ -49,8 +49,8 @@ def main() -> int:
                 st.graph.replay()
             e.record()
             e.synchronize()
-            print(f"batch {b} attn block {blk}: {a.elapsed_time(e) / 100:.3f} ms/step", flush=True)
-        attention.ATTN_BLOCK = (128, 8)
+            print(f"batch {b} attn chunk {blk}: {a.elapsed_time(e) / 100:.3f} ms/step", flush=True)
+        attention.ATTN_CHUNK = 64
         eng._graphs.clear()
         st = eng.decode_state(b)
         st.pos.fill_(args.context)

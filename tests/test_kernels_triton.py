@@ -219,3 +219,24 @@ def test_gpu_gated_2b4t_and_int8_head():
         xm = torch.randn(m, 2560, device="cuda")
         ref = (xm.bfloat16().float() @ w.float().T) * s
         torch.testing.assert_close(L.w8_linear(xm, w, s), ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item())
+
+
+def test_decode_attention_split_merge():
+    """Split-KV decode attention (several splits merged by the last program) vs softmax attention, GQA."""
+    from bitnetlm.kernels.triton.attention import attn_decode
+
+    g = torch.Generator().manual_seed(3)
+    b, h, hkv, s, d = 2, 4, 2, 50, 16
+    q = torch.randn(b, h, d, generator=g).to(DEV)
+    kc = torch.randn(b, hkv, s, d, generator=g).to(DEV)
+    vc = torch.randn(b, hkv, s, d, generator=g).to(DEV)
+    pos = torch.tensor([37, 4], dtype=torch.int32, device=DEV)
+    for _ in range(2):  # twice: the split counters must be reset by the first call
+        out = torch.full((b, h, d), float("nan"), device=DEV)
+        attn_decode(q, kc, vc, pos, out, d**-0.5)
+        for i in range(b):
+            n = int(pos[i]) + 1
+            k = kc[i, :, :n].repeat_interleave(h // hkv, 0)  # [H, n, D]
+            v = vc[i, :, :n].repeat_interleave(h // hkv, 0)
+            w = torch.softmax((k @ q[i, :, :, None]).squeeze(-1) * d**-0.5, dim=-1)  # [H, n]
+            torch.testing.assert_close(out[i], (w[:, None, :] @ v).squeeze(1), rtol=1e-5, atol=1e-5)

@@ -125,25 +125,107 @@ def _attn_decode_kernel(
     tl.store(o_ptr + (b * H + h) * D + offs_d, (acc / l_i).to(o_ptr.dtype.element_ty))
 
 
-ATTN_BLOCK = (128, 8)  # (keys per loop trip, warps): few trips, since decode attention is latency-bound
+@triton.jit
+def _attn_split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    o_ptr,
+    pacc_ptr,
+    pml_ptr,
+    cnt_ptr,
+    sm_scale,
+    H,
+    HKV,
+    S,
+    NSPLIT,
+    D: tl.constexpr,
+    CHUNK: tl.constexpr,
+    NS2: tl.constexpr,
+):
+    """Flash-decoding: program (b, h, split) scores one CHUNK of keys; the last split of (b, h) to finish (an
+    atomic counter) merges the partial (max, sum, acc) of all splits and resets the counter for the next call."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    kvh = h // (H // HKV)
+    n = tl.load(pos_ptr + b) + 1
+    offs_d = tl.arange(0, D)
+    offs_s = sp * CHUNK + tl.arange(0, CHUNK)
+    ms = offs_s < n
+    q = tl.load(q_ptr + (b * H + h) * D + offs_d).to(tl.float32) * sm_scale
+    base = (b * HKV + kvh) * S * D
+    k = tl.load(k_ptr + base + offs_s[:, None] * D + offs_d[None, :], mask=ms[:, None], other=0.0).to(
+        tl.float32
+    )
+    sc = tl.where(ms, tl.sum(k * q[None, :], axis=1), float("-inf"))
+    m = tl.max(sc, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    p = tl.exp(sc - m_safe)
+    v = tl.load(v_ptr + base + offs_s[:, None] * D + offs_d[None, :], mask=ms[:, None], other=0.0).to(
+        tl.float32
+    )
+    row = (b * H + h) * NSPLIT + sp
+    tl.store(pacc_ptr + row * D + offs_d, tl.sum(p[:, None] * v, axis=0))
+    tl.store(pml_ptr + row * 2, m)
+    tl.store(pml_ptr + row * 2 + 1, tl.sum(p, axis=0))
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt_ptr + b * H + h, 1, sem="acq_rel")
+    if done == NSPLIT - 1:
+        tl.debug_barrier()
+        tl.atomic_xchg(cnt_ptr + b * H + h, 0, sem="relaxed")
+        offs_p = tl.arange(0, NS2)
+        mp = offs_p < NSPLIT
+        rows = (b * H + h) * NSPLIT + offs_p
+        # .cg: read the other programs' partials from L2, never from a stale L1 line of an earlier replay
+        m_all = tl.load(pml_ptr + rows * 2, mask=mp, other=float("-inf"), cache_modifier=".cg")
+        l_all = tl.load(pml_ptr + rows * 2 + 1, mask=mp, other=0.0, cache_modifier=".cg")
+        acc = tl.load(
+            pacc_ptr + rows[:, None] * D + offs_d[None, :], mask=mp[:, None], other=0.0, cache_modifier=".cg"
+        )
+        mx = tl.max(m_all, axis=0)
+        w = tl.where(m_all == float("-inf"), 0.0, tl.exp(m_all - mx))
+        o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_all * w, axis=0)
+        tl.store(o_ptr + (b * H + h) * D + offs_d, o.to(o_ptr.dtype.element_ty))
+
+
+ATTN_CHUNK = 64  # keys per program: decode attention is latency-bound, so spread it over many programs
+_attn_ws: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float) -> None:
     """One query per row: q [B, H, D] attends to cache slots 0..pos[b]; out [B, H, D]."""
     b, h, d = q.shape[0], q.shape[1], q.shape[-1]
-    _attn_decode_kernel[(b, h)](
+    s = k_cache.shape[2]
+    chunk = 16 if INTERPRET else ATTN_CHUNK
+    nsplit = triton.cdiv(s, chunk)
+    key = (str(q.device), b, h, nsplit, d)
+    if key not in _attn_ws:  # partials + zeroed counters, allocated before any graph capture (warm-up call)
+        _attn_ws[key] = (
+            torch.empty((b * h * nsplit, d), dtype=torch.float32, device=q.device),
+            torch.empty((b * h * nsplit, 2), dtype=torch.float32, device=q.device),
+            torch.zeros((b * h,), dtype=torch.int32, device=q.device),
+        )
+    pacc, pml, cnt = _attn_ws[key]
+    _attn_split_kernel[(b, h, nsplit)](
         q,
         k_cache,
         v_cache,
         pos,
         out,
+        pacc,
+        pml,
+        cnt,
         sm_scale,
         h,
         k_cache.shape[1],
-        k_cache.shape[2],
+        s,
+        nsplit,
         D=d,
-        BS=16 if INTERPRET else ATTN_BLOCK[0],
-        num_warps=1 if INTERPRET else ATTN_BLOCK[1],
+        CHUNK=chunk,
+        NS2=triton.next_power_of_2(nsplit),
+        num_warps=1 if INTERPRET else 4,
     )
 
 
