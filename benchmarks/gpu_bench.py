@@ -104,6 +104,9 @@ def main() -> int:
         out["engine"] = res
         md += ["", markdown(res)]
         print(markdown(res), flush=True)
+    from bitnetlm.kernels.triton import launch
+
+    out["tuned"] = {str(k): v for k, v in launch._choice.items()}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
         json.dump(out, f, indent=2)

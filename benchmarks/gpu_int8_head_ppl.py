@@ -1,0 +1,79 @@
+"""Perplexity cost of the int8 (per-row scaled) embedding + LM head option, on a real pretrained model.
+
+    python benchmarks/gpu_int8_head_ppl.py [--model .assets/smollm2-gguf/SmolLM2-135M-Instruct.Q4_1.gguf]
+
+The engine's int8 head stores q = round(w / s) with s = max|w_row| / 127 (bitnetlm.engine_cuda._int8_rows) and
+computes logits = bf16(h) @ q^T * s. This script applies exactly that quantization to the model's embedding and
+head and measures perplexity on the last 4096 tokens of each Austen novel (held out), against the same model with
+a bf16-rounded head (the default). Runs on the CPU: the arithmetic is the kernel's, up to fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@torch.no_grad()
+def ppl(model, ids: torch.Tensor, ctx: int = 512) -> float:
+    nll, n = 0.0, 0
+    for i in range(0, ids.numel() - 1, ctx):
+        x = ids[i : i + ctx + 1]
+        if x.numel() < 2:
+            break
+        logits = model(x[None, :-1])[0].float()
+        nll += torch.nn.functional.cross_entropy(logits, x[1:], reduction="sum").item()
+        n += x.numel() - 1
+    return math.exp(nll / n)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=".assets/smollm2-gguf/SmolLM2-135M-Instruct.Q4_1.gguf")
+    ap.add_argument("--texts", default=".assets/austen")
+    ap.add_argument("--tokens", type=int, default=4096, help="held-out tokens per novel (the last ones)")
+    args = ap.parse_args()
+    import bitnetlm
+    from bitnetlm.engine_cuda import _int8_rows
+
+    model, tok = bitnetlm.load(args.model)
+    model.eval()
+    ids = []
+    for f in sorted(os.listdir(args.texts)):
+        t = tok.encode(open(os.path.join(args.texts, f), encoding="utf-8").read())
+        ids.append(torch.tensor(t[-args.tokens :]))
+    ids = torch.cat(ids)
+    emb = model.embed_tokens.weight.data.clone()
+    head = None if model.lm_head is None else model.lm_head.weight.data.clone()
+    rows = []
+    for name in ("bf16", "int8"):
+        for w, p in (
+            (emb, model.embed_tokens.weight),
+            (head, None if head is None else model.lm_head.weight),
+        ):
+            if w is None:
+                continue
+            if name == "bf16":
+                p.data.copy_(w.bfloat16().float())
+            else:
+                q, s = _int8_rows(w)
+                p.data.copy_(q.float() * s[:, None])
+        rows.append((name, ppl(model, ids)))
+    print(
+        f"model: {args.model} (real pretrained weights); text: last {args.tokens} tokens of each of "
+        f"{len(os.listdir(args.texts))} Austen novels ({ids.numel()} tokens), context 512\n"
+    )
+    print("| embedding + LM head | perplexity | vs bf16 |\n| --- | ---: | ---: |")
+    for name, v in rows:
+        print(f"| {name} | {v:.3f} | {100 * (v / rows[0][1] - 1):+.2f}% |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
