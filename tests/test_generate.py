@@ -56,7 +56,7 @@ def _greedy_no_cache(model, ids, n):
     out = []
     with torch.no_grad():
         for _ in range(n):
-            logits = model(torch.tensor([ids]))
+            logits = model(torch.tensor([ids], device=model.embed_tokens.weight.device))
             t = int(logits[0, -1].argmax())
             out.append(t)
             ids.append(t)

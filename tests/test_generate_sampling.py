@@ -60,6 +60,36 @@ def test_processing_matches_transformers_warpers(kw):
         assert keep.sum() < keep.numel()  # the filter really removed tokens
 
 
+@pytest.mark.parametrize("scale", [8.0, 0.5])  # peaked: the cut lies in the top candidates; flat: full sort
+@pytest.mark.parametrize(
+    "kw", [dict(top_p=0.9), dict(min_p=0.1), dict(top_p=0.95, min_p=0.01, temperature=0.7)]
+)
+def test_candidate_fast_path_matches_transformers(kw, scale):
+    from bitnetlm.generate import sampling
+
+    logits = _logits(4, 8 * sampling.CANDIDATES, seed=5) * scale / 3
+    ours = process_logits(logits, [SamplingParams(**kw)] * 4)
+    theirs = _hf(logits, **kw)
+    assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
+    keep = ~torch.isinf(ours)
+    torch.testing.assert_close(ours[keep], theirs[keep])
+    kept = keep.sum(-1)
+    assert kept.max() > 1 and (kept < logits.shape[1]).all()
+    if scale == 0.5:
+        assert (kept > sampling.CANDIDATES).any()  # the fallback really was needed
+    # mixed batch: filtered rows next to a temperature-only row and a greedy row
+    mixed = [
+        SamplingParams(**kw),
+        SamplingParams(temperature=0.9),
+        SamplingParams(temperature=0),
+        SamplingParams(top_k=3),
+    ]
+    out = process_logits(logits, mixed)
+    for i, p in enumerate(mixed):
+        assert torch.equal(out[i : i + 1], process_logits(logits[i : i + 1], [p]))
+    assert not torch.isinf(out[1:3]).any()
+
+
 def test_repetition_penalty_matches_transformers():
     logits = _logits(2)
     prompt = torch.tensor([[1, 5, 5, 900], [7, 8, 9, 10]])

@@ -144,39 +144,62 @@ def process_logits(
             x[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=x.dtype, device=x.device)
     temps = _row_tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], x.device)
     x = x / temps[:, None]
-    need_k = any(0 < p.top_k < v for p in params)
-    need_p = any(p.top_p < 1.0 for p in params)
-    need_min = any(p.min_p > 0 for p in params)
-    if not (need_k or need_p or need_min):
+    mask = _filter_mask(x, params)
+    if mask is None:
         return x
-    sampled_rows = torch.tensor([not p.greedy for p in params], device=x.device)
-    ks = [p.top_k for p in params if not p.greedy]
-    if ks and all(0 < k < v for k in ks):
-        # every sampled row has a top-k: only the max(k) best candidates can survive, no full-vocabulary sort
-        sorted_x, order = x.topk(max(ks), dim=-1)  # [B, K] descending
+    return x.masked_fill(mask, float("-inf"))
+
+
+# top-p / min-p first look at this many best tokens; the full-vocabulary sort runs only when a row's cut is
+# not provably inside them (a flat distribution)
+CANDIDATES = 256
+
+
+def _filter_mask(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor | None:
+    """[B, V] bool, True = removed by top-k / top-p / min-p (None when no row filters anything)."""
+    b, v = x.shape
+    filt = [not p.greedy and (0 < p.top_k < v or p.top_p < 1.0 or p.min_p > 0) for p in params]
+    if not any(filt):
+        return None
+    kvals = [p.top_k if 0 < p.top_k < v else v for p in params]  # v = no top-k
+    kmax = max((k for k, f in zip(kvals, filt, strict=True) if f and k < v), default=0)
+    n = min(v, max(CANDIDATES, kmax))
+    mask = _filter_mask_over(x, params, filt, kvals, n) if n < v else None
+    if mask is None:
+        mask = _filter_mask_over(x, params, filt, kvals, v)
+    return mask
+
+
+def _filter_mask_over(x, params, filt, kvals, n):
+    b, v = x.shape
+    dev = x.device
+    if n < v:
+        sorted_x, order = x.topk(n, dim=-1)  # [B, n] descending
     else:
         sorted_x, order = x.sort(dim=-1, descending=True)  # [B, V]
-    n = sorted_x.shape[1]
-    rank = torch.arange(n, device=x.device)[None, :]  # [1, K]
-    remove = torch.zeros_like(sorted_x, dtype=torch.bool)
-    if need_k:
-        k = _row_tensor([p.top_k if p.top_k > 0 else v for p in params], x.device, torch.long)
-        remove |= rank >= k[:, None]
-    if need_p or need_min:
-        probs = torch.softmax(sorted_x.masked_fill(remove, float("-inf")), dim=-1)
-        if need_p:
-            top_p = _row_tensor([p.top_p for p in params], x.device)
-            # keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does
-            before = probs.cumsum(dim=-1) - probs
-            remove |= before >= top_p[:, None]
-        if need_min:
-            min_p = _row_tensor([p.min_p for p in params], x.device)
-            remove |= probs < min_p[:, None] * probs[:, :1]
+    rank = torch.arange(n, device=dev)[None, :]  # [1, n]
+    k = _row_tensor(kvals, dev, torch.long)
+    has_k = k < v
+    remove = rank >= k[:, None]
+    masked = sorted_x.masked_fill(remove, float("-inf"))
+    # true probabilities over each row's surviving set: its top-k, or the whole vocabulary
+    lse = torch.where(has_k, masked.logsumexp(dim=-1), x.logsumexp(dim=-1))  # [B]
+    probs = (masked - lse[:, None]).exp()  # [B, n]
+    top_p = _row_tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params], dev)  # 2 = never cuts
+    min_p = _row_tensor([p.min_p for p in params], dev)
+    # keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does
+    remove |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    remove |= probs < min_p[:, None] * probs[:, :1]
     remove[:, 0] = False  # always keep the most likely token
-    # back to vocabulary order; tokens outside the candidate set are removed
-    mask = torch.ones_like(x, dtype=torch.bool).scatter_(1, order, remove)  # [B, V]
-    mask &= sampled_rows[:, None]  # greedy rows: nothing removed, argmax decides
-    return x.masked_fill(mask, float("-inf"))
+    rows = torch.tensor(filt, device=dev)
+    if n < v:
+        # every token outside the candidates is removed too iff the candidates already hold top_p of the
+        # mass, or the last candidate is already below the min-p threshold; otherwise use the full sort
+        inside = has_k | (probs.sum(dim=-1) >= top_p) | (probs[:, -1] < min_p * probs[:, 0])
+        if not bool(inside[rows].all()):
+            return None
+    mask = torch.ones_like(x, dtype=torch.bool).scatter_(1, order, remove)  # [B, V] back to vocab order
+    return mask & rows[:, None]  # greedy / unfiltered rows: nothing removed
 
 
 def sample(
@@ -195,17 +218,14 @@ def sample(
     if all(greedy):
         tokens = x.argmax(dim=-1)
     else:
-        # Gumbel-max in exponential form: argmax p_i / E_i with E_i ~ Exp(1) is an exact sample from p;
-        # each row draws exactly V numbers from its own generator.
+        # one draw per row from the row's own generator: reproducible whatever else is in the batch
         probs = torch.softmax(x, dim=-1)
         for i in range(b):
             if greedy[i]:
                 tokens[i] = x[i].argmax()
                 continue
             g = generators[i] if generators is not None else None
-            e = torch.empty(v, dtype=torch.float32, device=x.device).exponential_(generator=g)
-            e.clamp_min_(torch.finfo(torch.float32).tiny)  # Exp(1) can return exactly 0
-            tokens[i] = (probs[i] / e).argmax()
+            tokens[i] = torch.multinomial(probs[i], 1, generator=g)[0]
     raw = torch.log_softmax(logits.float(), dim=-1)
     out = SampleOutput(tokens=tokens, logprobs=raw.gather(1, tokens[:, None])[:, 0])
     if num_top_logprobs > 0:
