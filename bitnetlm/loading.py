@@ -39,9 +39,9 @@ def load_model(
 
         model = gguf.load_gguf_model(p, mode=mode, dtype=dtype)
     elif p.is_dir():
-        from bitnetlm.formats.hf import load_hf
+        from bitnetlm.formats.native import load_native  # plain HF dirs too; zero-copy for packed ones
 
-        model = load_hf(p, mode=mode, dtype=dtype)
+        model = load_native(p, mode=mode, dtype=dtype)
     else:
         raise ValueError(f"{p}: not a model directory (config.json + safetensors) or a .gguf file")
     if mode == "train":

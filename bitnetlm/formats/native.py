@@ -57,18 +57,36 @@ def mmap_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
         header = json.loads(bytes(mm[8 : 8 + n]))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: corrupt safetensors header: {e}") from e
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: corrupt safetensors header: expected a JSON object")
     meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: corrupt safetensors header: __metadata__ is not an object")
+    meta = {str(k): str(v) for k, v in meta.items()}
     base = 8 + n
     out = {}
     for name, info in header.items():
-        dtype = _ST_DTYPES.get(info.get("dtype"))
-        if dtype is None:
-            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
-        start, end = info["data_offsets"]
+        try:
+            dtype = _ST_DTYPES[info["dtype"]]
+            shape = [int(d) for d in info["shape"]]
+            start, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: tensor {name!r}: corrupt header entry {info!r} ({e!r})") from None
+        count = 1
+        for d in shape:
+            if d < 0:
+                raise ValueError(f"{path}: tensor {name!r} has a negative dimension in {shape}")
+            count *= d
         if not (0 <= start <= end <= size - base):
             raise ValueError(f"{path}: tensor {name!r} data [{start}, {end}) runs past the end of the file")
+        if end - start != count * dtype.itemsize:
+            raise ValueError(
+                f"{path}: tensor {name!r} shape {shape} needs {count * dtype.itemsize} bytes, "
+                f"the header gives {end - start}"
+            )
         buf = torch.from_numpy(mm[base + start : base + end])
-        out[name] = buf.view(dtype).reshape(info["shape"])
+        out[name] = buf.view(dtype).reshape(shape)
+    meta["_mmap_region"] = f"{mm.ctypes.data}:{size}"  # address range, so callers can verify zero-copy
     return out, meta
 
 
@@ -155,13 +173,23 @@ def _in_features(key: str, cfg) -> int:
     return cfg.hidden_size
 
 
-def load_native(path: str | os.PathLike, mode: str = "infer", dtype: torch.dtype = torch.float32):
-    """Load a native or plain HF directory. base3 storage is decoded to the 2-bit layout at load."""
+def load_native(
+    path: str | os.PathLike, mode: str = "infer", dtype: torch.dtype = torch.float32, mmap: bool = True
+):
+    """Load a native or plain HF directory. base3 storage is decoded to the 2-bit layout at load.
+
+    Inference-mode loads of offline-packed autobitlinear checkpoints are zero-copy (`load_mmap`); every other
+    variant goes through `formats.hf.load_hf`.
+    """
     from bitnetlm.formats.hf import load_hf
 
     path = Path(path)
     layout, _ = file_layout(path)
     if layout == PackingFormat.HF_2BIT.value:
+        if mmap and mode == "infer":
+            model = load_mmap(path, dtype=dtype)
+            if model is not None:
+                return model
         return load_hf(path, mode=mode, dtype=dtype)
     if layout != PackingFormat.BASE3.value:
         raise ValueError(f"{path}: unknown {LAYOUT_KEY} {layout!r} (this version reads hf-2bit and base3-5)")
@@ -179,6 +207,7 @@ def load_native(path: str | os.PathLike, mode: str = "infer", dtype: torch.dtype
                     shutil.copy(src, Path(td) / name)
         for f in safetensors_files(path):
             tensors, meta = mmap_safetensors(f)
+            meta.pop("_mmap_region")
             sd = {}
             for key, t in tensors.items():
                 if key.endswith(".weight") and t.dtype == torch.uint8 and t.dim() == 1:
@@ -191,3 +220,72 @@ def load_native(path: str | os.PathLike, mode: str = "infer", dtype: torch.dtype
                     sd[key] = t.clone()
             save_file(sd, str(Path(td) / f.name), metadata={**meta, LAYOUT_KEY: PackingFormat.HF_2BIT.value})
         return load_hf(td, mode=mode, dtype=dtype)
+
+
+def load_mmap(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
+    """Zero-copy inference load of an offline-packed `autobitlinear` directory; None for other variants.
+
+    Packed projections and their scales (and float tensors already in `dtype`) are views of copy-on-write
+    memory maps of the safetensors files: nothing is read until used, and the page cache is shared between
+    processes serving the same model. Tensors that need a dtype conversion are converted (copied).
+    """
+    from bitnetlm.formats.hf import IGNORED_SUFFIXES, _expect, read_config, safetensors_files
+    from bitnetlm.formats.names import hf_name, layer_modules
+    from bitnetlm.models import build_model
+    from bitnetlm.models.transformer import rope_inv_freq
+    from bitnetlm.quant.bitlinear import BitLinear
+
+    path = Path(path)
+    cfg = read_config(path)
+    if cfg.quant != "ternary" or cfg.linear_class != "autobitlinear" or cfg.quantization_mode != "offline":
+        return None
+    tensors: dict[str, torch.Tensor] = {}
+    meta: dict[str, str] = {}
+    regions = []
+    for f in safetensors_files(path):
+        t, m = mmap_safetensors(f)
+        start, size = m.pop("_mmap_region").split(":")
+        regions.append((int(start), int(size)))
+        tensors.update(t)
+        meta.update(m)
+    src = str(path)
+    with torch.device("meta"):
+        model = build_model(cfg, "infer")
+    sd: dict[str, torch.Tensor] = {}
+    floats = (torch.float32, torch.float16, torch.bfloat16)
+    for name, kind in layer_modules(cfg.num_hidden_layers, cfg.has_sub_norms):
+        key = hf_name(name, cfg.arch) + ".weight"
+        if key not in tensors:
+            raise ValueError(f"{src}: tensor {key!r} is missing from the checkpoint")
+        w = tensors[key]
+        module = model.get_submodule(name)
+        if kind == "proj":
+            if w.dtype != torch.uint8:
+                return None  # float master weights: ternarized by load_hf
+            _expect(key, w, ((module.out_features + 3) // 4, module.in_features), src)
+            skey = key.removesuffix(".weight") + ".weight_scale"
+            if skey not in tensors or tensors[skey].numel() != 1:
+                raise ValueError(f"{src}: tensor {skey!r} must hold exactly one value")
+            sd[name + ".packed"] = w
+            sd[name + ".weight_scale"] = tensors[skey].reshape(1).to(torch.float32)
+        else:
+            _expect(key, w, tuple(module.weight.shape), src, floats)
+            sd[name + ".weight"] = w.to(dtype)  # a view when the file already holds `dtype`
+    if not cfg.tie_word_embeddings:
+        w = tensors.get("lm_head.weight")
+        if w is None:
+            raise ValueError(f"{src}: tensor 'lm_head.weight' is missing (tie_word_embeddings is false)")
+        _expect("lm_head.weight", w, (cfg.vocab_size, cfg.hidden_size), src, floats)
+        sd["lm_head.weight"] = w.to(dtype)
+    known = {hf_name(k.rsplit(".", 1)[0], cfg.arch) for k in sd} | {"lm_head"}
+    unknown = [k for k in tensors if k.rsplit(".", 1)[0] not in known and not k.endswith(IGNORED_SUFFIXES)]
+    if unknown:
+        raise ValueError(f"{src}: unexpected tensors for a {cfg.arch} model: {unknown[:5]}")
+    model.load_state_dict(sd, strict=True, assign=True)
+    model.inv_freq = rope_inv_freq(cfg)
+    for m in model.modules():
+        if isinstance(m, BitLinear):
+            m.layout = PackingFormat.HF_2BIT
+    model.source_metadata = dict(meta)
+    model.mmap_regions = regions  # (address, bytes) of the file maps the weights live in
+    return model.eval()
