@@ -165,3 +165,55 @@ def test_llama3_tokenizer_round_trip_through_gguf(tmp_path):
         )
     assert tk.encode("Hello world").ids == [128000, 9906, 1917]
     assert cfg["chat_template"] == json.loads((d / "tokenizer_config.json").read_text())["chat_template"]
+
+
+def test_sentencepiece_style_tokenizer_round_trip(tmp_path):
+    """`tokenizer.ggml.model = llama` (SentencePiece BPE with byte fallback, as 1bitLLM / LLaMA-2 use)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for piece in [
+        "\u2581",
+        "h",
+        "e",
+        "l",
+        "o",
+        "w",
+        "r",
+        "d",
+        "\u2581h",
+        "el",
+        "lo",
+        "\u2581hel",
+        "\u2581w",
+        "or",
+    ]:
+        vocab[piece] = len(vocab)
+    merges = [("\u2581", "h"), ("e", "l"), ("l", "o"), ("\u2581h", "el"), ("\u2581", "w"), ("o", "r")]
+    tk = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True)
+    )
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tk.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
+    tk.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True})
+    )
+    meta, _ = tokenizer_metadata(tmp_path)
+    assert meta["tokenizer.ggml.model"] == "llama" and meta["tokenizer.ggml.add_space_prefix"] is True
+    assert meta["tokenizer.ggml.token_type"][vocab["<0x41>"]] == 6  # BYTE
+    back, cfg = tokenizer_from_gguf_metadata(meta)
+    for text in ["hello world", "h\u00e9llo  world", "ordered </s> words"]:
+        assert back.encode(text).ids == tk.encode(text).ids, text
+        assert back.decode(back.encode(text).ids) == tk.decode(tk.encode(text).ids)
+    assert back.encode("hello").ids[0] == 1 and cfg["add_bos_token"] is True
+    # without merges in the file, they are derived from the scores (SentencePiece order)
+    meta.pop("tokenizer.ggml.merges")
+    derived, _ = tokenizer_from_gguf_metadata(meta)
+    assert derived.encode("hello world").ids == tk.encode("hello world").ids
