@@ -246,6 +246,9 @@ def test_errors_are_openai_style(mt, client, server):
         )
     assert e.value.body["param"] == "tools"
     with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="bitnet", prompt="x", stream_options={"include_usage": True})
+    assert e.value.body["param"] == "stream_options"
+    with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="bitnet", prompt="x", temperature=3)
     assert e.value.body["param"] == "temperature"
     with pytest.raises(openai.BadRequestError) as e:

@@ -183,6 +183,8 @@ def parse_request(cls: type[_Sampling], body: Any) -> _Sampling:
         loc = ".".join(str(x) for x in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
         raise APIError(400, f"Invalid value for {loc!r}: {msg}", param=loc) from None
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     bad = [k for k, (ok, _) in _NEUTRAL.items() if k in body and not ok(getattr(req, k))]
     if isinstance(req, CompletionRequest) and req.best_of not in (None, req.n):
         bad.append("best_of")
