@@ -71,7 +71,7 @@ def test_layout_roundtrip_and_example():
 
 # every path (fused dp4a GEMV, split-K tensor-core GEMM with atomics, tiled GEMM) on ragged N and K
 # (K not a multiple of 16 exercises the padding; M > 16 the BM=64 tiles)
-@pytest.mark.parametrize("path", ["gemv", "splitk", "gemm"])
+@pytest.mark.parametrize("path", ["gemv", "gemv8", "splitk", "gemm"])
 @pytest.mark.parametrize("m,n,k", [(1, 70, 200), (3, 40, 64), (17, 33, 130)])
 def test_ternary_linear_exact(m, n, k, path):
     t, x, s = _case(m, n, k, seed=m * 1000 + n)
@@ -191,7 +191,12 @@ SHAPES_2B4T = [(3840, 2560), (2560, 2560), (2560, 6912), (640, 2560)]  # q|k|v, 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "m,path",
-    [(m, p) for m in (1, 5, 8, 16, 64, 300) for p in ("gemv", "splitk", "gemm") if p != "gemv" or m <= 16],
+    [
+        (m, p)
+        for m in (1, 5, 8, 16, 64, 300)
+        for p in ("gemv", "gemv8", "splitk", "gemm")
+        if p not in ("gemv", "gemv8") or m <= 16
+    ],
 )
 def test_gpu_2b4t_shapes_exact(m, path):
     for n, k in SHAPES_2B4T:

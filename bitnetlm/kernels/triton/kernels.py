@@ -542,3 +542,85 @@ def _splitk_store(
             tl.float32
         )
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask_y)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# GEMV over pre-quantized activations (decode, M <= 16): `_quant_kernel` once, then dp4a on int32 words of x.
+# Cheaper than the fused GEMV when K is large: no program re-derives the row statistics.
+# --------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _gemv8_kernel(
+    q_ptr,
+    a_ptr,
+    rs_ptr,
+    w_ptr,
+    s_ptr,
+    r_ptr,
+    y_ptr,
+    M,
+    N,
+    KW,
+    stride_qw,
+    stride_rm,
+    stride_ym,
+    HAS_RES: tl.constexpr,
+    GATED: tl.constexpr,
+    ACT: tl.constexpr,
+    PER_ROW: tl.constexpr,
+    PTX: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BKW: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BM)
+    mask_m = offs_m < M
+    offs_n = pid * BN + tl.arange(0, BN)
+    mask_n = offs_n < N
+    acc = tl.zeros([BM, BN, BKW], tl.int32)
+    acc2 = tl.zeros([BM, BN, BKW], tl.int32)
+    for w0 in range(0, KW, BKW):
+        offs_w = w0 + tl.arange(0, BKW)
+        mw = offs_w < KW
+        wv = tl.load(
+            w_ptr + offs_n[:, None] * KW + offs_w[None, :], mask=mask_n[:, None] & mw[None, :], other=0
+        )
+        if GATED:
+            wv2 = tl.load(
+                w_ptr + (offs_n + N)[:, None] * KW + offs_w[None, :],
+                mask=mask_n[:, None] & mw[None, :],
+                other=0,
+            )
+        for i in tl.static_range(4):
+            xw = tl.load(
+                q_ptr + offs_m[:, None] * stride_qw + (i * KW + offs_w)[None, :],
+                mask=mask_m[:, None] & mw[None, :],
+                other=0,
+            )  # [BM, BKW] four int8 activations per word
+            xb = tl.broadcast_to(xw[:, None, :], [BM, BN, BKW])
+            c = tl.broadcast_to(((wv >> (2 * i)) & 0x03030303)[None, :, :], [BM, BN, BKW])
+            acc = _dp4a(xb, c, acc, PTX)
+            if GATED:
+                c2 = tl.broadcast_to(((wv2 >> (2 * i)) & 0x03030303)[None, :, :], [BM, BN, BKW])
+                acc2 = _dp4a(xb, c2, acc2, PTX)
+    _splitk_store(
+        tl.sum(acc, axis=2),
+        tl.sum(acc2, axis=2),
+        a_ptr,
+        rs_ptr,
+        s_ptr,
+        r_ptr,
+        y_ptr,
+        offs_m,
+        offs_n,
+        mask_m,
+        mask_n,
+        N,
+        stride_rm,
+        stride_ym,
+        HAS_RES,
+        GATED,
+        ACT,
+        PER_ROW,
+        PTX,
+    )

@@ -82,6 +82,24 @@ def _gemm_candidates(m: int, gated: bool) -> list[dict]:
     return out
 
 
+def _gemv8_candidates(bm: int, gated: bool) -> list[dict]:
+    if K.INTERPRET:
+        return [dict(path="gemv8", BN=64, BKW=16, num_warps=1)]
+    out = []
+    for bn, bkw, nw in (
+        (8, 128, 4),
+        (4, 256, 4),
+        (16, 64, 4),
+        (4, 128, 2),
+        (8, 64, 4),
+        (4, 64, 2),
+        (16, 32, 4),
+    ):
+        if bm * bn * bkw * (2 if gated else 1) <= 32 * 32 * nw:
+            out.append(dict(path="gemv8", BN=bn, BKW=bkw, num_warps=nw))
+    return out[:5]
+
+
 def _splitk_candidates(m: int, n: int, kp: int, gated: bool) -> list[dict]:
     bm = 16 if m <= 16 else 64
     if K.INTERPRET:
@@ -231,6 +249,34 @@ def ternary_linear(
         )
         return q, a, rs
 
+    def launch_gemv8(cfg):
+        q, a, rs = quant()
+        grid = (triton.cdiv(out_features, cfg["BN"]),)
+        K._gemv8_kernel[grid](
+            q.view(torch.int32),
+            a,
+            rs,
+            packed.view(torch.int32),
+            scale,
+            r,
+            y,
+            m,
+            out_features,
+            kp // 4,
+            q.stride(0) // 4,
+            r.stride(0),
+            y.stride(0),
+            HAS_RES=residual is not None,
+            GATED=gated,
+            ACT=actc,
+            PER_ROW=per_row,
+            PTX=PTX,
+            BM=bm,
+            BN=cfg["BN"],
+            BKW=cfg["BKW"],
+            num_warps=cfg["num_warps"],
+        )
+
     def launch_splitk(cfg):
         q, a, rs = quant()
         ws, cnt = _workspace(x.device, m, rows)
@@ -293,15 +339,18 @@ def ternary_linear(
         )
 
     def launch(cfg):
-        {"gemv": launch_gemv, "splitk": launch_splitk, "gemm": launch_gemm}[cfg["path"]](cfg)
+        {"gemv": launch_gemv, "gemv8": launch_gemv8, "splitk": launch_splitk, "gemm": launch_gemm}[
+            cfg["path"]
+        ](cfg)
 
     gemv = [dict(path="gemv", **c) for c in _gemv_candidates(bm, gated, k)]
     splitk = _splitk_candidates(m, out_features, kp, gated) if m <= SPLITK_MAX_M or path == "splitk" else []
     gemm = [dict(path="gemm", **c) for c in _gemm_candidates(m, gated)]
+    gemv8 = _gemv8_candidates(bm, gated)
     if path is None:  # the first candidate is the untuned default
-        cands = splitk + gemv[:2] if m <= GEMV_MAX_M else (splitk if m <= SPLITK_MAX_M else gemm)
+        cands = gemv8 + splitk[:3] + gemv[:2] if m <= GEMV_MAX_M else (splitk if m <= SPLITK_MAX_M else gemm)
     else:
-        cands = {"gemv": gemv, "splitk": splitk, "gemm": gemm}[path]
+        cands = {"gemv": gemv, "gemv8": gemv8, "splitk": splitk, "gemm": gemm}[path]
     mb = min(bm, 1024)  # tune per power-of-two bucket of M
     key = (path or "auto", out_features, k, mb, *flags)
     launch(_tune(key, cands, launch))
