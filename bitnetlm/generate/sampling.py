@@ -181,23 +181,24 @@ def _filter_mask_over(x, params, filt, kvals, n):
     k = _row_tensor(kvals, dev, torch.long)
     has_k = k < v
     remove = rank >= k[:, None]
-    masked = sorted_x.masked_fill(remove, float("-inf"))
-    # true probabilities over each row's surviving set: its top-k, or the whole vocabulary
-    lse = torch.where(has_k, masked.logsumexp(dim=-1), x.logsumexp(dim=-1))  # [B]
-    probs = (masked - lse[:, None]).exp()  # [B, n]
-    top_p = _row_tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params], dev)  # 2 = never cuts
-    min_p = _row_tensor([p.min_p for p in params], dev)
-    # keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does
-    remove |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-    remove |= probs < min_p[:, None] * probs[:, :1]
-    remove[:, 0] = False  # always keep the most likely token
     rows = torch.tensor(filt, device=dev)
-    if n < v:
-        # every token outside the candidates is removed too iff the candidates already hold top_p of the
-        # mass, or the last candidate is already below the min-p threshold; otherwise use the full sort
-        inside = has_k | (probs.sum(dim=-1) >= top_p) | (probs[:, -1] < min_p * probs[:, 0])
-        if not bool(inside[rows].all()):
-            return None
+    if any(f and (p.top_p < 1.0 or p.min_p > 0) for f, p in zip(filt, params, strict=True)):
+        masked = sorted_x.masked_fill(remove, float("-inf"))
+        # true probabilities over each row's surviving set: its top-k, or the whole vocabulary
+        lse = torch.where(has_k, masked.logsumexp(dim=-1), x.logsumexp(dim=-1))  # [B]
+        probs = (masked - lse[:, None]).exp()  # [B, n]
+        top_p = _row_tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params], dev)  # 2 = never cuts
+        min_p = _row_tensor([p.min_p for p in params], dev)
+        # keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does
+        remove |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+        remove |= probs < min_p[:, None] * probs[:, :1]
+        if n < v and not all(k < v for k, f in zip(kvals, filt, strict=True) if f):
+            # every token outside the candidates is removed too iff the candidates already hold top_p of
+            # the mass, or the last candidate is already below the min-p threshold; else use the full sort
+            inside = has_k | (probs.sum(dim=-1) >= top_p) | (probs[:, -1] < min_p * probs[:, 0])
+            if not bool(inside[rows].all()):
+                return None
+    remove[:, 0] = False  # always keep the most likely token
     mask = torch.ones_like(x, dtype=torch.bool).scatter_(1, order, remove)  # [B, V] back to vocab order
     return mask & rows[:, None]  # greedy / unfiltered rows: nothing removed
 
@@ -219,13 +220,14 @@ def sample(
         tokens = x.argmax(dim=-1)
     else:
         # one draw per row from the row's own generator: reproducible whatever else is in the batch
+        # (replacement=True: inverse-CDF with one uniform, not an exponential per vocabulary entry)
         probs = torch.softmax(x, dim=-1)
         for i in range(b):
             if greedy[i]:
                 tokens[i] = x[i].argmax()
                 continue
             g = generators[i] if generators is not None else None
-            tokens[i] = torch.multinomial(probs[i], 1, generator=g)[0]
+            tokens[i] = torch.multinomial(probs[i], 1, replacement=True, generator=g)[0]
     raw = torch.log_softmax(logits.float(), dim=-1)
     out = SampleOutput(tokens=tokens, logprobs=raw.gather(1, tokens[:, None])[:, 0])
     if num_top_logprobs > 0:
