@@ -391,3 +391,17 @@ def test_real_llama3_tokenizer_chat_and_stream_match_offline():
         assert streamed == str(ref)
         t = httpx.post(h.url + "/tokenize", json={"prompt": "Hello world"}).json()
         assert t["tokens"] == [128000, 9906, 1917]
+
+
+def test_cors_only_for_given_origins(mt):
+    model, tok = mt
+    with start(model, tok, port=0, api_key="k", cors_origins=["http://ok.example"], log_level="warning") as h:
+        pre = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+        r = httpx.options(h.url + "/v1/chat/completions", headers={"Origin": "http://ok.example", **pre})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ok.example"
+        r = httpx.options(h.url + "/v1/chat/completions", headers={"Origin": "http://evil.example", **pre})
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+        r = httpx.get(
+            h.url + "/v1/models", headers={"Origin": "http://ok.example", "Authorization": "Bearer k"}
+        )
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ok.example"
