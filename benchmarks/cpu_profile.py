@@ -40,6 +40,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--pp", type=int, default=128)
+    ap.add_argument("--profile-prefill", action="store_true")
     a = ap.parse_args()
     cfg = dict(arch="bitnet", num_hidden_layers=a.layers)
     model = bench.random_model(cfg, "bf16")
@@ -64,6 +66,13 @@ def main() -> int:
         print(
             f"decode step, torch threads {tt}, kernel threads {a.threads}: {step_time(model, tt) * 1e3:.1f} ms"
         )
+    for tt in (1, a.threads):
+        torch.set_num_threads(tt)
+        gen = torch.Generator().manual_seed(0)
+        dev = torch.device("cpu")
+        bench.time_prefill(model, 16, dev, model.config.vocab_size, gen)
+        dt = min(bench.time_prefill(model, a.pp, dev, model.config.vocab_size, gen) for _ in range(2))
+        print(f"prefill {a.pp} tokens, torch threads {tt}: {dt * 1e3:.0f} ms = {a.pp / dt:.1f} tok/s")
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -74,6 +83,18 @@ def main() -> int:
             for pos in range(4):
                 model(tok, positions=torch.tensor([[pos]]), cache=cache)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    if a.profile_prefill:
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.set_num_threads(1)
+        ids = torch.randint(0, model.config.vocab_size, (1, a.pp))
+        cache = model.new_cache(1, a.pp)
+        with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            model(ids, cache=cache, last_only=True)
+            wall = time.perf_counter() - t0
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+        print(f"prefill wall {wall * 1e3:.0f} ms (C kernel time is the part the profiler does not list)")
     print("spin_us", os.environ.get("BITNETLM_SPIN_US", "300"))
     return 0
 

@@ -126,14 +126,15 @@ def model_bytes(model) -> int:
 
 # ---- device-specific parts ------------------------------------------------------------------------
 def _setup_threads(device: torch.device, n: int, decode: bool = False) -> int:
-    """CPU: n kernel threads. torch's own ops get n threads for prefill but 1 for decode: in a decode step
-    they are tiny, and libgomp workers spinning after each of them steal the cores the C kernels need
-    (measured: 2B4T step 92 ms with torch at 1 thread vs 156 ms at 2, 2 kernel threads on 2 cores)."""
+    """CPU: n threads for the C kernels and 1 for torch's own ops while the C kernels are in use: those ops
+    are small next to the projections, and libgomp workers spinning after each of them steal the cores the
+    kernel threads need (measured on 2 cores, 2B4T shape: decode step 92 ms with torch at 1 thread vs
+    156 ms at 2; pp128 100 tok/s vs 75). Without the C kernels torch gets the n threads."""
     if device.type == "cpu":
         from bitnetlm.kernels import cpu
 
-        kernels = cpu.available()
-        torch.set_num_threads(1 if (decode and kernels) else n)
+        kernels = cpu.available() and _backend_name_is_cpu()
+        torch.set_num_threads(1 if kernels else n)
         if kernels:
             cpu.set_num_threads(n)
     return n
@@ -142,6 +143,13 @@ def _setup_threads(device: torch.device, n: int, decode: bool = False) -> int:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+_ACTIVE_BACKEND = {"name": ""}
+
+
+def _backend_name_is_cpu() -> bool:
+    return _ACTIVE_BACKEND["name"].startswith("cpu")
 
 
 def default_threads() -> list[int]:
@@ -192,6 +200,7 @@ def bench(
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     backend = _backend_name(model)
+    _ACTIVE_BACKEND["name"] = backend
     rows = []
     for nt in threads:
         _setup_threads(device, nt)
@@ -318,10 +327,10 @@ def run(args: argparse.Namespace) -> int:
         model = random_model(args.shape, head_dtype=head, backend=args.backend)
         label = f"{args.shape} (random weights)"
     else:
-        import bitnetlm
         from bitnetlm.kernels.cpu.head import set_head_dtype
+        from bitnetlm.loading import load_model
 
-        model = bitnetlm.loading.load_model(args.model, device=args.device, backend=args.backend).eval()
+        model = load_model(args.model, device=args.device, backend=args.backend).eval()
         set_head_dtype(model, head)
         label = str(args.model)
     rows = bench(model, args.n_prompt, args.n_gen, args.threads, args.repetitions, args.device, label)

@@ -63,7 +63,11 @@ static const bn_kernels *table(int isa) {
     }
 }
 
+int64_t bn_prefetch_bytes = 4096;
+
 int bn_set_isa(int isa) {
+    const char *pf = getenv("BITNETLM_PREFETCH");
+    if (pf && *pf) bn_prefetch_bytes = atol(pf) < 0 ? 0 : atol(pf);
     if (isa == BN_ISA_AUTO) {
         isa = bn_isa_best();
         const char *e = getenv("BITNETLM_CPU_ISA");
@@ -232,7 +236,12 @@ int bn_ternary_matmul_i32(const int8_t *xq, int64_t m, int64_t k, const uint8_t 
 }
 
 int bn_ternary_linear_multi_f32(const float *x, int64_t m, int64_t k, int count, const uint8_t *const *packed,
-                                const int64_t *n, const float *scale, float *const *y) {
+                                const int64_t *n, const float *const *scale, float *const *y) {
+    return bn_ternary_linear_multi_f32_ld(x, m, k, count, packed, n, scale, y, 0);
+}
+
+int bn_ternary_linear_multi_f32_ld(const float *x, int64_t m, int64_t k, int count, const uint8_t *const *packed,
+                                   const int64_t *n, const float *const *scale, float *const *y, int64_t ldy) {
     if (count < 1 || count > MAX_MULTI) return -2;
     if (m <= 0) return 0;
     int64_t kp = bn_padded_k(k);
@@ -249,7 +258,7 @@ int bn_ternary_linear_multi_f32(const float *x, int64_t m, int64_t k, int count,
     quantize(x, m, k, xq, kp, a, xsum);
     gemm_ctx G = {.count = count};
     for (int j = 0; j < count; j++) {
-        G.g[j] = (bn_gemm_args){xq, kp, xsum, m, packed[j], kp / 4, kp / BN_BLOCK, NULL, y[j], n[j], a, scale[j]};
+        G.g[j] = (bn_gemm_args){xq, kp, xsum, m, packed[j], kp / 4, kp / BN_BLOCK, NULL, y[j], ldy > 0 ? ldy : n[j], a, *scale[j]};
         G.n[j] = n[j];
     }
     run_gemm(&G, m);
@@ -258,7 +267,8 @@ int bn_ternary_linear_multi_f32(const float *x, int64_t m, int64_t k, int count,
 }
 
 int bn_ternary_linear_f32(const float *x, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float scale, float *y) {
-    return bn_ternary_linear_multi_f32(x, m, k, 1, &packed, &n, &scale, &y);
+    const float *sp = &scale;
+    return bn_ternary_linear_multi_f32(x, m, k, 1, &packed, &n, &sp, &y);
 }
 
 /* ---- float heads ---------------------------------------------------------------------------------- */

@@ -55,9 +55,12 @@ int bn_ternary_matmul_i32(const int8_t *xq, int64_t m, int64_t k, const uint8_t 
 int bn_ternary_linear_f32(const float *x, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float scale, float *y);
 
 /* several ternary linears sharing the same input (q/k/v, gate/up): one quantization, one thread dispatch.
- * packed[i]: [n[i], k], y[i]: [m, n[i]] */
+ * packed[i]: [n[i], k], *scale[i]: its weight scale (read at call time), y[i]: [m, n[i]]; count <= 8 */
 int bn_ternary_linear_multi_f32(const float *x, int64_t m, int64_t k, int count, const uint8_t *const *packed,
-                                const int64_t *n, const float *scale, float *const *y);
+                                const int64_t *n, const float *const *scale, float *const *y);
+/* the same with a row stride ldy for every y[i] (outputs side by side in one [m, ldy] buffer) */
+int bn_ternary_linear_multi_f32_ld(const float *x, int64_t m, int64_t k, int count, const uint8_t *const *packed,
+                                   const int64_t *n, const float *const *scale, float *const *y, int64_t ldy);
 
 /* float heads: y[m, n] = x[m, :] . W[n, :] for W in bf16 (uint16 bit patterns) or int8 with per-row scales
  * (y = wscale[n] * sum_k x[m, k] * q[n, k]); fp32 accumulation, multithreaded over n. */

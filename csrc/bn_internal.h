@@ -72,6 +72,9 @@ void bn_head_bf16_scalar(const float *x, int64_t m, int64_t k, const uint16_t *w
 void bn_head_i8_scalar(const float *x, int64_t m, int64_t k, const int8_t *w, const float *ws, int64_t r0, int64_t r1,
                        float *y, int64_t ldy);
 
+/* software prefetch distance in bytes for the streaming (decode) kernels; 0 = off. BITNETLM_PREFETCH */
+extern int64_t bn_prefetch_bytes;
+
 /* thread pool (threads.c) */
 typedef void (*bn_range_fn)(void *ctx, int64_t begin, int64_t end);
 void bn_parallel_for(int64_t n, bn_range_fn fn, void *ctx);

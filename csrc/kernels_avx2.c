@@ -67,8 +67,16 @@ static void gemv_4rows(const bn_gemm_args *g, int64_t r, int64_t i) {
     __m256i acc0 = _mm256_setzero_si256(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
     const uint8_t *w0 = g->w + r * g->rb, *w1 = w0 + g->rb, *w2 = w1 + g->rb, *w3 = w2 + g->rb;
     const int8_t *x = g->xq + i * g->ldx;
+    const int64_t pf = bn_prefetch_bytes;
     for (int64_t b = 0; b < g->nblk; b++) {
         const int8_t *xb = x + 128 * b;
+        if (pf && (b & 1) == 0) {
+            /* the four rows are four streams; asking for lines ahead keeps more misses in flight */
+            _mm_prefetch((const char *)(w0 + 32 * b + pf), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w1 + 32 * b + pf), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w2 + 32 * b + pf), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w3 + 32 * b + pf), _MM_HINT_T0);
+        }
         __m256i x0 = _mm256_loadu_si256((const __m256i *)xb);
         __m256i x1 = _mm256_loadu_si256((const __m256i *)(xb + 32));
         __m256i x2 = _mm256_loadu_si256((const __m256i *)(xb + 64));
@@ -174,6 +182,8 @@ static void head_bf16_avx2(const float *x, int64_t m, int64_t k, const uint16_t 
     int64_t k32 = k & ~(int64_t)31;
     for (int64_t r = r0; r < r1; r++) {
         const uint16_t *wr = w + r * k;
+        if (bn_prefetch_bytes && r + 1 < r1)
+            for (int64_t j = 0; j < 2 * k; j += 64) _mm_prefetch((const char *)(wr + k) + j, _MM_HINT_T0);
         for (int64_t i = 0; i < m; i++) {
             const float *xi = x + i * k;
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -201,6 +211,8 @@ static void head_i8_avx2(const float *x, int64_t m, int64_t k, const int8_t *w, 
     int64_t k32 = k & ~(int64_t)31;
     for (int64_t r = r0; r < r1; r++) {
         const int8_t *wr = w + r * k;
+        if (bn_prefetch_bytes && r + 1 < r1)
+            for (int64_t j = 0; j < k; j += 64) _mm_prefetch((const char *)(wr + k) + j, _MM_HINT_T0);
         for (int64_t i = 0; i < m; i++) {
             const float *xi = x + i * k;
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;

@@ -47,7 +47,10 @@ static void gemv_4rows(const bn_gemm_args *g, int64_t r, int64_t i) {
     __m512i acc0 = _mm512_setzero_si512(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
     const uint8_t *w0 = g->w + r * g->rb;
     const int8_t *x = g->xq + i * g->ldx;
+    const int64_t pf = bn_prefetch_bytes;
     for (int64_t b = 0; b < g->nblk; b++) {
+        if (pf && (b & 1) == 0)
+            for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(w0 + j * g->rb + 32 * b + pf), _MM_HINT_T0);
         __m512i x01 = _mm512_loadu_si512((const void *)(x + 128 * b));
         __m512i x23 = _mm512_loadu_si512((const void *)(x + 128 * b + 64));
 #define ROW(j, acc)                                             \

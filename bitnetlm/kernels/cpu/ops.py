@@ -62,16 +62,47 @@ def ternary_linear_multi(x: torch.Tensor, packed: list[torch.Tensor], scales: li
         _check_packed(p, n, k, "cpu ternary_linear_multi")
     x2 = _as_f32_2d(x)
     m = x2.shape[0]
-    ys = [torch.empty((m, n), dtype=torch.float32) for n in out_features]
-    ptrs = (ctypes.c_void_p * count)(*[p.data_ptr() for p in packed])
-    ns = (ctypes.c_int64 * count)(*out_features)
-    ss = (ctypes.c_float * count)(*[float(s) for s in scales])
-    yp = (ctypes.c_void_p * count)(*[y.data_ptr() for y in ys])
-    rc = lib().bn_ternary_linear_multi_f32(x2.data_ptr(), m, k, count, ptrs, ns, ss, yp)
+    # one output buffer, split into views: one allocation per call
+    y_all = torch.empty((m, sum(out_features)), dtype=torch.float32)
+    ys = list(torch.split(y_all, list(out_features), dim=1)) if count > 1 else [y_all]
+    ptrs, ns, ss = _weight_arrays(packed, scales, out_features)
+    row = y_all.data_ptr()
+    offs, o = [], 0
+    for n in out_features:
+        offs.append(row + 4 * o)
+        o += n
+    yp = (ctypes.c_void_p * count)(*offs)
+    rc = lib().bn_ternary_linear_multi_f32_ld(x2.data_ptr(), m, k, count, ptrs, ns, ss, yp, y_all.shape[1])
     if rc != 0:
         raise RuntimeError(f"bn_ternary_linear_multi_f32 failed with code {rc}")
     lead = x.shape[:-1]
     return [y.reshape(*lead, y.shape[-1]).to(x.dtype) for y in ys]
+
+
+_arrays: dict[tuple, tuple] = {}
+
+
+def _weight_arrays(packed, scales, out_features):
+    """ctypes arrays of weight/scale pointers and sizes, cached per group of layers (scales are read by
+    pointer at call time, so a cached entry never holds a stale scale value)."""
+    for s in scales:
+        if not (isinstance(s, torch.Tensor) and s.dtype == torch.float32 and s.device.type == "cpu"):
+            raise TypeError(
+                f"ternary_linear_multi: scales must be float32 CPU tensors, found {type(s).__name__}"
+            )
+    key = tuple(p.data_ptr() for p in packed) + tuple(s.data_ptr() for s in scales) + tuple(out_features)
+    got = _arrays.get(key)
+    if got is None:
+        count = len(packed)
+        got = (
+            (ctypes.c_void_p * count)(*[p.data_ptr() for p in packed]),
+            (ctypes.c_int64 * count)(*out_features),
+            (ctypes.c_void_p * count)(*[s.data_ptr() for s in scales]),
+        )
+        if len(_arrays) > 4096:
+            _arrays.clear()
+        _arrays[key] = got
+    return got
 
 
 def ternary_matmul_i32(xq: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
