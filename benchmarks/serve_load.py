@@ -29,7 +29,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def machine() -> str:
+def machine(device: str | None = None) -> str:
+    gpu = ""
+    if device and device.startswith("cuda"):
+        import torch
+
+        gpu = f"{torch.cuda.get_device_name(0)}, "
     cpu = platform.processor() or platform.machine()
     try:
         for line in open("/proc/cpuinfo"):
@@ -38,7 +43,7 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{cpu}, {os.cpu_count()} logical cores, Python {platform.python_version()}"
+    return f"{gpu}{cpu}, {os.cpu_count()} logical cores, Python {platform.python_version()}"
 
 
 def start_server(model: str, args, env_extra: dict) -> tuple[subprocess.Popen, str]:
@@ -178,8 +183,9 @@ def main(argv=None) -> int:
             tmp.cleanup()
     print(f"\n### bitnet serve load test: {label}\n")
     print(
-        f"machine: {machine()}; server --max-batch {args.max_batch}; {args.requests} streaming requests per row,"
+        f"machine: {machine(args.device)}; device {args.device or 'auto'}; torch threads {args.threads or 'default'}"
     )
+    print(f"server --max-batch {args.max_batch}; {args.requests} streaming requests per row; ", end="")
     print(
         f"~{args.prompt_words}-word prompts, {args.max_tokens} completion tokens each (greedy, ignore_eos)\n"
     )
