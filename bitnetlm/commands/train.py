@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 
 def add_arguments(p) -> None:
@@ -19,6 +20,8 @@ def run(args) -> int:
 
     cfg = config_from_args(args, args.config)
     summary = train(cfg)
+    if os.environ.get("RANK", "0") != "0":
+        return 0  # under torchrun only rank 0 reports
     if args.json:
         print(json.dumps(summary, indent=2))
     elif summary is not None:

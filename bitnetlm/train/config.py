@@ -90,10 +90,11 @@ class TrainConfig:
     export: bool = _f(True, "save the final model in the packed inference format to out_dir/final")
 
     # ---- helpers ---------------------------------------------------------------------------------
-    def validate(self) -> TrainConfig:
+    def validate(self, model_given: bool = False) -> TrainConfig:
+        """Check the options; model_given: the caller passes an nn.Module (no model/model_config needed)."""
         if self.data is None:
             raise ValueError("train config: 'data' (a prepared data directory) is required")
-        if self.model is None and not self.model_config:
+        if not model_given and self.model is None and not self.model_config:
             raise ValueError(
                 "train config: give 'model' (start from a checkpoint) or 'model_config' (from scratch)"
             )

@@ -48,8 +48,9 @@ def perplexity(
     """Perplexity of a token sequence with a sliding window.
 
     Windows of `ctx` tokens start every `stride` tokens; each scores only the tokens the previous window
-    did not, so every token after the first is predicted exactly once, with at least ctx - stride tokens of
-    context once the text is longer than one window (the transformers "strided perplexity" recipe).
+    did not, so with stride < ctx every token after the first is predicted exactly once, with at least
+    ctx - stride tokens of context (the transformers "strided perplexity" recipe; with stride == ctx the
+    first token of each window has no context and is not scored, as there).
     Returns {"perplexity", "nll" (nats/token), "tokens" (scored), "ctx", "stride"}.
     """
     from tqdm import tqdm
@@ -59,7 +60,7 @@ def perplexity(
     if n < 2:
         raise ValueError(f"perplexity needs at least 2 tokens, got {n}")
     ctx = min(ctx or context_length(model), n)
-    stride = stride or max(ctx // 2, 1)
+    stride = min(stride or max(ctx // 2, 1), ctx)
     if not 0 < stride <= ctx:
         raise ValueError(f"stride must be in (0, ctx={ctx}], got {stride}")
     # (begin, end, first scored target position) of each window

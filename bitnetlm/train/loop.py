@@ -129,7 +129,7 @@ def _forward(model: nn.Module, x: torch.Tensor, want_hidden: bool):
 
 class Trainer:
     def __init__(self, config: TrainConfig, model: nn.Module | None = None, teacher: nn.Module | None = None):
-        self.cfg = cfg = config.validate()
+        self.cfg = cfg = config.validate(model_given=model is not None)
         self.info = D.setup(cfg.device, cfg.distributed)
         self.out = Path(cfg.out_dir)
         self.ckpt_root = self.out / "checkpoints"
@@ -313,6 +313,8 @@ class Trainer:
             return None
         was = self.wrapped.training
         self.wrapped.eval()
+        # the held-out loss is that of the ternary model we would export, also during the quant warm-up
+        set_quant_lambda(self.model, 1.0)
         bs = self.cfg.micro_batch_size or max(1, self.cfg.batch_size // self.info.world_size)
         fwd = self.wrapped if self.info.mode == "fsdp" else D.unwrap(self.wrapped)
         tot = torch.zeros(2, dtype=torch.float64, device=self.info.device)
