@@ -80,7 +80,9 @@ def test_large_vocab_uses_uint32(tmp_path, corpus):
     _, docs, _ = corpus
     llama3 = asset("llama3-tokenizer")
     (tmp_path / "short.txt").write_text((docs / "pp.txt").read_text()[:5000])
-    meta = prepare_data([tmp_path / "short.txt"], llama3, tmp_path, PrepareConfig(val_fraction=0.0), progress=False)
+    meta = prepare_data(
+        [tmp_path / "short.txt"], llama3, tmp_path, PrepareConfig(val_fraction=0.0), progress=False
+    )
     assert meta["dtype"] == "uint32" and meta["vocab_size"] > 65536
     ids = np.asarray(TokenShards(tmp_path, "train").arrays[0])
     tok = load_tokenizer(llama3)
