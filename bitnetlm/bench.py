@@ -327,11 +327,9 @@ def run(args: argparse.Namespace) -> int:
         model = random_model(args.shape, head_dtype=head, backend=args.backend)
         label = f"{args.shape} (random weights)"
     else:
-        from bitnetlm.kernels.cpu.head import set_head_dtype
         from bitnetlm.loading import load_model
 
-        model = load_model(args.model, device=args.device, backend=args.backend).eval()
-        set_head_dtype(model, head)
+        model = load_model(args.model, device=args.device, backend=args.backend, head_dtype=head).eval()
         label = str(args.model)
     rows = bench(model, args.n_prompt, args.n_gen, args.threads, args.repetitions, args.device, label)
     if args.json:

@@ -30,8 +30,12 @@ def load_model(
     dtype: torch.dtype | None = None,
     backend: str | None = None,
     mode: str = "infer",
+    head_dtype: str | None = None,
 ):
-    """Load a model (HF directory or GGUF file), move it to `device` and prepare its kernels."""
+    """Load a model (HF directory or GGUF file), move it to `device` and prepare its kernels.
+
+    head_dtype "bf16" / "int8": keep the embedding + LM head in that storage (kernels.cpu.head), inference only.
+    """
     p = resolve_path(path)
     dtype = dtype or torch.float32
     if p.is_file() and p.suffix == ".gguf":
@@ -46,7 +50,12 @@ def load_model(
         raise ValueError(f"{p}: not a model directory (config.json + safetensors) or a .gguf file")
     if mode == "train":
         return model.to(device)
-    return prepare(model, device, backend)
+    model = prepare(model, device, backend)
+    if head_dtype:
+        from bitnetlm.kernels.cpu.head import set_head_dtype
+
+        set_head_dtype(model, head_dtype)
+    return model
 
 
 def load_tokenizer(path: str | os.PathLike):
@@ -69,9 +78,10 @@ def load(
     dtype: torch.dtype | None = None,
     backend: str | None = None,
     mode: str = "infer",
+    head_dtype: str | None = None,
 ):
     """(model, tokenizer) for `path`; tokenizer is None if the checkpoint has none."""
-    return load_model(path, device, dtype, backend, mode), load_tokenizer(path)
+    return load_model(path, device, dtype, backend, mode, head_dtype), load_tokenizer(path)
 
 
 def save(
