@@ -78,6 +78,16 @@ def _write_tokenizer_dir(files: dict[str, str], d: Path) -> Path | None:
     return d
 
 
+def lossless_dtype(model) -> torch.dtype | None:
+    """bfloat16 or float16 if every float tensor of `model` survives that cast exactly (e.g. loaded from a bf16
+    checkpoint into float32), else None (keep float32): conversions must not double the file size or lose bits."""
+    tensors = [p.detach() for p in model.parameters() if p.is_floating_point()]
+    for dt in (torch.bfloat16, torch.float16):
+        if all(t.dtype == dt or torch.equal(t.to(dt).to(t.dtype), t) for t in tensors):
+            return dt
+    return None
+
+
 def save_model(
     model,
     out: Path,
@@ -94,7 +104,9 @@ def save_model(
     if to == "hf":
         from bitnetlm.formats.native import save_native
 
-        return save_native(model, out, tok_files=tok_files, overwrite=force, storage=storage)
+        return save_native(
+            model, out, tok_files=tok_files, overwrite=force, storage=storage, dtype=lossless_dtype(model)
+        )
     if to == "gguf":
         from bitnetlm.formats.gguf import save_gguf
 

@@ -181,9 +181,12 @@ def load_native(
     Inference-mode loads of offline-packed autobitlinear checkpoints are zero-copy (`load_mmap`); every other
     variant goes through `formats.hf.load_hf`.
     """
-    from bitnetlm.formats.hf import load_hf
+    from bitnetlm.formats.hf import load_hf, read_config
 
     path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: model directory not found")
+    read_config(path)  # a missing/invalid config.json is the first error to report
     layout, _ = file_layout(path)
     if layout == PackingFormat.HF_2BIT.value:
         if mmap and mode == "infer":

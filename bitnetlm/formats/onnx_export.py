@@ -140,7 +140,8 @@ def build_onnx(model):
     ]
     outputs = [h_.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", cfg.vocab_size])]
     emb = model.embed_tokens.weight.detach().float()
-    x = g.op("Gather", [g.const(emb.numpy(), "embed"), "input_ids"], axis=0)  # [B, T, H]
+    emb_name = g.const(emb.numpy(), "embed")
+    x = g.op("Gather", [emb_name, "input_ids"], axis=0)  # [B, T, H]
     # RoPE tables from position_ids
     inv = model.inv_freq.detach().float().numpy()
     freqs = g.op(
@@ -241,8 +242,16 @@ def build_onnx(model):
             m = _rmsnorm(g, m, mlp.ffn_sub_norm.weight, cfg.rms_norm_eps)
         x = g.op("Add", [x, _linear(g, m, mlp.down_proj, f"l{i}_down")])
     x = _rmsnorm(g, x, model.norm.weight, cfg.rms_norm_eps)
-    head = emb if model.lm_head is None else model.lm_head.weight.detach().float()
-    g.nodes.append(h_.make_node("MatMul", [x, g.const(head.numpy().T.copy(), "lm_head_t")], ["logits"]))
+    # logits = x @ W^T as Gemm(transB=1) on [B*T, H] rows: a tied head shares the embedding initializer
+    head = (
+        emb_name
+        if model.lm_head is None
+        else g.const(model.lm_head.weight.detach().float().numpy(), "lm_head")
+    )
+    rows = g.op("Reshape", [x, g.const(_i64([-1, cfg.hidden_size]))])
+    flat = g.op("Gemm", [rows, head], transB=1)
+    out_shape = g.op("Concat", [b_dim, t_dim, g.const(_i64([cfg.vocab_size]))], axis=0)
+    g.nodes.append(h_.make_node("Reshape", [flat, out_shape], ["logits"]))
     graph = h_.make_graph(g.nodes, "bitnetlm", inputs, outputs, initializer=g.inits)
     mp = h_.make_model(graph, opset_imports=[h_.make_opsetid("", OPSET)], producer_name="bitnetlm")
     mp.ir_version = 11
