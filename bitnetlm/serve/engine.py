@@ -292,8 +292,10 @@ class Engine:
                     if self._stop:
                         break
                     cancels, self._cancel = self._cancel, set()
-                    self._apply_cancels(cancels)
+                    cancelled = self._apply_cancels(cancels)
                     admitted = self._admit()
+                for g in cancelled:  # every submitted request ends with Finished or Failed
+                    self._emit(g, Failed("request cancelled", status=499))
                 try:
                     self._step(admitted)
                 except Exception as e:  # fail the running requests, keep serving
@@ -302,9 +304,10 @@ class Engine:
         with self._lock:
             self._lock.notify_all()
 
-    def _apply_cancels(self, gids: set[int]) -> None:  # lock held
+    def _apply_cancels(self, gids: set[int]) -> list[_Group]:  # lock held
         if not gids:
-            return
+            return []
+        out = []
         self._waiting = collections.deque(s for s in self._waiting if s.group.id not in gids)
         for gid in gids:
             asked = self._cancel_step.pop(gid, self.steps)
@@ -313,6 +316,7 @@ class Engine:
             if g is None:
                 continue
             g.cancelled = True
+            out.append(g)
             self.metrics.inc("request_cancelled_total")
             for s in g.seqs:
                 s.done = True
@@ -323,6 +327,7 @@ class Engine:
                     s.row = None
         self._free_rows.sort()
         self._lock.notify_all()
+        return out
 
     def _admit(self) -> list[_Seq]:  # lock held
         out = []
@@ -375,6 +380,7 @@ class Engine:
             self.metrics.inc("prompt_tokens_total", c)
             if s.n_cached == s.n_prompt:
                 ready.append((s, logits[0, -1]))
+                ready += [(t, logits[0, -1]) for t in self._share_prompt(s)]
         if ready:
             self._sample_and_emit(ready)
         # decode: every row with exactly one pending (uncached) token
@@ -405,6 +411,23 @@ class Engine:
         for s in dec:
             s.n_cached += 1
         self._sample_and_emit([(s, logits[s.row, -1]) for s in dec])
+
+    def _share_prompt(self, s: _Seq) -> list[_Seq]:
+        """Copy `s`'s freshly prefilled prompt into the rows of its siblings (n > 1) that have not started.
+
+        A copy gives bit-identical k/v, so each choice samples its first token from the same logits and
+        then decodes exactly as if it had prefilled the prompt itself.
+        """
+        sibs = [
+            t for t in s.group.seqs if t is not s and t.row is not None and t.n_cached == 0 and not t.done
+        ]
+        n = s.n_prompt
+        for t in sibs:
+            for k in self.cache.k + self.cache.v:
+                k[t.row, :, :n] = k[s.row, :, :n]
+            self.cache.valid[t.row, :n] = self.cache.valid[s.row, :n]
+            t.n_cached = n
+        return sibs
 
     # ---- sampling and output -------------------------------------------------------------------
     def _sample_and_emit(self, ready: list[tuple[_Seq, torch.Tensor]]) -> None:
