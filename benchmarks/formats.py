@@ -35,7 +35,10 @@ def build(layers: int, vocab: int):
 
 
 def size(p: Path) -> int:
-    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size
+    if p.is_dir():
+        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+    data = p.with_name(p.name + ".data")  # ONNX external weights
+    return p.stat().st_size + (data.stat().st_size if data.is_file() else 0)
 
 
 def main() -> None:
@@ -44,12 +47,14 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--skip-onnx", action="store_true")
     args = ap.parse_args()
+    from bitnetlm.convert import lossless_dtype
     from bitnetlm.formats.gguf import load_gguf_model, save_gguf
     from bitnetlm.formats.native import load_native, save_native
     from bitnetlm.formats.onnx_export import export_onnx, onnx_session
     from bitnetlm.inspect import inspect_path
 
     model = build(args.layers, args.vocab)
+    dt = lossless_dtype(model)  # what `bitnet convert --to hf` writes (bf16 here)
     rows = []
     with tempfile.TemporaryDirectory() as td:
         td = Path(td)
@@ -57,13 +62,13 @@ def main() -> None:
             (
                 "HF packed 2-bit (transformers)",
                 td / "hf",
-                lambda p: save_native(model, p),
+                lambda p: save_native(model, p, dtype=dt),
                 lambda p: load_native(p),
             ),
             (
                 "native base3 (1.6-bit)",
                 td / "b3",
-                lambda p: save_native(model, p, storage="base3"),
+                lambda p: save_native(model, p, storage="base3", dtype=dt),
                 lambda p: load_native(p),
             ),
         ]

@@ -32,7 +32,7 @@ def inspect_hf(path: Path) -> dict:
                     n *= d
                 tensors.append({"name": k, "dtype": dtype, "shape": shape, "file": f.name})
                 if dtype == "U8" and k.endswith(".weight"):
-                    ternary_params += n * 4
+                    ternary_params += n * (5 if layout == "base3-5" else 4)  # trits per byte
                     ternary_bytes += n
                 elif not k.endswith("weight_scale"):
                     other_params += n

@@ -126,6 +126,10 @@ def test_base3_native_storage(hf_dir, tmp_path):
     assert file_layout(out)[0] == "base3-5"
     a, b = (hf_dir / "model.safetensors").stat().st_size, (out / "model.safetensors").stat().st_size
     assert b < a
+    from bitnetlm.inspect import inspect_path
+
+    info = inspect_path(out)
+    assert info["layout"] == "base3-5" and info["bits_per_ternary_weight"] == pytest.approx(1.6)
     m = load_native(out)
     assert all(
         torch.equal(x[0], y[0]) and x[1] == y[1]
