@@ -185,3 +185,66 @@ def test_checkpoint_interrupted_mid_write_leaves_previous_intact(data, tmp_path)
         torch.set_num_threads(one)
     assert summary["step"] == 10
     assert not [q for q in root.iterdir() if ".tmp-" in q.name]
+
+
+def test_early_stopping_keep_last_and_logs(data, tmp_path):
+    n = one_thread()
+    try:
+        # lr 0: the held-out loss can never improve, so the run stops after `early_stopping` evaluations
+        s = train(
+            TrainConfig(
+                data=str(data), model_config=TINY_BITNET, seq_len=32, batch_size=4, max_steps=50, lr=0.0,
+                warmup_steps=0, eval_every=2, early_stopping=2, save_every=2, keep_last=2, eval_tokens=1024,
+                out_dir=str(tmp_path), progress=False, tensorboard=True, export=False,
+            )
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(n)
+    assert s["stopped_early"] and s["step"] == 6  # evals at 2 (best), 4 (no gain), 6 (no gain) -> stop
+    ckpts = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert ckpts == ["step_00000004", "step_00000006"]  # keep_last=2
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "val_loss" in r] == [2, 4, 6, 6]
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_yaml_config_and_flags(tmp_path):
+    import argparse
+
+    from bitnetlm.train.config import add_config_flags, config_from_args
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "train_tiny_austen.yaml"
+    p = argparse.ArgumentParser()
+    add_config_flags(p)
+    args = p.parse_args(["--max-steps", "7", "--betas", "0.8", "0.99", "--quantize", "false"])
+    cfg = config_from_args(args, str(example)).validate()
+    assert cfg.max_steps == 7 and cfg.betas == [0.8, 0.99] and cfg.quantize is False
+    assert cfg.schedule == "two_stage" and cfg.model_config["arch"] == "bitnet"  # the rest from the YAML
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data: x\nlearning_rate: 1\n")
+    with pytest.raises(ValueError, match="learning_rate"):
+        TrainConfig.from_yaml(bad)
+    with pytest.raises(ValueError, match="teacher"):
+        TrainConfig(data="x", model_config={"arch": "bitnet"}, kd_weight=0.5).validate()
+
+
+def test_two_stage_schedule_cuts_lr_and_weight_decay():
+    from bitnetlm.train.schedule import LRSchedule, apply_weight_decay, param_groups
+
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    groups = param_groups(model, 0.1)
+    assert [len(g["params"]) for g in groups] == [1, 4]  # only the Linear weight decays
+    opt = torch.optim.AdamW(groups, lr=1.0, betas=(0.9, 0.95))
+    sched = LRSchedule("two_stage", max_steps=100, warmup_steps=10, stage2_at=0.5, stage2_ratio=0.4)
+    lam = torch.optim.lr_scheduler.LambdaLR(opt, sched)
+    lrs, wds = [], []
+    for step in range(100):
+        apply_weight_decay(opt, sched, step)
+        lrs.append(opt.param_groups[0]["lr"])
+        wds.append(opt.param_groups[0]["weight_decay"])
+        opt.step()
+        lam.step()
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)  # linear warm-up
+    assert lrs[49] == pytest.approx(1.0) and lrs[50] == pytest.approx(0.4)  # the cut at the midpoint
+    assert lrs[99] < 0.01 and all(a >= b for a, b in zip(lrs[50:], lrs[51:], strict=False))
+    assert set(wds[:50]) == {0.1} and set(wds[50:]) == {0.0}  # weight decay off in stage 2
