@@ -227,6 +227,7 @@ def test_32_concurrent_greedy_requests_equal_offline(mt, server):
         assert r.choices[0].text == str(ref)
     # 8 rows for 32 requests: they must have shared decode steps (continuous batching), not run one by one
     assert server.engine.steps - steps0 < sum(lens) / 3
+    assert server.engine.batched_prefills > 0  # prompts that arrived together were prefilled together
 
 
 def test_errors_are_openai_style(mt, client, server):

@@ -153,6 +153,7 @@ class Engine:
         self._accepting = True
         self._stop = False
         self.steps = 0
+        self.batched_prefills = 0  # forwards that prefilled several prompts at once
         self._thread = threading.Thread(target=self._run, name="bitnet-engine", daemon=True)
         self._thread.start()
 
@@ -365,14 +366,32 @@ class Engine:
         budget = self.config.prefill_chunk
         ready: list[tuple[_Seq, torch.Tensor]] = []  # sequences with logits for their next token
         # prefill: FIFO over rows whose prompt is not fully cached yet
+        plan: list[tuple[_Seq, int]] = []  # (sequence, prompt tokens to prefill now)
         for s in sorted(self._rows.values(), key=lambda s: (s.group.arrival, s.index)):
             if budget <= 0:
                 break
             todo = s.n_prompt - s.n_cached
-            if todo <= 0:
-                continue
+            if todo <= 0 or (s.n_cached == 0 and self._sibling_prefilling(s, plan)):
+                continue  # done, or a sibling's prefill will be copied into this row
             c = min(todo, budget)
             budget -= c
+            plan.append((s, c))
+        # fresh prompts that fit whole go through one batched forward (left-padded, like batch_generate)
+        whole = [s for s, c in plan if s.n_cached == 0 and c == s.n_prompt]
+        batch: list[_Seq] = []
+        for s in whole:
+            if (len(batch) + 1) * max(
+                [t.n_prompt for t in batch] + [s.n_prompt]
+            ) <= self.config.prefill_chunk:
+                batch.append(s)
+        if len(batch) > 1:
+            for s, lg in zip(batch, self._prefill_batch(batch), strict=True):
+                ready.append((s, lg))
+                ready += [(t, lg) for t in self._share_prompt(s)]
+        in_batch = {id(s) for s in batch} if len(batch) > 1 else set()
+        for s, c in plan:
+            if id(s) in in_batch:
+                continue
             ids = torch.tensor([s.tokens[s.n_cached : s.n_cached + c]], device=self.device)  # [1, c]
             pos = torch.arange(s.n_cached, s.n_cached + c, device=self.device)[None]  # [1, c]
             logits = self.model(ids, positions=pos, cache=self._view(s.row, s.row + 1), last_only=True)
@@ -411,6 +430,50 @@ class Engine:
         for s in dec:
             s.n_cached += 1
         self._sample_and_emit([(s, logits[s.row, -1]) for s in dec])
+
+    @staticmethod
+    def _sibling_prefilling(s: _Seq, plan) -> bool:
+        planned = {id(t) for t, _ in plan}
+        return any(
+            t is not s and not t.done and t.row is not None and (t.n_cached > 0 or id(t) in planned)
+            for t in s.group.seqs
+        )
+
+    def _prefill_batch(self, seqs: list[_Seq]) -> list[torch.Tensor]:
+        """Prefill several whole prompts in one forward; returns each one's last-position logits.
+
+        Prompts are left-padded to a common length L in a temporary cache (token t of a prompt of length n sits
+        at slot L - n + t with RoPE position t; padding is never attended to), then copied to slots [0, n) of
+        each sequence's row: the same keys at the same positions as a prefill of that prompt alone.
+        """
+        dev = self.device
+        self.batched_prefills += 1
+        k, L = len(seqs), max(s.n_prompt for s in seqs)
+        ids = torch.zeros(k, L, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, L - s.n_prompt :] = torch.tensor(s.tokens[: s.n_prompt])
+        lens = torch.tensor([s.n_prompt for s in seqs])
+        slots = torch.arange(L)
+        offset = (L - lens)[:, None]  # [k, 1]
+        mask = slots[None, :] >= offset  # [k, L]
+        positions = (slots[None, :] - offset).clamp(min=0)  # [k, L]
+        tmp = self.model.new_cache(k, L)
+        logits = self.model(
+            ids.to(dev),
+            positions=positions.to(dev),
+            cache=tmp,
+            cache_pos=slots[None, :].expand(k, L).to(dev),
+            input_mask=None if bool(mask.all()) else mask.to(dev),
+            last_only=True,
+        )  # [k, 1, V]
+        for i, s in enumerate(seqs):
+            n = s.n_prompt
+            for main, t in zip(self.cache.k + self.cache.v, tmp.k + tmp.v, strict=True):
+                main[s.row, :, :n] = t[i, :, L - n :]
+            self.cache.valid[s.row, :n] = True
+            s.n_cached = n
+            self.metrics.inc("prompt_tokens_total", n)
+        return [logits[i, -1] for i in range(k)]
 
     def _share_prompt(self, s: _Seq) -> list[_Seq]:
         """Copy `s`'s freshly prefilled prompt into the rows of its siblings (n > 1) that have not started.
