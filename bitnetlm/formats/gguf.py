@@ -59,6 +59,17 @@ def gguf_name(ours: str) -> str:
     return f"blk.{i}.{LAYER_NAMES[rest]}"
 
 
+def _progress(items: list, desc: str):
+    """A tqdm bar on stderr when it is a terminal (long conversions), else the plain list."""
+    import sys
+
+    if not sys.stderr.isatty() or len(items) < 2:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, unit="tensor" if desc.startswith("loading") else "layer", leave=False)
+
+
 # ---- q/k row permutation of llama.cpp's llama converter ---------------------------------------------
 
 
@@ -170,7 +181,9 @@ def load_gguf_model(
     permute = f.metadata.get("general.architecture") == "llama"
     sd: dict[str, torch.Tensor] = {}
     used = set()
-    for name, kind in layer_modules(cfg.num_hidden_layers, cfg.has_sub_norms):
+    for name, kind in _progress(
+        list(layer_modules(cfg.num_hidden_layers, cfg.has_sub_norms)), f"loading {f.path.name}"
+    ):
         module = model.get_submodule(name)
         g = gguf_name(name) + ".weight"
         used.add(g)
@@ -302,7 +315,7 @@ def save_gguf(
         _smallest_lossless(model.embed_tokens.weight) if embed_type == "auto" else FLOAT_TYPES[embed_type]
     )
     add_float("token_embd", model.embed_tokens.weight, emb_tid)
-    for i, layer in enumerate(model.layers):
+    for i, layer in _progress(list(enumerate(model.layers)), f"writing {Path(path).name}"):
         for ours, g in LAYER_NAMES.items():
             parent, _, leaf = ours.rpartition(".")
             owner = layer.get_submodule(parent) if parent else layer
