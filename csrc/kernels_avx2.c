@@ -182,12 +182,13 @@ static void head_bf16_avx2(const float *x, int64_t m, int64_t k, const uint16_t 
     int64_t k32 = k & ~(int64_t)31;
     for (int64_t r = r0; r < r1; r++) {
         const uint16_t *wr = w + r * k;
-        if (bn_prefetch_bytes && r + 1 < r1)
-            for (int64_t j = 0; j < 2 * k; j += 64) _mm_prefetch((const char *)(wr + k) + j, _MM_HINT_T0);
+        const int64_t pf = bn_prefetch_bytes;
         for (int64_t i = 0; i < m; i++) {
             const float *xi = x + i * k;
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (int64_t j = 0; j < k32; j += 32) {
+                /* rows are contiguous: one stream; 32 bf16 = one 64-byte line per iteration */
+                if (pf && i == 0) _mm_prefetch((const char *)(wr + j) + pf, _MM_HINT_T0);
 #define BF(off) \
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(wr + j + off))), 16))
                 a0 = _mm256_fmadd_ps(BF(0), _mm256_loadu_ps(xi + j), a0);
@@ -211,12 +212,12 @@ static void head_i8_avx2(const float *x, int64_t m, int64_t k, const int8_t *w, 
     int64_t k32 = k & ~(int64_t)31;
     for (int64_t r = r0; r < r1; r++) {
         const int8_t *wr = w + r * k;
-        if (bn_prefetch_bytes && r + 1 < r1)
-            for (int64_t j = 0; j < k; j += 64) _mm_prefetch((const char *)(wr + k) + j, _MM_HINT_T0);
+        const int64_t pf = bn_prefetch_bytes;
         for (int64_t i = 0; i < m; i++) {
             const float *xi = x + i * k;
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (int64_t j = 0; j < k32; j += 32) {
+                if (pf && i == 0 && (j & 63) == 0) _mm_prefetch((const char *)(wr + j) + pf, _MM_HINT_T0);
 #define I8(off) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wr + j + off))))
                 a0 = _mm256_fmadd_ps(I8(0), _mm256_loadu_ps(xi + j), a0);
                 a1 = _mm256_fmadd_ps(I8(8), _mm256_loadu_ps(xi + j + 8), a1);
