@@ -217,3 +217,21 @@ def test_sentencepiece_style_tokenizer_round_trip(tmp_path):
     meta.pop("tokenizer.ggml.merges")
     derived, _ = tokenizer_from_gguf_metadata(meta)
     assert derived.encode("hello world").ids == tk.encode("hello world").ids
+
+
+def test_bf16_embedding_and_bitnet25_arch(hf_model, tmp_path):
+    model, _ = hf_model
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        m.embed_tokens.weight.copy_(m.embed_tokens.weight.bfloat16().float())  # bf16-exact values
+    path = save_gguf(m, tmp_path / "b25.gguf", "i2_s", arch_name="bitnet-25")
+    f = read_gguf(path)
+    assert f.metadata["general.architecture"] == "bitnet-25" and f.metadata["general.file_type"] == 40
+    assert f.tensors["token_embd.weight"].type_name == "BF16"  # smallest lossless type
+    g = load_gguf_model(path)
+    assert g.config.arch == "bitnet" and g.config.hidden_act == "relu2"
+    assert torch.equal(g.embed_tokens.weight, m.embed_tokens.weight)
+    with pytest.raises(ValueError, match="does not describe"):
+        save_gguf(
+            m, tmp_path / "x.gguf", "i2_s", arch_name="bitnet"
+        )  # llama.cpp's bitnet is the SiLU 1bitLLM
