@@ -59,6 +59,13 @@ def test_smollm2_q4_1_gguf_matches_transformers_and_answers_paris():
     ref_ids, ref_logits = _reference(path, prompt)
     ids = torch.tensor([tk.encode(prompt).ids])
     assert ids.tolist() == ref_ids.tolist()  # our GGUF tokenizer == transformers' GGUF tokenizer
+    # the same through the public API: bitnetlm.load's tokenizer for a .gguf, with its chat template
+    from bitnetlm.loading import load_tokenizer
+
+    api_tok = load_tokenizer(path)
+    messages = [{"role": "user", "content": QUESTION}]
+    assert api_tok.apply_chat_template(messages, add_generation_prompt=True) == prompt
+    assert api_tok.encode(prompt, add_special_tokens=False) == ref_ids[0].tolist()
 
     model = load_gguf_model(path, mode="fp")
     assert (

@@ -19,6 +19,7 @@ import torch
 
 from bitnetlm.formats import gguf_codecs as codecs
 from bitnetlm.formats.gguf_file import GGUFError, GGUFFile, TensorToWrite, read_gguf, write_gguf
+from bitnetlm.formats.gguf_tokenizer import load_gguf_tokenizer  # noqa: F401  (bitnetlm.load uses it from here)
 from bitnetlm.formats.names import PROJECTIONS, layer_modules
 from bitnetlm.models import CausalLM, ModelConfig, build_model
 from bitnetlm.models.transformer import rope_inv_freq

@@ -195,13 +195,10 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     f = read_gguf(path)
     if "tokenizer.ggml.tokens" not in f.metadata:
         return None
-    files = tokenizer_files_from_gguf(f.metadata, str(path))
     from bitnetlm.generate.tokenizer import Tokenizer
 
-    with tempfile.TemporaryDirectory() as td:
-        for name, text in files.items():
-            Path(td, name).write_text(text, encoding="utf-8")
-        return Tokenizer.from_dir(td)
+    tk, config = tokenizer_from_gguf_metadata(f.metadata, str(path))
+    return Tokenizer.from_tokenizers(tk, config)
 
 
 # ---- writing --------------------------------------------------------------------------------------
