@@ -109,7 +109,7 @@ class _Run:
         self.gids: list[int] = []
         self.open = 0  # groups not yet Finished/Failed
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams, n: int) -> None:
+    def submit(self, prompts: list[list[int]], params: SamplingParams, n: int, param: str = "prompt") -> None:
         try:
             for i, ids in enumerate(prompts):
 
@@ -129,7 +129,7 @@ class _Run:
             ) from None
         except ContextTooLong as e:
             self.cancel()
-            raise P.APIError(400, str(e), param="messages", code="context_length_exceeded") from None
+            raise P.APIError(400, str(e), param=param, code="context_length_exceeded") from None
         except EngineClosed as e:
             self.cancel()
             raise P.APIError(503, str(e), type="server_error", code="shutting_down") from None
@@ -347,7 +347,7 @@ def create_app(
 
     async def _generate(request, e: Engine, ids, params, req, chat: bool):
         run = _Run(e)
-        run.submit(ids, params, req.n)
+        run.submit(ids, params, req.n, param="messages" if chat else "prompt")
         rid = P.new_id("chatcmpl" if chat else "cmpl")
         n_prompt = sum(len(x) for x in ids)
         if req.stream:
