@@ -248,3 +248,20 @@ def test_two_stage_schedule_cuts_lr_and_weight_decay():
     assert lrs[49] == pytest.approx(1.0) and lrs[50] == pytest.approx(0.4)  # the cut at the midpoint
     assert lrs[99] < 0.01 and all(a >= b for a, b in zip(lrs[50:], lrs[51:], strict=False))
     assert set(wds[:50]) == {0.1} and set(wds[50:]) == {0.0}  # weight decay off in stage 2
+
+
+def test_resume_with_more_steps_continues_training(data, tmp_path):
+    n = one_thread()
+    common = dict(
+        data=str(data), model_config=TINY_BITNET, seq_len=32, batch_size=4, warmup_steps=1, lr=1e-2,
+        schedule="cosine", out_dir=str(tmp_path), progress=False, tensorboard=False, export=False, log_every=1,
+    )  # fmt: skip
+    try:
+        train(TrainConfig(**common, max_steps=3))
+        s = train(TrainConfig(**common, max_steps=6))  # the schedule follows the new max_steps
+    finally:
+        torch.set_num_threads(n)
+    assert s["resumed_from"] == 3 and s["step"] == 6
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"lr"' in x]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert rows[3]["lr"] > 0.5e-2  # not the old run's decayed-to-zero rate

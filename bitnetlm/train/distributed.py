@@ -118,10 +118,10 @@ def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, info: D
     return get_state_dict(model, optimizer, options=opts)
 
 
-def load_full_state_dicts(
-    model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict, info: DistInfo
+def load_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, optim_sd: dict, info: DistInfo
 ) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    """Load a full optimizer state dict (keyed by parameter name) into a plain, DDP or FSDP2 setup."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    opts = StateDictOptions(full_state_dict=True, strict=True)
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=opts)
+    set_optimizer_state_dict(model, optimizer, optim_sd, options=StateDictOptions(full_state_dict=True))

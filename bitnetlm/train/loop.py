@@ -178,6 +178,11 @@ class Trainer:
         blocks = None
         with contextlib.suppress(ValueError):
             blocks = find_layers(self.model)
+        # resume: the model weights go into the plain module before DDP/FSDP wrapping (FSDP2 then shards
+        # exactly those tensors); the optimizer state is loaded after the optimizer exists
+        self._resume = self._find_resume()
+        if self._resume is not None:
+            self.model.load_state_dict(self._resume[0], strict=True)
         self.wrapped = D.wrap(self.model, self.info, blocks)
         if cfg.compile:
             self.wrapped = torch.compile(self.wrapped)
@@ -205,21 +210,34 @@ class Trainer:
             (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
 
     # ---- checkpoints ---------------------------------------------------------------------------
-    def _maybe_resume(self) -> bool:
+    def _find_resume(self):
+        """(model state, optimizer/scheduler state, trainer state, path) of the checkpoint to resume, or None."""
         cfg = self.cfg
         if cfg.resume == "never":
-            return False
+            return None
         if self.info.is_main:
             ckpt.clean_stale(self.ckpt_root)
         D.barrier(self.info)
         path = ckpt.latest_checkpoint(self.ckpt_root) if cfg.resume == "auto" else Path(cfg.resume)
         if path is None:
+            return None
+        return (*ckpt.load_checkpoint(path), path)
+
+    def _maybe_resume(self) -> bool:
+        if self._resume is None:
             return False
-        model_sd, optim, state = ckpt.load_checkpoint(path)
-        D.load_full_state_dicts(self.wrapped, self.opt, model_sd, optim["optimizer"], self.info)
-        self.sched.load_state_dict(optim["scheduler"])
+        cfg = self.cfg
+        _, optim, state, path = self._resume
+        self._resume = None  # free the host copy of the weights
+        D.load_optimizer_state(self.wrapped, self.opt, optim["optimizer"], self.info)
         self.batches.load_state_dict(state["data"])
         self.step = int(state["step"])
+        # The schedule is a pure function of the step: rebuild it from *this* run's options rather than
+        # LambdaLR.load_state_dict, which would also restore the old run's max_steps / lr (a resumed run
+        # may extend training). Same step -> same learning rate, so an unchanged run resumes exactly.
+        for g in self.opt.param_groups:
+            g["initial_lr"] = cfg.lr
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self.schedule, last_epoch=self.step - 1)
         self.tokens_seen = int(state.get("tokens_seen", 0))
         self.best_val = float(state.get("best_val", math.inf))
         self.bad_evals = int(state.get("bad_evals", 0))
