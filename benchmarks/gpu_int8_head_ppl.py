@@ -36,13 +36,16 @@ def ppl(model, ids: torch.Tensor, ctx: int = 512) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=".assets/smollm2-gguf/SmolLM2-135M-Instruct.Q4_1.gguf")
+    ap.add_argument("--tokenizer", default=".assets/carry/teacher_tok", help="directory with tokenizer.json")
     ap.add_argument("--texts", default=".assets/austen")
     ap.add_argument("--tokens", type=int, default=4096, help="held-out tokens per novel (the last ones)")
     args = ap.parse_args()
-    import bitnetlm
     from bitnetlm.engine_cuda import _int8_rows
+    from bitnetlm.generate.tokenizer import Tokenizer
+    from bitnetlm.loading import load_model
 
-    model, tok = bitnetlm.load(args.model)
+    model = load_model(args.model)
+    tok = Tokenizer.from_dir(args.tokenizer)
     model.eval()
     ids = []
     for f in sorted(os.listdir(args.texts)):
