@@ -235,3 +235,39 @@ def test_bf16_embedding_and_bitnet25_arch(hf_model, tmp_path):
         save_gguf(
             m, tmp_path / "x.gguf", "i2_s", arch_name="bitnet"
         )  # llama.cpp's bitnet is the SiLU 1bitLLM
+
+
+def test_llama_cpp_variants_scale_tensor_and_f16_ternary(hf_model, tmp_path):
+    """Files from llama.cpp's converters: F16 projections holding T*s, and TQ2_0 with d=1 plus a `.scale` tensor."""
+    from bitnetlm.formats.gguf_file import TensorToWrite, write_gguf
+
+    model, _ = hf_model
+    src = read_gguf(save_gguf(model, tmp_path / "ref.gguf", "i2_s"))
+    ternaries = {n: (t, s) for n, t, s in _ternaries(model)}
+    for variant in ("f16", "scale"):
+        tensors = []
+        for name, ti in src.tensors.items():
+            if ti.type_id == codecs.TYPE_I2_S:
+                t, s = src.ternary(name)
+                if variant == "f16":
+                    w = (t.astype(np.float32) * np.float32(s)).astype(np.float16)
+                    tensors.append(TensorToWrite(name, w, codecs.TYPE_F16, ti.shape))
+                else:
+                    tensors.append(
+                        TensorToWrite(name, codecs.encode_tq2_0(t, 1.0), codecs.TYPE_TQ2_0, ti.shape)
+                    )
+                    sc = np.array([s], np.float32)
+                    tensors.append(
+                        TensorToWrite(name.removesuffix(".weight") + ".scale", sc, codecs.TYPE_F32, (1,))
+                    )
+            else:
+                tensors.append(TensorToWrite(name, np.array(src.raw(name)), ti.type_id, ti.shape))
+        meta = {k: v for k, v in src.metadata.items() if k != "general.architecture"}
+        path = tmp_path / f"{variant}.gguf"
+        write_gguf(path, "bitnet-b1.58", meta, tensors, value_types=src.value_types)
+        g = load_gguf_model(path)
+        for n, t, s in _ternaries(g):
+            t0, s0 = ternaries[n]
+            assert torch.equal(t, t0), (variant, n)
+            want = float(np.float16(float(s0))) if variant == "f16" else float(s0)
+            assert float(s) == want, (variant, n)

@@ -188,6 +188,7 @@ def load_gguf_model(
         module = model.get_submodule(name)
         g = gguf_name(name) + ".weight"
         used.add(g)
+        used.add(g.removesuffix(".weight") + ".scale")
         if kind == "proj":
             shape = (module.out_features, module.in_features)
             sd.update(_projection(f, g, name, module, shape, cfg, permute, dtype, strict_scales))
@@ -209,6 +210,25 @@ def load_gguf_model(
     return model.eval() if mode != "train" else model
 
 
+def _scale_tensor(f: GGUFFile, g: str) -> float:
+    sname = g.removesuffix(".weight") + ".scale"
+    if sname not in f.tensors:
+        return 1.0
+    v = np.asarray(f.array(sname), dtype=np.float32).reshape(-1)
+    if v.size != 1 or not np.isfinite(v[0]):
+        raise GGUFError(f"{f.path}: tensor {sname!r} must hold one finite value, found {v.size} values")
+    return float(v[0])
+
+
+def _exact_ternary(w: torch.Tensor):
+    """(T, s) if the float matrix already holds ternary values {-s, 0, s} (converters store T*s as F16/F32)."""
+    a = w.abs()
+    s = a.amax()
+    if s == 0 or not bool(((a == 0) | (a == s)).all()):
+        return None, None
+    return torch.sign(w).to(torch.int8), s.reshape(1).float()
+
+
 def _projection(f, g, name, module, shape, cfg, permute, dtype, strict) -> dict[str, torch.Tensor]:
     if g not in f.tensors:
         raise GGUFError(f"{f.path}: tensor {g!r} is missing")
@@ -220,8 +240,11 @@ def _projection(f, g, name, module, shape, cfg, permute, dtype, strict) -> dict[
         n_head = cfg.num_attention_heads
     elif permute and ".attn_k." in g:
         n_head = cfg.num_key_value_heads
+    # llama.cpp's BitNet files may carry the matrix scale as a separate [1] tensor `<name>.scale` (y *= scale)
+    extra = _scale_tensor(f, g)
     if ti.type_id in codecs.TYPE_NAMES:
         t_np, s = f.ternary(g, strict=strict)
+        s *= extra
         t = torch.from_numpy(t_np.copy())
         if n_head:
             t = unpermute_qk(t, n_head)
@@ -232,11 +255,13 @@ def _projection(f, g, name, module, shape, cfg, permute, dtype, strict) -> dict[
             }
         w = t.float() * s
     else:
-        w = torch.from_numpy(np.asarray(f.array(g), dtype=np.float32).copy())
+        w = torch.from_numpy(np.asarray(f.array(g), dtype=np.float32).copy()) * extra
         if n_head:
             w = unpermute_qk(w, n_head)
         if isinstance(module, BitLinear) and not module.training_mode:
-            tt, ss = ternarize(w)
+            tt, ss = _exact_ternary(w)
+            if tt is None:  # genuinely full-precision weights: absmean ternarization
+                tt, ss = ternarize(w)
             return {name + ".packed": pack_hf(tt), name + ".weight_scale": ss.reshape(1)}
     return {name + ".weight": w.to(torch.float32 if isinstance(module, BitLinear) else dtype)}
 
