@@ -1,18 +1,37 @@
-"""Training: data shards, QAT (`quantize_` / `convert_`), the loop with checkpoint/resume, distillation, eval."""
+"""Training: data shards, QAT (`quantize_` / `convert_`), the loop with checkpoint/resume, distillation, eval.
+
+    from bitnetlm.train import TrainConfig, train, prepare_data, quantize_, convert_
+    prepare_data(["corpus/"], "tokenizer.json", "data/corpus")            # -> memmap token shards
+    train(TrainConfig(data="data/corpus", model_config={...}, out_dir="runs/x"))   # or `bitnet train x.yaml`
+
+Modules: data (shards, batches), qat (quantize_/convert_), config (TrainConfig), schedule, distill,
+checkpoint, distributed, loop (Trainer/train), export (packed inference format), eval (perplexity, MC).
+"""
 
 from bitnetlm.train.qat import QuantizeConfig, convert_, quantize_, set_quant_lambda
 
-__all__ = ["QuantizeConfig", "TrainConfig", "convert_", "quantize_", "set_quant_lambda", "train"]
+# name -> module for the lazily imported parts (the loop pulls in tqdm, torch.distributed, tensorboard)
+_LAZY = {
+    "train": "bitnetlm.train.loop",
+    "Trainer": "bitnetlm.train.loop",
+    "TrainConfig": "bitnetlm.train.config",
+    "prepare_data": "bitnetlm.train.data",
+    "PrepareConfig": "bitnetlm.train.data",
+    "train_tokenizer": "bitnetlm.train.data",
+    "TokenShards": "bitnetlm.train.data",
+    "PackedBatches": "bitnetlm.train.data",
+    "export_model": "bitnetlm.train.export",
+    "perplexity": "bitnetlm.train.eval",
+    "multiple_choice": "bitnetlm.train.eval",
+    "evaluate": "bitnetlm.train.eval",
+}
+
+__all__ = ["QuantizeConfig", "convert_", "quantize_", "set_quant_lambda", *_LAZY]
 
 
 def __getattr__(name):
-    # the loop pulls in tqdm / distributed / tensorboard: import it only when asked for
-    if name == "train":
-        from bitnetlm.train.loop import train
+    if name in _LAZY:
+        import importlib
 
-        return train
-    if name == "TrainConfig":
-        from bitnetlm.train.config import TrainConfig
-
-        return TrainConfig
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'bitnetlm.train' has no attribute {name!r}")
