@@ -111,15 +111,21 @@ class CpuBackend:
     def linear(
         self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_features: int
     ) -> torch.Tensor:
-        from bitnetlm.kernels.cpu.ops import linear
-
-        return linear(x, packed, scale, out_features)
+        return self._ops().linear(x, packed, scale, out_features)
 
     def linear_multi(self, x, packed, scales, out_features):
         """Several linears of one input at once (one activation quantization, one thread dispatch)."""
-        from bitnetlm.kernels.cpu.ops import linear_multi
+        return self._ops().linear_multi(x, packed, scales, out_features)
 
-        return linear_multi(x, packed, scales, out_features)
+    _ops_mod = None
+
+    @classmethod
+    def _ops(cls):
+        if cls._ops_mod is None:  # imported on first use: registering the custom ops costs import time
+            from bitnetlm.kernels.cpu import ops
+
+            cls._ops_mod = ops
+        return cls._ops_mod
 
 
 BACKEND = CpuBackend()

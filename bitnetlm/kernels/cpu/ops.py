@@ -53,56 +53,67 @@ def ternary_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | 
 
 
 def ternary_linear_multi(x: torch.Tensor, packed: list[torch.Tensor], scales: list, out_features: list[int]):
-    """Several ternary linears of one input (q/k/v or gate/up): one quantization, one thread dispatch."""
+    """Several ternary linears of one input (q/k/v or gate/up): one quantization, one thread dispatch.
+
+    Called ~120 times per 2B4T decode step, so the per-call Python work is kept small: the checks and the
+    ctypes pointer arrays are made once per group of weights (`_plan`), outputs share one buffer.
+    """
     k = x.shape[-1]
+    plan = _plan(packed, scales, out_features, k)
+    x2 = x.reshape(-1, k)  # [M, K]
+    if x2.dtype != torch.float32:
+        x2 = x2.float()
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    lead = x.shape[:-1]
+    # separate contiguous outputs, already in their final shape (cheaper than splitting one buffer)
+    ys = [torch.empty((*lead, n), dtype=torch.float32) for n in plan.sizes]
+    yp = (ctypes.c_void_p * plan.count)(*[y.data_ptr() for y in ys])
+    rc = lib().bn_ternary_linear_multi_f32(
+        x2.data_ptr(), m, k, plan.count, plan.ptrs, plan.ns, plan.scales, yp
+    )
+    if rc != 0:
+        raise RuntimeError(f"bn_ternary_linear_multi_f32 failed with code {rc}")
+    if x.dtype != torch.float32:
+        return [y.to(x.dtype) for y in ys]
+    return ys
+
+
+class _Plan:
+    __slots__ = ("count", "ptrs", "ns", "scales", "sizes")
+
+
+_plans: dict[tuple, _Plan] = {}
+
+
+def _plan(packed, scales, out_features, k: int) -> _Plan:
+    """Checked ctypes arrays of weight/scale pointers for one group of layers, cached by their addresses.
+    Scales are passed by pointer and read at call time, so a cached plan never holds a stale scale value."""
+    key = (k, *(p.data_ptr() for p in packed), *(s.data_ptr() for s in scales), *out_features)
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
     count = len(packed)
     if not 1 <= count <= 8 or len(scales) != count or len(out_features) != count:
         raise ValueError(f"ternary_linear_multi: 1..8 matrices with one scale and size each, got {count}")
     for p, n in zip(packed, out_features):
         _check_packed(p, n, k, "cpu ternary_linear_multi")
-    x2 = _as_f32_2d(x)
-    m = x2.shape[0]
-    # one output buffer, split into views: one allocation per call
-    y_all = torch.empty((m, sum(out_features)), dtype=torch.float32)
-    ys = list(torch.split(y_all, list(out_features), dim=1)) if count > 1 else [y_all]
-    ptrs, ns, ss = _weight_arrays(packed, scales, out_features)
-    row = y_all.data_ptr()
-    offs, o = [], 0
-    for n in out_features:
-        offs.append(row + 4 * o)
-        o += n
-    yp = (ctypes.c_void_p * count)(*offs)
-    rc = lib().bn_ternary_linear_multi_f32_ld(x2.data_ptr(), m, k, count, ptrs, ns, ss, yp, y_all.shape[1])
-    if rc != 0:
-        raise RuntimeError(f"bn_ternary_linear_multi_f32 failed with code {rc}")
-    lead = x.shape[:-1]
-    return [y.reshape(*lead, y.shape[-1]).to(x.dtype) for y in ys]
-
-
-_arrays: dict[tuple, tuple] = {}
-
-
-def _weight_arrays(packed, scales, out_features):
-    """ctypes arrays of weight/scale pointers and sizes, cached per group of layers (scales are read by
-    pointer at call time, so a cached entry never holds a stale scale value)."""
-    for s in scales:
-        if not (isinstance(s, torch.Tensor) and s.dtype == torch.float32 and s.device.type == "cpu"):
+    for sc in scales:
+        if not (isinstance(sc, torch.Tensor) and sc.dtype == torch.float32 and sc.device.type == "cpu"):
             raise TypeError(
-                f"ternary_linear_multi: scales must be float32 CPU tensors, found {type(s).__name__}"
+                f"ternary_linear_multi: scales must be float32 CPU tensors, found {type(sc).__name__}"
             )
-    key = tuple(p.data_ptr() for p in packed) + tuple(s.data_ptr() for s in scales) + tuple(out_features)
-    got = _arrays.get(key)
-    if got is None:
-        count = len(packed)
-        got = (
-            (ctypes.c_void_p * count)(*[p.data_ptr() for p in packed]),
-            (ctypes.c_int64 * count)(*out_features),
-            (ctypes.c_void_p * count)(*[s.data_ptr() for s in scales]),
-        )
-        if len(_arrays) > 4096:
-            _arrays.clear()
-        _arrays[key] = got
-    return got
+    plan = _Plan()
+    plan.count = count
+    plan.ptrs = (ctypes.c_void_p * count)(*[p.data_ptr() for p in packed])
+    plan.ns = (ctypes.c_int64 * count)(*[int(n) for n in out_features])
+    plan.scales = (ctypes.c_void_p * count)(*[sc.data_ptr() for sc in scales])
+    plan.sizes = [int(n) for n in out_features]
+    if len(_plans) > 4096:
+        _plans.clear()
+    _plans[key] = plan
+    return plan
 
 
 def ternary_matmul_i32(xq: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
