@@ -193,7 +193,8 @@ def quantize(
     if not quiet:
         print(PTQ_WARNING, file=sys.stderr)
     q = ternarize_model(model)
-    return save_model(q, out, to, tok_files, qtype, force)
+    # embeddings as F16 in GGUF, as llama.cpp's converters write them (the ternarization is lossy anyway)
+    return save_model(q, out, to, tok_files, qtype, force, embed_type="f16")
 
 
 def describe(path: Path) -> str:

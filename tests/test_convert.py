@@ -118,6 +118,17 @@ def test_failed_conversion_leaves_nothing(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["small"]
     # I2_S only needs a multiple of 128 values per matrix: that works
     assert main(["convert", str(src), str(out), "--to", "gguf", "--type", "i2_s"]) == 0
+    # outputs get ordinary permissions (umask), not the 0600/0700 of temporary files
+    import os
+    import stat
+
+    mask = os.umask(0)
+    os.umask(mask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~mask
+    assert main(["convert", str(out), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    assert stat.S_IMODE((tmp_path / "hf").stat().st_mode) == 0o777 & ~mask
+    assert main(["convert", str(out), str(tmp_path / "m.onnx"), "--to", "onnx"]) == 0
+    assert stat.S_IMODE((tmp_path / "m.onnx").stat().st_mode) == 0o666 & ~mask
 
 
 def test_base3_native_storage(hf_dir, tmp_path):

@@ -362,7 +362,12 @@ def save_gguf(
                 try:
                     data = codecs.encode(t.numpy(), s, tid)
                 except codecs.CodecError as e:
-                    raise ValueError(f"tensor {gname}.weight {tuple(t.shape)}: {e}") from e
+                    hint = (
+                        " (I2_S needs only a multiple of 128 values per matrix: --type i2_s)"
+                        if tid != 36
+                        else ""
+                    )
+                    raise ValueError(f"tensor {gname}.weight {tuple(t.shape)}: {e}{hint}") from e
                 tensors.append(TensorToWrite(gname + ".weight", data, tid, tuple(t.shape)))
             elif isinstance(m, torch.nn.Linear):
                 w = m.weight.detach()

@@ -315,6 +315,13 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
 # ---- writing -----------------------------------------------------------------------------------
 
 
+def default_permissions(path: str | os.PathLike) -> None:
+    """Give a temp file/dir (mkstemp: 0600, mkdtemp: 0700) the mode a normally created one gets (umask)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~mask)
+
+
 @dataclass
 class TensorToWrite:
     name: str
@@ -390,6 +397,7 @@ def write_gguf(
         for t in tensors:
             w.write_tensor_data(np.ascontiguousarray(t.data))
         w.close()
+        default_permissions(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

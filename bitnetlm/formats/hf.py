@@ -205,6 +205,12 @@ def state_dict_hf(model: CausalLM, dtype: torch.dtype | None = None) -> dict[str
     return out
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def save_hf(
     model: CausalLM,
     out_dir: str | os.PathLike,
@@ -227,6 +233,7 @@ def save_hf(
     hf_cfg["torch_dtype"] = str(sd["model.embed_tokens.weight"].dtype).removeprefix("torch.")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp.chmod(0o777 & ~_umask())  # mkdtemp makes 0700; the output dir gets the usual permissions
     try:
         meta = {
             "format": "pt",

@@ -140,6 +140,9 @@ def save_native(
                 sd[key] = pack_base3(unpack_hf(sd[key], n_out))
         meta = {"format": "pt", VERSION_KEY: "1", LAYOUT_KEY: PackingFormat.BASE3.value}
         save_file(sd, str(st), metadata=meta)
+        from bitnetlm.formats.gguf_file import default_permissions
+
+        default_permissions(tmp / "d")
         if out.exists():
             shutil.rmtree(out)
         (tmp / "d").rename(out)

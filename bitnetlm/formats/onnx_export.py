@@ -277,6 +277,9 @@ def export_onnx(model, out: str | os.PathLike) -> Path:
             os.replace(Path(out.parent, out.name + ".data"), out.with_name(out.name + ".data"))
         else:
             onnx.save_model(mp, tmp)
+        from bitnetlm.formats.gguf_file import default_permissions
+
+        default_permissions(tmp)
         os.replace(tmp, out)
     except BaseException:
         if os.path.exists(tmp):
