@@ -300,8 +300,11 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}
         for i, (x, y) in enumerate(micro):
             x, y = x.to(self.info.device, non_blocking=True), y.to(self.info.device, non_blocking=True)
-            sync = i == len(micro) - 1 or self.info.mode != "ddp"
-            ctx = contextlib.nullcontext() if sync else self.wrapped.no_sync()
+            last = i == len(micro) - 1
+            # gradient accumulation: communicate gradients only on the last micro-batch of the step
+            ctx = self.wrapped.no_sync() if self.info.mode == "ddp" and not last else contextlib.nullcontext()
+            if self.info.mode == "fsdp" and len(micro) > 1:
+                self.wrapped.set_requires_gradient_sync(last)
             with ctx:
                 loss, parts = self._loss(x, y)
                 (loss / len(micro)).backward()
