@@ -64,6 +64,9 @@ def test_quantize_filters_and_errors():
         quantize_(nn.Sequential(nn.ReLU()))
     quantize_(model, include=["proj"])
     assert isinstance(model.proj, BitLinear) and type(model.lm_head) is nn.Linear  # head kept by default
+    mha = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    quantize_(mha)
+    assert isinstance(mha.linear1, BitLinear) and not isinstance(mha.self_attn.out_proj, BitLinear)
     m2 = nn.Sequential()
     m2.add_module("lm_head", nn.Linear(8, 8))
     quantize_(m2, keep_lm_head=False)

@@ -95,6 +95,8 @@ def quantize_(model: nn.Module, config: QuantizeConfig | None = None, **override
             continue
         if id(mod) in heads:
             continue
+        if isinstance(mod, nn.modules.linear.NonDynamicallyQuantizableLinear):
+            continue  # nn.MultiheadAttention's out_proj: MHA reads .weight directly, never calls forward
         if cfg.include is not None and not _matches(name, cfg.include):
             continue
         if _matches(name, cfg.exclude):
