@@ -73,7 +73,10 @@ def test_prepare_jsonl_document_split(tmp_path, corpus):
     assert val[-1] == eos
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"nope": 1}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2"):
-        prepare_data([tmp_path / "bad.jsonl"], tok_dir, tmp_path / "bad", progress=False)
+        prepare_data([tmp_path / "bad.jsonl"], tok_dir, tmp_path / "out", progress=False)
+    # the failed run left the existing data set as it was
+    assert np.asarray(TokenShards(tmp_path / "out", "val").arrays[0]).tolist() == val
+    assert not [p for p in (tmp_path / "out").iterdir() if ".tmp" in p.name]
 
 
 def test_large_vocab_uses_uint32(tmp_path, corpus):

@@ -165,19 +165,20 @@ def _parse_bool(s: str) -> bool:
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per TrainConfig field, defaulting to None so that only given flags override the YAML."""
     hints = typing.get_type_hints(TrainConfig)
+    short = {"model": ["-m"], "seq_len": ["-c"]}  # llama.cpp-style aliases for the common ones
     for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
+        flags = [*short.get(f.name, []), "--" + f.name.replace("_", "-")]
         tp = _base_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         help_text = f"{f.metadata.get('help', '')} (default: {default})"
         if tp is bool:
-            parser.add_argument(flag, type=_parse_bool, default=None, metavar="BOOL", help=help_text)
+            parser.add_argument(*flags, type=_parse_bool, default=None, metavar="BOOL", help=help_text)
         elif tp is list:
-            parser.add_argument(flag, nargs="+", default=None, help=help_text)
+            parser.add_argument(*flags, nargs="+", default=None, help=help_text)
         elif tp is dict:
-            parser.add_argument(flag, type=json.loads, default=None, metavar="JSON", help=help_text)
+            parser.add_argument(*flags, type=json.loads, default=None, metavar="JSON", help=help_text)
         else:
-            parser.add_argument(flag, type=tp, default=None, help=help_text)
+            parser.add_argument(*flags, type=tp, default=None, help=help_text)
 
 
 def config_from_args(args: argparse.Namespace, config_path: str | None = None) -> TrainConfig:

@@ -176,10 +176,6 @@ def prepare_data(
     in the val_fraction bucket goes to "val"; with few long documents (novels) the last val_fraction of
     each document's tokens does. Returns the meta dict (also written to out_dir/meta.json).
     """
-    import zlib
-
-    from tqdm import tqdm
-
     cfg = config or PrepareConfig()
     if not 0 <= cfg.val_fraction < 1:
         raise ValueError(f"val_fraction must be in [0, 1), found {cfg.val_fraction}")
@@ -190,21 +186,30 @@ def prepare_data(
     files = iter_files(inputs)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for old in list(out.glob("train_*.bin")) + list(out.glob("val_*.bin")):
-        old.unlink()
     n_docs = 0
     for f in files:  # count documents first: decides the split policy (cheap next to tokenizing)
-        n_docs += (
-            sum(1 for _ in open(f, encoding="utf-8", errors="replace") if _.strip())
-            if f.suffix
-            in (
-                ".jsonl",
-                ".json",
-            )
-            else 1
-        )
+        if f.suffix.lower() in (".jsonl", ".json"):
+            with open(f, encoding="utf-8", errors="replace") as fh:
+                n_docs += sum(1 for line in fh if line.strip())
+        else:
+            n_docs += 1
+    # shards go to a temporary directory first: a failure half way leaves an existing data set untouched
+    stage = Path(tempfile.mkdtemp(prefix=".prepare.tmp-", dir=out))
+    try:
+        return _prepare_into(files, tok, tokenizer, out, stage, cfg, n_docs, dtype, vocab, eos, progress)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _prepare_into(
+    files, tok, tokenizer, out: Path, stage: Path, cfg, n_docs, dtype, vocab, eos, progress
+) -> dict:
+    import zlib
+
+    from tqdm import tqdm
+
     by_doc = n_docs >= cfg.doc_split_min_docs
-    writers = {s: _ShardWriter(out, s, dtype, cfg.shard_tokens) for s in ("train", "val")}
+    writers = {s: _ShardWriter(stage, s, dtype, cfg.shard_tokens) for s in ("train", "val")}
     total_bytes = sum(f.stat().st_size for f in files)
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", disable=not progress)
     batch: list[str] = []
@@ -233,6 +238,11 @@ def prepare_data(
     bar.close()
     for w in writers.values():
         w.flush()
+    (out / "meta.json").unlink(missing_ok=True)  # no meta.json = no data set while the shards are swapped
+    for old in list(out.glob("train_*.bin")) + list(out.glob("val_*.bin")):
+        old.unlink()
+    for f in stage.glob("*.bin"):
+        os.replace(f, out / f.name)
     tok_src = Path(tokenizer)
     tok_src = tok_src / "tokenizer.json" if tok_src.is_dir() else tok_src
     if tok_src.resolve() != (out / "tokenizer.json").resolve():
