@@ -75,6 +75,9 @@ def perplexity(
         if end == n:
             break
     dev = _device_of(model)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 32000
+    # fp32 logits of a batch are G x ctx x vocab x 4 bytes: keep them under ~2 GiB (128k vocab, 4k ctx -> 1)
+    batch_size = max(1, min(batch_size, (2 << 30) // (ctx * vocab * 4)))
     was = model.training
     model.eval()
     nll, count = 0.0, 0
