@@ -107,6 +107,9 @@ def save_checkpoint(
     name = f"step_{step:08d}"
     final = root / name
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
+    mask = os.umask(0)
+    os.umask(mask)
+    tmp.chmod(0o777 & ~mask)  # mkdtemp makes 0700; checkpoints get the usual permissions
     try:
         tensors, aliases = _dedupe(model_state)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"aliases": json.dumps(aliases)})
