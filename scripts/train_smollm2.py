@@ -40,7 +40,7 @@ from bitnetlm.quant import BitLinear  # noqa: E402
 
 
 def student_config(tcfg: ModelConfig) -> ModelConfig:
-    return tcfg.replace(arch="bitnet", quant="ternary", hidden_act="silu")
+    return tcfg.replace(arch="bitnet", quant="ternary", hidden_act="silu", linear_class="autobitlinear")
 
 
 def build_student(tcfg: ModelConfig, sd: dict, teacher, calib: torch.Tensor, device) -> torch.nn.Module:
@@ -48,6 +48,8 @@ def build_student(tcfg: ModelConfig, sd: dict, teacher, calib: torch.Tensor, dev
     missing, unexpected = s.load_state_dict(sd, strict=False)
     assert not unexpected, unexpected
     assert all("sub_norm" in k for k in missing), missing
+    with torch.no_grad():  # the shipped embedding is bf16: train against exactly those values
+        s.embed_tokens.weight.copy_(s.embed_tokens.weight.bfloat16().float())
     s = s.to(device)
     # sub-norm weights = mean RMS of the teacher's activations at that point (o_proj / down_proj inputs)
     rms = {}
@@ -55,7 +57,7 @@ def build_student(tcfg: ModelConfig, sd: dict, teacher, calib: torch.Tensor, dev
     for i, layer in enumerate(teacher.layers):
         for key, mod in (("attn", layer.self_attn.o_proj), ("ffn", layer.mlp.down_proj)):
 
-            def hook(_m, inp, _i=i, _k=key):
+            def hook(_m, inp, _out, _i=i, _k=key):
                 x = inp[0].float()
                 rms[(_i, _k)] = x.pow(2).mean(-1).sqrt().mean().item()
 
@@ -112,6 +114,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--time-budget", type=float, default=None, help="training seconds in this call")
     ap.add_argument("--steps", type=int, default=None, help="fixed steps in this call (tests / CPU)")
+    ap.add_argument(
+        "--eval-tokens", type=int, default=4096, help="Austen window (< 4096 skips the held-out sets)"
+    )
     a = ap.parse_args(argv)
     with open(a.config) as f:
         cfg = yaml.safe_load(f)
@@ -152,7 +157,7 @@ def main(argv=None) -> int:
     decay_frac = T.get("decay_frac", 0.2)
     t0 = time.time()
     call_steps = 0
-    decay_start_t, decay_start_step, per = None, None, None
+    decay_start_step = None
     losses = []
     student.train()
     while True:
@@ -180,7 +185,7 @@ def main(argv=None) -> int:
                 ckpt_path + ".tmp",
             )
             os.replace(ckpt_path + ".tmp", ckpt_path)
-            decay_start_step, decay_start_t = step, time.time()
+            decay_start_step = step
             print(f"[{clock():.0f}s] stable checkpoint at step {step}; decaying", flush=True)
         lr = T["lr"] * min(1.0, (step + 1) / warm)
         if decay_start_step is not None:
@@ -219,8 +224,10 @@ def main(argv=None) -> int:
 
     tok = Tokenizer.from_file(tok_json)
     with open(os.path.join(split, "austen_corpus.txt"), encoding="utf-8") as f:
-        aus = torch.tensor(tok.encode(f.read(), add_special_tokens=False).ids[-4096:], dtype=torch.long)
-    sets = zc.heldout_ids(split, tok_json)
+        aus = torch.tensor(
+            tok.encode(f.read(), add_special_tokens=False).ids[-a.eval_tokens :], dtype=torch.long
+        )
+    sets = zc.heldout_ids(split, tok_json) if a.eval_tokens >= 4096 else {}
     res = {
         "steps": step,
         "tokens_seen": tokens_seen,
@@ -229,9 +236,10 @@ def main(argv=None) -> int:
         "loss_curve_this_call": losses,
     }
     for name, m in (("teacher", teacher), ("student", student)):
-        ppl, n = zc.perplexity(m, aus, 4096, dev)
+        ppl, n = zc.perplexity(m, aus, len(aus), dev)
         res[f"{name}_austen_last4096_ppl"] = round(ppl, 3)
-        res[f"{name}_heldout_ctx1024"] = zc.eval_heldout(m, sets, 1024, dev)
+        if sets:
+            res[f"{name}_heldout_ctx1024"] = zc.eval_heldout(m, sets, 1024, dev)
         print(f"{name}: austen last 4096 ppl {ppl:.3f} ({n} predictions)", flush=True)
     res["ratio"] = round(res["student_austen_last4096_ppl"] / res["teacher_austen_last4096_ppl"], 3)
     with open(os.path.join(a.teacher_tokenizer, "chat_template.jinja")) as f:

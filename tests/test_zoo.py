@@ -1,0 +1,141 @@
+"""Model zoo: registry, name resolution, the bundled default model (against transformers), `bitnet models`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bitnetlm import zoo
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_registry_entries_are_well_formed():
+    reg = zoo.registry()
+    assert zoo.DEFAULT_MODEL in reg
+    assert reg[zoo.DEFAULT_MODEL].kind == "bundled"
+    assert "microsoft/bitnet-b1.58-2B-4T" in reg
+    for e in reg.values():
+        assert e.kind in ("bundled", "assembled", "hub")
+        if e.kind == "hub":
+            assert e.hub_id and e.hub_id.count("/") == 1
+
+
+def test_resolve_default_is_the_bundled_hf_directory():
+    p = Path(zoo.resolve(None))
+    assert p == zoo.bundled_dir(zoo.DEFAULT_MODEL)
+    assert Path(zoo.resolve(zoo.DEFAULT_MODEL)) == p
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md"):
+        assert (p / f).is_file(), f
+    # the package budget: the default model adds at most 40 MB
+    assert sum(f.stat().st_size for f in p.iterdir()) <= 40e6
+
+
+def test_resolve_existing_path_is_returned_unchanged(tmp_path):
+    assert zoo.resolve(str(tmp_path)) == str(tmp_path)
+
+
+def test_resolve_unknown_name_says_what_is_known():
+    with pytest.raises(FileNotFoundError, match="bitnet-tiny"):
+        zoo.resolve("no-such-model-anywhere")
+
+
+def test_resolve_hub_name_offline_gives_a_clear_error(tmp_path, monkeypatch):
+    pytest.importorskip("huggingface_hub")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty cache: nothing to fall back on
+    with pytest.raises(FileNotFoundError, match="offline"):
+        zoo.resolve("microsoft/bitnet-b1.58-2B-4T")
+
+
+def test_bundled_model_matches_transformers_and_generates():
+    """The shipped files are a real BitNetForCausalLM checkpoint: our logits == transformers' logits."""
+    transformers = pytest.importorskip("transformers")
+    import bitnetlm
+
+    path = zoo.resolve(None)
+    model, tok = bitnetlm.load(path)
+    ids = tok.encode("It is a truth universally acknowledged, that", add_special_tokens=False)
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        ours = model(x)
+        ref_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        # transformers unpacks the ternary weights to bf16 whatever dtype is asked for; -1/0/1 are exact in
+        # fp32 too, so compute in fp32 as we do (the values are transformers' own unpacking)
+        # (and keeps weight_scale in bf16: restore the file's fp32 scales)
+        from safetensors.torch import load_file
+
+        stored = load_file(str(Path(path) / "model.safetensors"))
+        for p in ref_model.parameters():
+            p.data = p.data.float()
+        for name, b in ref_model.named_buffers():
+            if name.endswith("weight_scale"):
+                b.data = stored[name].float().reshape(b.shape)
+        ref = ref_model(x).logits
+    assert ours.shape == ref.shape
+    # Same ternary weights and scales (checked bit-exact in the first layers, diff ~1e-6); deeper layers differ by
+    # a few per-token int8 activation codes that sit on a rounding boundary (x*127/max lands on .5 within float
+    # error), which a trained model hits: allow 1% of the logit range, and require the same greedy tokens.
+    assert (ours - ref).abs().max().item() < 1e-2 * ref.abs().max().item()
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    out = bitnetlm.generate(model, tok, "And God said", max_tokens=8, temperature=0.0)
+    assert isinstance(out, str) and len(out) > 0
+    chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    assert chat.endswith("<|im_start|>assistant\n")
+
+
+def test_q8_0_dequantization_matches_gguf():
+    gguf_quants = pytest.importorskip("gguf.quants")
+    from gguf import GGMLQuantizationType
+
+    from bitnetlm.zoo.assemble import dequantize_q8_0
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 64)).astype(np.float32)
+    q = gguf_quants.quantize(x, GGMLQuantizationType.Q8_0)
+    ref = gguf_quants.dequantize(q, GGMLQuantizationType.Q8_0)
+    assert np.array_equal(dequantize_q8_0(q, (6, 64)).numpy(), ref)
+
+
+def test_teacher_parts_q4_1_matches_gguf():
+    gguf_quants = pytest.importorskip("gguf.quants")
+    from gguf import GGMLQuantizationType
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from zoo_teacher_parts import GGML_Q4_1, GGML_Q8_0, dequantize, reverse_permute
+    finally:
+        sys.path.pop(0)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 96)).astype(np.float32)
+    for typ, gtyp in ((GGML_Q4_1, GGMLQuantizationType.Q4_1), (GGML_Q8_0, GGMLQuantizationType.Q8_0)):
+        q = gguf_quants.quantize(x, gtyp)
+        assert np.array_equal(dequantize(q, typ, (4, 96)), gguf_quants.dequantize(q, gtyp))
+    # llama.cpp's q/k permutation, inverted: permute(w) as convert_hf_to_gguf does, then reverse_permute
+    w = rng.standard_normal((8, 3)).astype(np.float32)
+    n_head = 2
+    permuted = w.reshape(n_head, 2, 8 // n_head // 2, 3).swapaxes(1, 2).reshape(w.shape)
+    assert np.array_equal(reverse_permute(permuted, n_head), w)
+
+
+def test_models_command_lists_the_zoo():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run(
+        [sys.executable, "-m", "bitnetlm.cli", "models", "--json"], capture_output=True, text=True, env=env
+    )
+    assert r.returncode == 0, r.stderr
+    rows = {row["name"]: row for row in json.loads(r.stdout)}
+    assert rows[zoo.DEFAULT_MODEL]["default"] is True
+    assert rows[zoo.DEFAULT_MODEL]["bits_per_weight"] == 2.0
+    assert "heldout_ppl" in json.dumps(rows[zoo.DEFAULT_MODEL]["eval"])
+    r = subprocess.run(
+        [sys.executable, "-m", "bitnetlm.cli", "models"], capture_output=True, text=True, env=env
+    )
+    assert r.returncode == 0 and "bitnet-tiny (default)" in r.stdout
