@@ -1,5 +1,6 @@
 /* Public API: ISA selection, packing, scratch buffers and the split of work across threads. */
 #define _GNU_SOURCE
+#include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -279,6 +280,8 @@ typedef struct {
     const int8_t *wi;
     const float *ws;
     float *y;
+    const int16_t *xq; /* int8 head: activations as int16, per-row scale sx */
+    const float *sx;
 } head_ctx;
 
 #define HEAD_UNIT 16
@@ -287,24 +290,48 @@ static void head_range(void *c, int64_t lo, int64_t hi) {
     head_ctx *h = c;
     int64_t r0 = lo * HEAD_UNIT, r1 = hi * HEAD_UNIT < h->n ? hi * HEAD_UNIT : h->n;
     if (h->wb) K()->head_bf16(h->x, h->m, h->k, h->wb, r0, r1, h->y, h->n);
-    else K()->head_i8(h->x, h->m, h->k, h->wi, h->ws, r0, r1, h->y, h->n);
+    else K()->head_i8(h->xq, h->sx, h->m, h->k, h->wi, h->ws, r0, r1, h->y, h->n);
 }
 
 static int run_head(head_ctx *h) {
     if (h->m <= 0 || h->n <= 0) return 0;
     pthread_mutex_lock(&g_call);
+    if (h->wi) {
+        /* int8 head: activations to int16 per row, sx = max|x| / 32767 (relative error <= 1.5e-5 of max) */
+        size_t xb = (size_t)(((h->m * h->k * 2 + 63) / 64) * 64);
+        char *buf = scratch(xb + sizeof(float) * (size_t)h->m);
+        if (!buf) {
+            pthread_mutex_unlock(&g_call);
+            return -1;
+        }
+        int16_t *xq = (int16_t *)buf;
+        float *sx = (float *)(buf + xb);
+        for (int64_t i = 0; i < h->m; i++) {
+            const float *xi = h->x + i * h->k;
+            float mx = 0.0f;
+            for (int64_t j = 0; j < h->k; j++) mx = fabsf(xi[j]) > mx ? fabsf(xi[j]) : mx;
+            float inv = mx > 0.0f ? 32767.0f / mx : 0.0f;
+            sx[i] = mx > 0.0f ? mx / 32767.0f : 1.0f;
+            for (int64_t j = 0; j < h->k; j++) {
+                float q = nearbyintf(xi[j] * inv);
+                xq[i * h->k + j] = (int16_t)(q > 32767.0f ? 32767.0f : (q < -32767.0f ? -32767.0f : q));
+            }
+        }
+        h->xq = xq;
+        h->sx = sx;
+    }
     bn_parallel_for((h->n + HEAD_UNIT - 1) / HEAD_UNIT, head_range, h);
     pthread_mutex_unlock(&g_call);
     return 0;
 }
 
 int bn_gemm_bf16(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y) {
-    head_ctx h = {x, m, k, n, w, NULL, NULL, y};
+    head_ctx h = {x, m, k, n, w, NULL, NULL, y, NULL, NULL};
     return run_head(&h);
 }
 
 int bn_gemm_i8row(const float *x, int64_t m, int64_t k, const int8_t *w, const float *wscale, int64_t n, float *y) {
-    head_ctx h = {x, m, k, n, NULL, w, wscale, y};
+    head_ctx h = {x, m, k, n, NULL, w, wscale, y, NULL, NULL};
     return run_head(&h);
 }
 

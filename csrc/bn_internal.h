@@ -34,8 +34,11 @@ typedef void (*bn_gemm_rows_fn)(const bn_gemm_args *g, int64_t r0, int64_t r1);
 typedef void (*bn_quant_fn)(const float *x, int64_t k, int8_t *xq, int64_t ldq, float *a, int32_t *xsum);
 typedef void (*bn_head_bf16_fn)(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t r0, int64_t r1,
                                 float *y, int64_t ldy);
-typedef void (*bn_head_i8_fn)(const float *x, int64_t m, int64_t k, const int8_t *w, const float *ws, int64_t r0,
-                              int64_t r1, float *y, int64_t ldy);
+/* int8 head: activations pre-quantized per row to int16 (xq, scale sx), weights int8 with row scales ws;
+ * y = (sum over 4096-element chunks of float(exact int32 chunk sum)) * (ws[r] * sx[i]): the same on every path */
+#define BN_I8_CHUNK 4096
+typedef void (*bn_head_i8_fn)(const int16_t *xq, const float *sx, int64_t m, int64_t k, const int8_t *w,
+                              const float *ws, int64_t r0, int64_t r1, float *y, int64_t ldy);
 
 typedef struct {
     bn_gemm_rows_fn gemm_rows;
@@ -69,8 +72,8 @@ extern const bn_kernels bn_kernels_neon;
 void bn_quant_row_scalar(const float *x, int64_t k, int8_t *xq, int64_t ldq, float *a, int32_t *xsum);
 void bn_head_bf16_scalar(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t r0, int64_t r1, float *y,
                          int64_t ldy);
-void bn_head_i8_scalar(const float *x, int64_t m, int64_t k, const int8_t *w, const float *ws, int64_t r0, int64_t r1,
-                       float *y, int64_t ldy);
+void bn_head_i8_scalar(const int16_t *xq, const float *sx, int64_t m, int64_t k, const int8_t *w, const float *ws,
+                       int64_t r0, int64_t r1, float *y, int64_t ldy);
 
 /* software prefetch distance in bytes for the streaming (decode) kernels; 0 = off. BITNETLM_PREFETCH */
 extern int64_t bn_prefetch_bytes;

@@ -207,27 +207,31 @@ static void head_bf16_avx2(const float *x, int64_t m, int64_t k, const uint16_t 
     }
 }
 
-static void head_i8_avx2(const float *x, int64_t m, int64_t k, const int8_t *w, const float *ws, int64_t r0,
-                         int64_t r1, float *y, int64_t ldy) {
-    int64_t k32 = k & ~(int64_t)31;
+static void head_i8_avx2(const int16_t *xq, const float *sx, int64_t m, int64_t k, const int8_t *w, const float *ws,
+                         int64_t r0, int64_t r1, float *y, int64_t ldy) {
+    const int64_t pf = bn_prefetch_bytes;
     for (int64_t r = r0; r < r1; r++) {
         const int8_t *wr = w + r * k;
-        const int64_t pf = bn_prefetch_bytes;
         for (int64_t i = 0; i < m; i++) {
-            const float *xi = x + i * k;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t j = 0; j < k32; j += 32) {
-                if (pf && i == 0 && (j & 63) == 0) _mm_prefetch((const char *)(wr + j) + pf, _MM_HINT_T0);
-#define I8(off) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wr + j + off))))
-                a0 = _mm256_fmadd_ps(I8(0), _mm256_loadu_ps(xi + j), a0);
-                a1 = _mm256_fmadd_ps(I8(8), _mm256_loadu_ps(xi + j + 8), a1);
-                a2 = _mm256_fmadd_ps(I8(16), _mm256_loadu_ps(xi + j + 16), a2);
-                a3 = _mm256_fmadd_ps(I8(24), _mm256_loadu_ps(xi + j + 24), a3);
-#undef I8
+            const int16_t *xi = xq + i * k;
+            float acc = 0.0f;
+            for (int64_t c = 0; c < k; c += BN_I8_CHUNK) {
+                int64_t e = c + BN_I8_CHUNK < k ? c + BN_I8_CHUNK : k;
+                /* int8 weights widened to int16, vpmaddwd with the int16 activations: exact int32 sums */
+                __m256i a0 = _mm256_setzero_si256(), a1 = a0;
+                int64_t j = c;
+                for (; j + 32 <= e; j += 32) {
+                    if (pf && i == 0 && (j & 63) == 0) _mm_prefetch((const char *)(wr + j) + pf, _MM_HINT_T0);
+                    __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + j)));
+                    __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + j + 16)));
+                    a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)(xi + j))));
+                    a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xi + j + 16))));
+                }
+                int32_t s = hsum_i32(_mm256_add_epi32(a0, a1));
+                for (; j < e; j++) s += (int32_t)xi[j] * wr[j];
+                acc += (float)s;
             }
-            float acc = hsum_f32(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-            for (int64_t j = k32; j < k; j++) acc += xi[j] * (float)wr[j];
-            y[i * ldy + r] = acc * ws[r];
+            y[i * ldy + r] = acc * (ws[r] * sx[i]);
         }
     }
 }

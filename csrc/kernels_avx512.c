@@ -102,9 +102,9 @@ static void head_bf16(const float *x, int64_t m, int64_t k, const uint16_t *w, i
                       int64_t ldy) {
     bn_kernels_avx2.head_bf16(x, m, k, w, r0, r1, y, ldy);
 }
-static void head_i8(const float *x, int64_t m, int64_t k, const int8_t *w, const float *ws, int64_t r0, int64_t r1,
-                    float *y, int64_t ldy) {
-    bn_kernels_avx2.head_i8(x, m, k, w, ws, r0, r1, y, ldy);
+static void head_i8(const int16_t *xq, const float *sx, int64_t m, int64_t k, const int8_t *w, const float *ws,
+                    int64_t r0, int64_t r1, float *y, int64_t ldy) {
+    bn_kernels_avx2.head_i8(xq, sx, m, k, w, ws, r0, r1, y, ldy);
 }
 
 const bn_kernels bn_kernels_avx512 = {gemm_rows_avx512, quant_row, head_bf16, head_i8};

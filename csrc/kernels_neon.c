@@ -76,9 +76,9 @@ static void head_bf16_neon(const float *x, int64_t m, int64_t k, const uint16_t 
     }
 }
 
-static void head_i8_neon(const float *x, int64_t m, int64_t k, const int8_t *w, const float *ws, int64_t r0, int64_t r1,
-                         float *y, int64_t ldy) {
-    bn_head_i8_scalar(x, m, k, w, ws, r0, r1, y, ldy);
+static void head_i8_neon(const int16_t *xq, const float *sx, int64_t m, int64_t k, const int8_t *w, const float *ws,
+                         int64_t r0, int64_t r1, float *y, int64_t ldy) {
+    bn_head_i8_scalar(xq, sx, m, k, w, ws, r0, r1, y, ldy);
 }
 
 const bn_kernels bn_kernels_neon = {gemm_rows_neon, quant_row_neon, head_bf16_neon, head_i8_neon};

@@ -67,15 +67,20 @@ void bn_head_bf16_scalar(const float *x, int64_t m, int64_t k, const uint16_t *w
     }
 }
 
-void bn_head_i8_scalar(const float *x, int64_t m, int64_t k, const int8_t *w, const float *ws, int64_t r0, int64_t r1,
-                       float *y, int64_t ldy) {
+void bn_head_i8_scalar(const int16_t *xq, const float *sx, int64_t m, int64_t k, const int8_t *w, const float *ws,
+                       int64_t r0, int64_t r1, float *y, int64_t ldy) {
     for (int64_t r = r0; r < r1; r++) {
         const int8_t *wr = w + r * k;
         for (int64_t i = 0; i < m; i++) {
-            const float *xi = x + i * k;
+            const int16_t *xi = xq + i * k;
             float acc = 0.0f;
-            for (int64_t j = 0; j < k; j++) acc += xi[j] * (float)wr[j];
-            y[i * ldy + r] = acc * ws[r];
+            for (int64_t c = 0; c < k; c += BN_I8_CHUNK) {
+                int64_t e = c + BN_I8_CHUNK < k ? c + BN_I8_CHUNK : k;
+                int32_t s = 0; /* |s| <= 4096 * 127 * 32767 < 2^31 */
+                for (int64_t j = c; j < e; j++) s += (int32_t)xi[j] * wr[j];
+                acc += (float)s;
+            }
+            y[i * ldy + r] = acc * (ws[r] * sx[i]);
         }
     }
 }

@@ -55,7 +55,9 @@ def test_compact_head_matches_its_dequantized_weights(oracle_dirs, dtype):
         assert isinstance(model.compact_head, CompactHead) and model.compact_head is model.compact_embed
         assert model.embed_tokens.weight.numel() == 0  # one copy of the table only
         got = model(ids)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # int8: the head's activations go through int16 (<= 1.5e-5 of max|h| per element)
+    tol = 1e-4 if dtype == "bf16" else 3e-3
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
 def test_compact_head_untied_and_torch_fallback():
@@ -70,7 +72,8 @@ def test_compact_head_untied_and_torch_fallback():
 
         # the torch fallback (used off-CPU or without the C library) computes the same thing
         ref = torch.nn.functional.linear(x, h.weight.float()) * (1 if h.scale is None else h.scale)
-        torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-4)
+        tol = 1e-4 if dt == "bf16" else 3e-3  # int8 path: int16 activations
+        torch.testing.assert_close(fast, ref, rtol=tol, atol=tol)
         e = h.embed(torch.tensor([[0, 299]]))
         assert e.shape == (1, 2, 64) and e.dtype == torch.float32
         assert cpu.available()
