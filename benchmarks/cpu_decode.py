@@ -100,6 +100,8 @@ def main() -> int:
                 if table is None:
                     raise SystemExit("list bf16 first in --heads (the int8 head is made from the bf16 table)")
                 set_head(model, hd, table, head_w if untied else None)
+                if hd == heads[-1]:  # the bf16 tables are not needed any more: keep them out of the RSS row
+                    table = head_w = None
             tern, headb = weight_bytes_per_token(model)
             for nt in threads:
                 rows = bench.bench(model, pps, [a.tg], [nt], a.reps, "cpu", f"{shape} (random)")
