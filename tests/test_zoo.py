@@ -139,3 +139,57 @@ def test_models_command_lists_the_zoo():
         [sys.executable, "-m", "bitnetlm.cli", "models"], capture_output=True, text=True, env=env
     )
     assert r.returncode == 0 and "bitnet-tiny (default)" in r.stdout
+
+
+def test_assemble_parts_into_a_loadable_model(tmp_path):
+    """models/<name>/ parts (state shards + Q8_0 embedding + tokenizer) -> HF dir that loads with the same logits."""
+    gguf_quants = pytest.importorskip("gguf.quants")
+    from gguf import GGMLQuantizationType
+    from safetensors.numpy import save_file as save_np
+
+    import bitnetlm
+    from bitnetlm.models import ModelConfig, build_model
+    from bitnetlm.zoo.assemble import assemble
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import zoo_common
+    finally:
+        sys.path.pop(0)
+    tiny = zoo.bundled_dir(zoo.DEFAULT_MODEL)
+    cfg = ModelConfig(
+        arch="bitnet", vocab_size=8192, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, hidden_act="silu", bos_token_id=0, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    trained = build_model(cfg, mode="train")
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    zoo_common.save_sharded(
+        zoo_common.export_state(trained, skip=("embed_tokens.",)), str(parts / "state"), 3_000
+    )
+    emb = trained.embed_tokens.weight.detach().numpy()
+    q = gguf_quants.quantize(emb, GGMLQuantizationType.Q8_0)
+    save_np(
+        {"embed_tokens.weight": q.reshape(-1)},
+        str(parts / "embed_q8_0.safetensors"),
+        metadata={"shape": "[8192, 64]"},
+    )
+    (parts / "config.json").write_text(json.dumps(cfg.to_hf()))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (parts / f).write_bytes((tiny / f).read_bytes())
+    assert len(list(parts.glob("state-*.safetensors"))) > 1
+    out = assemble("toy", parts, tmp_path / "out")
+    model, tok = bitnetlm.load(out)
+    # expected: the trained model with the Q8_0-rounded embedding and bf16 norms, as shipped
+    with torch.no_grad():
+        trained.embed_tokens.weight.copy_(
+            torch.from_numpy(gguf_quants.dequantize(q, GGMLQuantizationType.Q8_0)).bfloat16().float()
+        )
+        for n, p in trained.named_parameters():
+            if "norm" in n:
+                p.copy_(p.bfloat16().float())
+    ids = torch.tensor([tok.encode("And God said", add_special_tokens=False)])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), trained.eval()(ids), rtol=1e-3, atol=1e-3)
+    assert assemble("toy", parts, tmp_path / "out") == tmp_path / "out"  # cached: not rebuilt

