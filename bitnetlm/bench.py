@@ -70,15 +70,14 @@ def random_model(
 
     from bitnetlm.kernels import select_backend
     from bitnetlm.kernels.cpu.head import CompactHead
-    from bitnetlm.models import ModelConfig, build_model
+    from bitnetlm.models import ModelConfig, build_empty_model
     from bitnetlm.models.transformer import rope_inv_freq
     from bitnetlm.quant.bitlinear import BitLinear
 
     cfg = ModelConfig(**(SHAPES[shape] if isinstance(shape, str) else shape))
     gen = torch.Generator().manual_seed(seed)
     be = select_backend("cpu", backend)
-    with torch.device("meta"):
-        model = build_model(cfg, "infer")
+    model = build_empty_model(cfg, "infer")
     for mod in model.modules():
         if isinstance(mod, BitLinear):
             mod.packed = random_packed(mod.out_features, mod.in_features, be, gen)

@@ -21,7 +21,7 @@ from bitnetlm.formats import gguf_codecs as codecs
 from bitnetlm.formats.gguf_file import GGUFError, GGUFFile, TensorToWrite, read_gguf, write_gguf
 from bitnetlm.formats.gguf_tokenizer import load_gguf_tokenizer  # noqa: F401  (bitnetlm.load uses it from here)
 from bitnetlm.formats.names import PROJECTIONS, layer_modules
-from bitnetlm.models import CausalLM, ModelConfig, build_model
+from bitnetlm.models import CausalLM, ModelConfig, build_empty_model
 from bitnetlm.models.transformer import rope_inv_freq
 from bitnetlm.quant.bitlinear import BitLinear
 from bitnetlm.quant.packing import PackingFormat, pack_hf
@@ -177,8 +177,7 @@ def load_gguf_model(
     """A model from a GGUF file (CPU). Ternary tensors give packed BitLinear weights without a float detour."""
     f = read_gguf(path)
     cfg = config_from_gguf(f)
-    with torch.device("meta"):
-        model = build_model(cfg, mode)
+    model = build_empty_model(cfg, mode)
     permute = f.metadata.get("general.architecture") == "llama"
     sd: dict[str, torch.Tensor] = {}
     used = set()

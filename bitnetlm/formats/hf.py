@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from bitnetlm.formats.names import IGNORED_SUFFIXES, hf_name, layer_modules
-from bitnetlm.models import CausalLM, ModelConfig, build_model
+from bitnetlm.models import CausalLM, ModelConfig, build_empty_model
 from bitnetlm.models.transformer import rope_inv_freq
 from bitnetlm.quant.bitlinear import BitLinear
 from bitnetlm.quant.packing import PackingFormat, pack_hf, unpack_hf
@@ -121,8 +121,7 @@ def load_hf(path: str | os.PathLike, mode: str = "infer", dtype: torch.dtype = t
     files = safetensors_files(path)
     ts = _Tensors(files)
     src = str(files[0] if len(files) == 1 else path)
-    with torch.device("meta"):
-        model = build_model(cfg, mode)
+    model = build_empty_model(cfg, mode)
     sd: dict[str, torch.Tensor] = {}
     for name, kind in layer_modules(cfg.num_hidden_layers, cfg.has_sub_norms):
         key = hf_name(name, cfg.arch) + ".weight"

@@ -237,7 +237,7 @@ def load_mmap(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
     """
     from bitnetlm.formats.hf import IGNORED_SUFFIXES, _expect, read_config, safetensors_files
     from bitnetlm.formats.names import hf_name, layer_modules
-    from bitnetlm.models import build_model
+    from bitnetlm.models import build_empty_model
     from bitnetlm.models.transformer import rope_inv_freq
     from bitnetlm.quant.bitlinear import BitLinear
 
@@ -255,8 +255,7 @@ def load_mmap(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
         tensors.update(t)
         meta.update(m)
     src = str(path)
-    with torch.device("meta"):
-        model = build_model(cfg, "infer")
+    model = build_empty_model(cfg, "infer")
     sd: dict[str, torch.Tensor] = {}
     floats = (torch.float32, torch.float16, torch.bfloat16)
     for name, kind in layer_modules(cfg.num_hidden_layers, cfg.has_sub_norms):

@@ -1,8 +1,15 @@
 """Config dataclasses and architectures (BitNet b1.58 2B4T, 1bitLLM, LLaMA family)."""
 
+import contextlib
+
+import torch
+from torch import nn
+
 from bitnetlm.models.cache import KVCache
 from bitnetlm.models.config import ModelConfig
 from bitnetlm.models.transformer import CausalLM
+
+_INIT_FNS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_", "zeros_", "ones_")
 
 
 def build_model(config: ModelConfig, mode: str = "infer") -> CausalLM:
@@ -10,4 +17,24 @@ def build_model(config: ModelConfig, mode: str = "infer") -> CausalLM:
     return CausalLM(config, mode)
 
 
-__all__ = ["CausalLM", "KVCache", "ModelConfig", "build_model"]
+@contextlib.contextmanager
+def _skip_init():
+    # Random init of tensors that a loader overwrites anyway is wasted work; on the meta device it also routes
+    # through torch's Python reference ops (and imports torch._dynamo), which costs seconds.
+    saved = {name: getattr(nn.init, name) for name in _INIT_FNS}
+    try:
+        for name in _INIT_FNS:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+def build_empty_model(config: ModelConfig, mode: str = "infer") -> CausalLM:
+    """`build_model` on the meta device without initialisation: for loaders that assign every tensor."""
+    with _skip_init(), torch.device("meta"):
+        return CausalLM(config, mode)
+
+
+__all__ = ["CausalLM", "KVCache", "ModelConfig", "build_empty_model", "build_model"]

@@ -143,7 +143,9 @@ class ModelConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """A config.json dict that transformers' BitNetForCausalLM / LlamaForCausalLM loads."""
-        if self.arch == "llama":  # a ternarized llama stays a llama (transformers' bitnet quantizer is generic)
+        if (
+            self.arch == "llama"
+        ):  # a ternarized llama stays a llama (transformers' bitnet quantizer is generic)
             model_type, archs = "llama", ["LlamaForCausalLM"]
         else:
             model_type, archs = "bitnet", ["BitNetForCausalLM"]

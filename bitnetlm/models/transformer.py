@@ -49,7 +49,8 @@ def make_linear(cfg: ModelConfig, mode: str, in_f: int, out_f: int) -> nn.Module
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+    # always computed on the CPU: under a meta-device context arange would go through slow reference ops
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float, device="cpu") / d))
     sc = cfg.rope_scaling or {}
     kind = sc.get("rope_type", sc.get("type", "default"))
     if kind == "llama3":
