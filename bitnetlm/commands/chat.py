@@ -126,7 +126,9 @@ def chat_session(
 
 
 def run(args) -> int:
-    model, tok = load_model_and_tokenizer(args.model, args.device, args.backend, args.dtype, args.threads)
+    model, tok = load_model_and_tokenizer(
+        args.model, args.device, args.backend, args.dtype, args.threads, args.head_dtype
+    )
     if not tok.chat_template:
         raise ValueError(f"{args.model}: the tokenizer has no chat_template; use `bitnet generate` instead")
     interactive = sys.stdin.isatty()

@@ -75,7 +75,19 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="context length in tokens (default: the model's max_position_embeddings)",
     )
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
+    p.add_argument(
+        "-t",
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for the kernels (default: physical cores)",
+    )
+    p.add_argument(
+        "--head-dtype",
+        default=None,
+        choices=["bf16", "int8"],
+        help="CPU: store the embedding/LM head in bf16 or int8 (per-row scaled) for faster decode",
+    )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
     p.add_argument(
         "--backend", default=None, help="kernel backend: reference, cpu, triton (default: best available)"
@@ -133,17 +145,21 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
-def load_model_and_tokenizer(model: str | None, device="auto", backend=None, dtype=None, threads=None):
+def load_model_and_tokenizer(
+    model: str | None, device="auto", backend=None, dtype=None, threads=None, head_dtype=None
+):
     """(model, tokenizer) for the CLI: zoo default if `model` is None, threads set, clear error if no tokenizer."""
     import torch
 
     import bitnetlm
+    from bitnetlm.kernels import configure_threads
 
-    if threads:
-        torch.set_num_threads(int(threads))
     name = resolve_model_name(model)
     dt = getattr(torch, dtype) if dtype else None
-    m, tok = bitnetlm.load(name, device=resolve_device(device), dtype=dt, backend=backend)
+    m, tok = bitnetlm.load(
+        name, device=resolve_device(device), dtype=dt, backend=backend, head_dtype=head_dtype
+    )
+    configure_threads(m, threads)
     if tok is None:
         raise FileNotFoundError(f"{name}: the model has no tokenizer (tokenizer.json next to config.json)")
     return m.eval(), tok
@@ -219,7 +235,9 @@ def _read_prompt(args) -> str:
 
 def run(args) -> int:
     prompt = _read_prompt(args)
-    model, tok = load_model_and_tokenizer(args.model, args.device, args.backend, args.dtype, args.threads)
+    model, tok = load_model_and_tokenizer(
+        args.model, args.device, args.backend, args.dtype, args.threads, args.head_dtype
+    )
     res = generate_text(
         model,
         tok,

@@ -44,7 +44,14 @@ FLAGS = [
         None,
         "kernel backend: reference, cpu, triton (default: best available)",
     ),
-    (("-t", "--threads"), "threads", int, None, "CPU threads for torch (default: torch's choice)"),
+    (("-t", "--threads"), "threads", int, None, "CPU threads for the kernels (default: physical cores)"),
+    (
+        ("--head-dtype",),
+        "head_dtype",
+        str,
+        None,
+        "CPU: embedding/LM head storage, bf16 or int8 (default: as loaded)",
+    ),
     (("--log-level",), "log_level", str, "info", "uvicorn log level: debug, info, warning, error"),
 ]
 

@@ -98,3 +98,26 @@ def prepare(model: torch.nn.Module, device: torch.device | str | None = None, ba
         if isinstance(m, BitLinear) and not m.training_mode:
             m.set_backend(backend)
     return model
+
+
+def configure_threads(model: torch.nn.Module, threads: int | None = None) -> None:
+    """Thread settings for CPU inference of `model`.
+
+    With the C backend the kernels run on their own pool (`threads`, default physical cores) and torch's
+    small ops run single-threaded beside them: two pools on the same cores slow a decode step down ~1.7x
+    (benchmarks/cpu_profile.py). Otherwise `threads` is torch's thread count.
+    """
+    from bitnetlm.quant.bitlinear import BitLinear
+
+    uses_c = any(
+        isinstance(m, BitLinear) and getattr(m._backend, "name", None) == "cpu"
+        for m in model.modules()
+        if isinstance(m, BitLinear) and not m.training_mode
+    )
+    if uses_c:
+        from bitnetlm.kernels import cpu
+
+        cpu.set_num_threads(threads)
+        torch.set_num_threads(1)
+    elif threads:
+        torch.set_num_threads(int(threads))

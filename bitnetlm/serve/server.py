@@ -37,11 +37,13 @@ def _config(
     )
 
 
-def _loader(model, device, dtype, backend, threads=None):
+def _loader(model, device, dtype, backend, threads=None, head_dtype=None):
     def load():
         from bitnetlm.commands.generate import load_model_and_tokenizer
 
-        return load_model_and_tokenizer(model, device=device, backend=backend, dtype=dtype, threads=threads)
+        return load_model_and_tokenizer(
+            model, device=device, backend=backend, dtype=dtype, threads=threads, head_dtype=head_dtype
+        )
 
     return load
 
@@ -54,6 +56,7 @@ def serve(
     dtype: str | None = None,
     backend: str | None = None,
     threads: int | None = None,
+    head_dtype: str | None = None,
     **server_kw,
 ) -> None:
     """Serve `model` (a path or zoo name; None = the zoo default) until SIGINT/SIGTERM, then drain and return.
@@ -64,7 +67,7 @@ def serve(
     """
     name = model_name or (os.path.basename(os.path.normpath(os.fspath(model))) if model else "bitnet")
     cfg = _config(name, **server_kw)
-    run_server(cfg, loader=_loader(model, device, dtype, backend, threads))
+    run_server(cfg, loader=_loader(model, device, dtype, backend, threads, head_dtype))
 
 
 def start(
