@@ -144,3 +144,37 @@ def oracle_model(oracle_dir: Path):
         transformers.LlamaForCausalLM if cfg.get("model_type") == "llama" else transformers.BitNetForCausalLM
     )
     return cls.from_pretrained(oracle_dir, dtype=torch.float32).eval()
+
+
+def random_model(arch: str = "bitnet", seed: int = 0, hidden: int = 256, inter: int = 512, **overrides):
+    """A tiny training-mode (ternary) or fp (llama) model of ours with a realistic random spread.
+
+    Hidden and intermediate default to multiples of 256 because GGUF's TQ types need rows of 256.
+    """
+    from bitnetlm.models import ModelConfig, build_model
+
+    kw = dict(
+        vocab_size=300,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if arch == "1bitllm":
+        kw.update(hidden_act="silu", num_key_value_heads=4, tie_word_embeddings=False)
+    if arch == "llama":
+        kw.update(hidden_act="silu", quant="none", tie_word_embeddings=False)
+    kw.update(overrides)
+    cfg = ModelConfig(arch=arch, **kw)
+    torch.manual_seed(seed)
+    m = build_model(cfg, "train" if cfg.quant == "ternary" else "fp")
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
+        m.embed_tokens.weight.normal_()
+    return m

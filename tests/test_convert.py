@@ -7,41 +7,19 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
+from oracle import random_model
 
 from bitnetlm.cli import main
 from bitnetlm.formats.gguf import load_gguf_model, permute_qk
 from bitnetlm.formats.gguf_file import TensorToWrite, read_gguf, write_gguf
 from bitnetlm.formats.hf import load_hf, save_hf
 from bitnetlm.formats.native import file_layout, load_native
-from bitnetlm.models import ModelConfig, build_model
 from bitnetlm.quant.bitlinear import BitLinear
 from bitnetlm.quant.ternary import ternarize
 
 
 def _tiny(arch="bitnet", seed=0, hidden=256, inter=512, **kw):
-    base = dict(
-        vocab_size=300,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rope_theta=10000.0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    if arch == "llama":
-        base.update(hidden_act="silu", quant="none", tie_word_embeddings=False)
-    base.update(kw)
-    cfg = ModelConfig(arch=arch, **base)
-    torch.manual_seed(seed)
-    m = build_model(cfg, "train" if cfg.quant == "ternary" else "fp")
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
-        m.embed_tokens.weight.normal_()
-    return m
+    return random_model(arch, seed, hidden, inter, **kw)
 
 
 def _tern(model):

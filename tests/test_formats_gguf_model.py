@@ -6,45 +6,20 @@ import json
 import numpy as np
 import pytest
 import torch
+from oracle import random_model
 
 from bitnetlm.formats import gguf_codecs as codecs
 from bitnetlm.formats.gguf import load_gguf_model, save_gguf
 from bitnetlm.formats.gguf_file import read_gguf
 from bitnetlm.formats.gguf_tokenizer import tokenizer_from_gguf_metadata, tokenizer_metadata
 from bitnetlm.formats.hf import load_hf, save_hf
-from bitnetlm.models import ModelConfig, build_model
 from bitnetlm.quant.bitlinear import BitLinear
 
 TYPES = ("tq1_0", "tq2_0", "i2_s")
 
 
 def _tiny(arch="bitnet", seed=0, **kw):
-    # TQ types need rows of 256: hidden and intermediate are multiples of 256
-    base = dict(
-        vocab_size=300,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rope_theta=10000.0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    if arch == "1bitllm":
-        base.update(hidden_act="silu", num_key_value_heads=4, tie_word_embeddings=False)
-    if arch == "llama":
-        base.update(hidden_act="silu", quant="none", tie_word_embeddings=False)
-    base.update(kw)
-    cfg = ModelConfig(arch=arch, **base)
-    torch.manual_seed(seed)
-    m = build_model(cfg, "train" if cfg.quant == "ternary" else "fp")
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
-        m.embed_tokens.weight.normal_()
-    return m
+    return random_model(arch, seed, **kw)
 
 
 def _ternaries(model):

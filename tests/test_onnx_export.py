@@ -4,37 +4,18 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from oracle import random_model
 
 from bitnetlm.formats.onnx_export import export_onnx, onnx_session
-from bitnetlm.models import ModelConfig, build_model
 from bitnetlm.quant import to_inference_
 
 
 def _model(arch):
-    kw = dict(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rope_theta=10000.0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    if arch == "1bitllm":
-        kw.update(hidden_act="silu", num_key_value_heads=4, tie_word_embeddings=False)
-    if arch == "llama":
-        kw.update(hidden_act="silu", quant="none")
-    torch.manual_seed(3)
-    cfg = ModelConfig(arch=arch, **kw)
-    m = build_model(cfg, "train" if cfg.quant == "ternary" else "fp")
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in n else 0.05 * torch.randn_like(p))
-        m.embed_tokens.weight.normal_()
-    return (to_inference_(m) if cfg.quant == "ternary" else m).eval()
+    tie = (
+        {"tie_word_embeddings": True} if arch == "llama" else {}
+    )  # exercises the shared embedding/head export
+    m = random_model(arch, 3, 64, 128, **tie)
+    return (to_inference_(m) if m.config.quant == "ternary" else m).eval()
 
 
 def _empty_past(cfg, b):
