@@ -110,9 +110,8 @@ def configure_threads(model: torch.nn.Module, threads: int | None = None) -> Non
     from bitnetlm.quant.bitlinear import BitLinear
 
     uses_c = any(
-        isinstance(m, BitLinear) and getattr(m._backend, "name", None) == "cpu"
+        isinstance(m, BitLinear) and not m.training_mode and getattr(m._backend, "name", None) == "cpu"
         for m in model.modules()
-        if isinstance(m, BitLinear) and not m.training_mode
     )
     if uses_c:
         from bitnetlm.kernels import cpu
