@@ -39,3 +39,13 @@ def tiny_model():
     from bitnetlm.quant import to_inference_
 
     return to_inference_(m).eval()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch at 1 intra-op thread for a module (restored after): tiny models gain nothing from more, and on a
+    busy 2-core CI machine OpenMP spin-waiting makes each step several times slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -13,7 +13,6 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 
 from bitnetlm.generate import SamplingParams, generate
 from bitnetlm.serve import start
@@ -25,14 +24,7 @@ WORDS = (
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    # the tiny test model gains nothing from intra-op threads, and on a busy 2-core CI machine OpenMP
-    # spin-waiting makes each step several times slower; restore the setting for other test modules
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

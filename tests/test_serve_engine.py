@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
 from bitnetlm.generate import SamplingParams, generate
 from bitnetlm.serve.engine import (
@@ -20,13 +19,7 @@ from bitnetlm.serve.engine import (
 )
 from bitnetlm.serve.testing import tiny_model_and_tokenizer
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 
 from bitnetlm.serve import start
 from bitnetlm.serve.metrics import parse_metrics
@@ -19,14 +18,7 @@ from bitnetlm.serve.testing import tiny_model_and_tokenizer
 LAB = '{model_name="bitnet"}'
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    # the tiny test model gains nothing from intra-op threads, and on a busy 2-core CI machine OpenMP
-    # spin-waiting makes each step several times slower; restore the setting for other test modules
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
