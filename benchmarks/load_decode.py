@@ -41,9 +41,16 @@ def one_case(path: str, backend: str, tokens: int, dtype: str) -> dict:
             logits = model(tok, positions=torch.tensor([[pos]]), cache=cache)
             tok = logits[:, -1].argmax(-1, keepdim=True)
         dt = time.perf_counter() - t0
-    return {"backend": backend, "dtype": dtype, "load_s": load_s, "rss_after_load_mb": rss_load,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "prefill8_s": ttft, "decode_tok_s": tokens / dt, "threads": torch.get_num_threads()}
+    return {
+        "backend": backend,
+        "dtype": dtype,
+        "load_s": load_s,
+        "rss_after_load_mb": rss_load,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "prefill8_s": ttft,
+        "decode_tok_s": tokens / dt,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def main() -> int:
@@ -64,23 +71,48 @@ def main() -> int:
         return 0
     rows = []
     for b in a.backends.split(","):
-        r = subprocess.run([sys.executable, __file__, "--shape", a.shape, "--tokens", str(a.tokens), "--dtype", a.dtype,
-                            "--_case", b], capture_output=True, text=True)
+        r = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--shape",
+                a.shape,
+                "--tokens",
+                str(a.tokens),
+                "--dtype",
+                a.dtype,
+                "--_case",
+                b,
+            ],
+            capture_output=True,
+            text=True,
+        )
         if r.returncode != 0:
             print(f"backend {b} failed:\n{r.stderr[-2000:]}", file=sys.stderr)
             continue
         rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
     file_mb = (path / "model.safetensors").stat().st_size / 2**20
     if a.json:
-        print(json.dumps({"machine": platform.processor() or platform.machine(), "file_mb": file_mb, "rows": rows}, indent=2))
+        print(
+            json.dumps(
+                {"machine": platform.processor() or platform.machine(), "file_mb": file_mb, "rows": rows},
+                indent=2,
+            )
+        )
         return 0
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), platform.machine())
+    from bitnetlm.bench import cpu_model_name
+
+    cpu = cpu_model_name()
     print(f"\n{a.shape} packed checkpoint ({file_mb:.0f} MiB, random weights) on {cpu}\n")
-    print("| backend | dtype | threads | load s | RSS after load MiB | peak RSS MiB | prefill 8 tok s | decode tok/s |")
+    print(
+        "| backend | dtype | threads | load s | RSS after load MiB | peak RSS MiB | prefill 8 tok s | decode tok/s |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['backend']} | {r['dtype']} | {r['threads']} | {r['load_s']:.2f} | {r['rss_after_load_mb']:.0f} | "
-              f"{r['peak_rss_mb']:.0f} | {r['prefill8_s']:.2f} | {r['decode_tok_s']:.2f} |")
+        print(
+            f"| {r['backend']} | {r['dtype']} | {r['threads']} | {r['load_s']:.2f} | {r['rss_after_load_mb']:.0f} | "
+            f"{r['peak_rss_mb']:.0f} | {r['prefill8_s']:.2f} | {r['decode_tok_s']:.2f} |"
+        )
     return 0
 
 

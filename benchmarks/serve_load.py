@@ -35,15 +35,9 @@ def machine(device: str | None = None) -> str:
         import torch
 
         gpu = f"{torch.cuda.get_device_name(0)}, "
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{gpu}{cpu}, {os.cpu_count()} logical cores, Python {platform.python_version()}"
+    from bitnetlm.bench import cpu_model_name
+
+    return f"{gpu}{cpu_model_name()}, {os.cpu_count()} logical cores, Python {platform.python_version()}"
 
 
 def start_server(model: str, args, env_extra: dict) -> tuple[subprocess.Popen, str]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -27,15 +26,9 @@ def _machine(device: str) -> str:
 
     if device.startswith("cuda"):
         return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    from bitnetlm.bench import cpu_model_name
+
+    return f"{cpu_model_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
 def run_variant(args) -> dict:

@@ -42,9 +42,9 @@ def main() -> int:
             check=True,
         ).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?"
-    )
+    from bitnetlm.bench import cpu_model_name
+
+    cpu = cpu_model_name()
     print(f"\n{a.model} on {cpu}, {a.threads} threads, fresh process per run\n")
     print("| run | import torch+bitnetlm s | load s | first token s | load + first token s |")
     print("|---|---:|---:|---:|---:|")

@@ -250,19 +250,22 @@ def _head_name(model) -> str:
     return str(model.lm_head_weight().dtype).replace("torch.", "")
 
 
-def machine_name() -> str:
-    cpu = platform.processor() or platform.machine()
+def cpu_model_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (platform's answer where that file is missing)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return platform.processor() or platform.machine()
+
+
+def machine_name() -> str:
     import os
 
-    return f"{cpu}, {os.cpu_count()} CPUs, {platform.system()} {platform.machine()}"
+    return f"{cpu_model_name()}, {os.cpu_count()} CPUs, {platform.system()} {platform.machine()}"
 
 
 def markdown(rows: list[dict]) -> str:
