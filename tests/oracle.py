@@ -178,3 +178,17 @@ def random_model(arch: str = "bitnet", seed: int = 0, hidden: int = 256, inter: 
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
         m.embed_tokens.weight.normal_()
     return m
+
+
+def greedy_with_cache(model, prompt: torch.Tensor, n: int) -> torch.Tensor:
+    """Greedy decoding with the model's own KV cache: prompt [B, T] -> the next n tokens [B, n]."""
+    b, t0 = prompt.shape
+    cache = model.new_cache(b, t0 + n)
+    with torch.inference_mode():
+        logits = model(prompt, cache=cache, last_only=True)[:, -1]
+        out = [logits.argmax(-1)]
+        for i in range(n - 1):
+            pos = torch.full((b, 1), t0 + i, dtype=torch.long, device=prompt.device)
+            logits = model(out[-1][:, None], positions=pos, cache=cache)[:, -1]
+            out.append(logits.argmax(-1))
+    return torch.stack(out, 1)

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import torch
-from oracle import VARIANTS, oracle_model
+from oracle import VARIANTS, greedy_with_cache, oracle_model
 
 import bitnetlm
 from bitnetlm.formats.hf import load_hf
@@ -15,19 +15,6 @@ from bitnetlm.quant import BitLinear
 def _ids(n=24, seed=0, vocab=512):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (2, n), generator=g)
-
-
-def _greedy_ours(model, prompt: torch.Tensor, n: int) -> list[int]:
-    cache = model.new_cache(1, prompt.shape[1] + n)
-    logits = model(prompt, cache=cache, last_only=True)
-    out = []
-    pos = prompt.shape[1]
-    for _ in range(n):
-        tok = int(logits[0, -1].argmax())
-        out.append(tok)
-        logits = model(torch.tensor([[tok]]), positions=torch.tensor([[pos]]), cache=cache)
-        pos += 1
-    return out
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -54,7 +41,7 @@ def test_greedy_32_tokens_match_transformers(oracle_dirs, variant):
     prompt = _ids(7, seed=3)[:1]
     with torch.no_grad():
         expected = ref.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, 7:].tolist()
-        got = _greedy_ours(model, prompt, 32)
+        got = greedy_with_cache(model, prompt, 32)[0].tolist()
     assert got == expected
 
 

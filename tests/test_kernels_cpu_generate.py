@@ -4,22 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from oracle import greedy_with_cache
 
 from bitnetlm.kernels.cpu.head import CompactHead, quantize_rows_int8, set_head_dtype
 from bitnetlm.loading import load_model
-
-
-def _greedy(model, prompt: torch.Tensor, n: int) -> torch.Tensor:
-    b, t0 = prompt.shape
-    cache = model.new_cache(b, t0 + n)
-    with torch.inference_mode():
-        logits = model(prompt, cache=cache, last_only=True)[:, -1]
-        out = [logits.argmax(-1)]
-        for i in range(n - 1):
-            pos = torch.full((b, 1), t0 + i, dtype=torch.long)
-            logits = model(out[-1][:, None], positions=pos, cache=cache)[:, -1]
-            out.append(logits.argmax(-1))
-    return torch.stack(out, 1)
 
 
 @pytest.mark.parametrize("variant", ["packed-autobitlinear", "packed-bitlinear", "1bitllm"])
@@ -33,7 +21,7 @@ def test_greedy_equals_reference_backend(oracle_dirs, variant):
     # logits of the prompt: bit-identical (same float32 operations on the same exact integer products)
     with torch.inference_mode():
         assert torch.equal(fast(prompt), ref(prompt))
-    assert torch.equal(_greedy(fast, prompt, 40), _greedy(ref, prompt, 40))
+    assert torch.equal(greedy_with_cache(fast, prompt, 40), greedy_with_cache(ref, prompt, 40))
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "int8"])
