@@ -168,21 +168,7 @@ _NEUTRAL = {
 
 def parse_request(cls: type[_Sampling], body: Any) -> _Sampling:
     """Validate a JSON body into `cls`, raising APIError(400) that names the offending parameter(s)."""
-    if not isinstance(body, dict):
-        raise APIError(400, "request body must be a JSON object")
-    unknown = sorted(k for k in body if k not in cls.model_fields)
-    if unknown:
-        names = ", ".join(repr(k) for k in unknown)
-        raise APIError(
-            400, f"Unsupported parameter(s): {names}", param=unknown[0], code="unsupported_parameter"
-        )
-    try:
-        req = cls.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        raise APIError(400, f"Invalid value for {loc!r}: {msg}", param=loc) from None
+    req = parse_simple(cls, body)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     bad = [k for k, (ok, _) in _NEUTRAL.items() if k in body and not ok(getattr(req, k))]
@@ -213,6 +199,7 @@ class DetokenizeRequest(BaseModel):
 
 
 def parse_simple(cls: type[BaseModel], body: Any) -> BaseModel:
+    """Validate a JSON body into `cls`: 400 naming unknown parameters or the first invalid value."""
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
     unknown = sorted(k for k in body if k not in cls.model_fields)
@@ -226,7 +213,8 @@ def parse_simple(cls: type[BaseModel], body: Any) -> BaseModel:
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
-        raise APIError(400, f"Invalid value for {loc!r}: {err['msg']}", param=loc) from None
+        msg = err["msg"].removeprefix("Value error, ")
+        raise APIError(400, f"Invalid value for {loc!r}: {msg}", param=loc) from None
 
 
 # ---- responses ---------------------------------------------------------------------------------------
