@@ -97,6 +97,10 @@ def prepare(model: torch.nn.Module, device: torch.device | str | None = None, ba
     for m in model.modules():
         if isinstance(m, BitLinear) and not m.training_mode:
             m.set_backend(backend)
+    if hasattr(model, "cpu_decode"):  # CausalLM on the C kernels: fused one-token decode steps
+        from bitnetlm.kernels.cpu.decode import attach
+
+        attach(model)
     return model
 
 

@@ -1,0 +1,230 @@
+"""Fused CPU decode step: every layer of a one-token-per-row decode step in one C call (csrc/decode.c).
+
+With the C backend the ternary projections of a 2B4T decode step are already C, but the ~40 torch ops per
+layer around them (norms, RoPE, KV-cache writes, masks, attention, activation, residuals) cost ~1200 eager op
+dispatches per token. `attach(model)` gives a CausalLM a `FusedDecode` as `model.cpu_decode`; CausalLM.forward
+calls it for t == 1 steps with a KV cache when `eligible(...)` says the step can run there, and runs its torch
+layers otherwise (prefill, training, autograd, torch.compile / tracing, non-fp32 activations, other caches).
+
+Models it takes: inference BitLinears on the "cpu" backend without biases in every projection, relu2 or silu,
+fp32 RMSNorms (BitNet sub-norms optional), head_dim even and <= 512. KV cache fp32 or bf16.
+Results equal the torch layers up to float summation order (RMSNorm means, attention sums).
+
+Turned off by BITNETLM_FUSED_DECODE=0 (read when attaching) or `detach(model)`.
+Forward hooks on the layers are not run by the fused step; attach after adding any you need to see.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from bitnetlm.kernels.cpu import _lib
+
+ENV = "BITNETLM_FUSED_DECODE"
+ACTS = {"relu2": 0, "silu": 1}
+KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MAX_HEAD_DIM = 512  # BN_DECODE_MAX_HEAD_DIM
+
+_i64, _f32, _i32, _vp = ctypes.c_int64, ctypes.c_float, ctypes.c_int32, ctypes.c_void_p
+
+
+class _Config(ctypes.Structure):  # bn_decode_config
+    _fields_ = [
+        ("hidden", _i64),
+        ("inter", _i64),
+        ("n_heads", _i64),
+        ("n_kv", _i64),
+        ("head_dim", _i64),
+        ("max_seq", _i64),
+        ("eps", _f32),
+        ("act", _i32),
+        ("kv_dtype", _i32),
+    ]
+
+
+class _Layer(ctypes.Structure):  # bn_decode_layer
+    _fields_ = [
+        ("in_norm", _vp),
+        ("post_norm", _vp),
+        ("attn_sub_norm", _vp),
+        ("ffn_sub_norm", _vp),
+        ("w", _vp * len(PROJ)),
+        ("scale", _vp * len(PROJ)),
+    ]
+
+
+def _step_fn():
+    """bn_decode_step_f32 and bn_decode_work_floats with their signatures, or None if the build lacks them."""
+    lib = _lib.load()
+    if lib is None or not hasattr(lib, "bn_decode_step_f32"):
+        return None
+    fn = lib.bn_decode_step_f32
+    if fn.argtypes is None:
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_vp, _vp, _i64, _vp, _vp, _vp, _vp, _vp, _vp, _i64, _vp, _vp]
+        lib.bn_decode_work_floats.restype = _i64
+        lib.bn_decode_work_floats.argtypes = [_vp, _i64]
+    return lib
+
+
+def _parts(block):
+    a, f = block.self_attn, block.mlp
+    return a, f, [getattr(a, p) for p in PROJ[:4]] + [getattr(f, p) for p in PROJ[4:]]
+
+
+def why_not(model) -> str | None:
+    """None if `model`'s layers can run in the fused step, else the reason they cannot."""
+    from bitnetlm.models.transformer import MLP, Attention, Block, RMSNorm
+    from bitnetlm.quant.bitlinear import BitLinear
+
+    if _step_fn() is None:
+        return "the C library is missing or was built without csrc/decode.c"
+    cfg = model.config
+    if cfg.hidden_act not in ACTS:
+        return f"activation {cfg.hidden_act!r} (fused: {sorted(ACTS)})"
+    if cfg.head_dim % 2 or cfg.head_dim > MAX_HEAD_DIM:
+        return f"head_dim {cfg.head_dim}"
+    for blk in model.layers:
+        if (type(blk), type(blk.self_attn), type(blk.mlp)) != (Block, Attention, MLP):
+            return f"layer type {type(blk).__name__}"
+        a, f, lins = _parts(blk)
+        for lin in lins:
+            if not isinstance(lin, BitLinear) or lin.training_mode or lin.bias is not None:
+                return f"projection {type(lin).__name__} (needs inference BitLinear without bias)"
+            if getattr(lin._backend, "name", None) != "cpu" or lin.packed.device.type != "cpu":
+                return f"projection backend {getattr(lin._backend, 'name', None)!r}"
+            if lin.weight_scale.dtype != torch.float32 or lin.weight_scale.numel() != 1:
+                return "weight_scale is not one float32"
+        wants = [(blk.input_layernorm, cfg.hidden_size), (blk.post_attention_layernorm, cfg.hidden_size)]
+        wants += [(n, d) for n, d in ((a.attn_sub_norm, a.n_heads * a.head_dim), (f.ffn_sub_norm, None)) if n]
+        for norm, dim in wants:
+            w = norm.weight
+            if type(norm) is not RMSNorm or norm.eps != cfg.rms_norm_eps:
+                return f"norm {type(norm).__name__} (eps {getattr(norm, 'eps', None)})"
+            if w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous():
+                return f"norm weight {w.dtype} on {w.device}"
+            if dim is not None and w.numel() != dim:
+                return f"norm of {w.numel()} for {dim} features"
+    return None
+
+
+class FusedDecode:
+    """All layers of `model` for t == 1 decode steps in one C call; see the module docstring."""
+
+    def __init__(self, model):
+        cfg = model.config
+        self.lib = _step_fn()
+        self.n_layers = len(model.layers)
+        self.calls = 0  # fused steps run (tests check the path is taken)
+        c = self.cfg = _Config()
+        c.hidden, c.inter = cfg.hidden_size, cfg.intermediate_size
+        c.n_heads, c.n_kv, c.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        c.eps, c.act = cfg.rms_norm_eps, ACTS[cfg.hidden_act]
+        self.layers = (_Layer * self.n_layers)()
+        self.watch = []  # (owner, attribute, tensor): a replaced tensor makes the C pointers stale
+        for st, blk in zip(self.layers, model.layers):
+            a, f, lins = _parts(blk)
+            norms = (blk.input_layernorm, blk.post_attention_layernorm, a.attn_sub_norm, f.ffn_sub_norm)
+            for field, norm in zip(("in_norm", "post_norm", "attn_sub_norm", "ffn_sub_norm"), norms):
+                if norm is not None:
+                    setattr(st, field, norm.weight.data_ptr())
+                    self.watch.append((norm, "weight", norm.weight))
+            for j, lin in enumerate(lins):
+                st.w[j], st.scale[j] = lin.packed.data_ptr(), lin.weight_scale.data_ptr()
+                self.watch += [(lin, "packed", lin.packed), (lin, "weight_scale", lin.weight_scale)]
+        self.model_ref = model.layers  # identity check: a model whose layers were swapped drops the fusion
+        self.work = torch.empty(0, dtype=torch.float32)
+
+    def __deepcopy__(self, memo):
+        return None  # a copy of the model has its own tensors: it falls back to the torch layers
+
+    def __reduce__(self):
+        return (type(None), ())
+
+    def stale(self) -> bool:
+        return any(getattr(o, n) is not t for o, n, t in self.watch)
+
+    def eligible(self, model, h, cos, cache, cache_pos) -> bool:
+        """True when this t == 1 step can run fused (else the caller runs its torch layers)."""
+        if cache is None or model.training or torch.is_grad_enabled():
+            return False
+        if torch.compiler.is_compiling() or torch.jit.is_tracing():
+            return False
+        if model.layers is not self.model_ref or h.dtype != torch.float32 or h.device.type != "cpu":
+            return False
+        k = cache.k[0]
+        c = self.cfg
+        b = h.shape[0]
+        if k.dtype not in KV_DTYPES or k.device.type != "cpu" or len(cache.k) != self.n_layers:
+            return False
+        if tuple(k.shape) != (b, c.n_kv, k.shape[2], c.head_dim) or cache.valid.shape != (b, k.shape[2]):
+            return False
+        if cos.dtype != torch.float32 or cache_pos.shape != (b, 1):
+            return False
+        if not (
+            cache.valid.is_contiguous()
+            and all(t.is_contiguous() and t.dtype == k.dtype for t in cache.k + cache.v)
+        ):
+            return False
+        if self.stale():
+            # repacked or reloaded weights: point at the new tensors if the model still qualifies
+            if why_not(model) is not None:
+                return False
+            calls = self.calls
+            self.__init__(model)
+            self.calls = calls
+        return True
+
+    def __call__(self, h, cos, sin, cache, cache_pos) -> torch.Tensor:
+        """h [B, 1, hidden] after the layers; cos, sin [B, 1, head_dim]; cache_pos [B, 1] slots to write."""
+        b, _, hidden = h.shape
+        c = self.cfg
+        c.max_seq = cache.k[0].shape[2]
+        c.kv_dtype = KV_DTYPES[cache.k[0].dtype]
+        need = int(self.lib.bn_decode_work_floats(ctypes.addressof(c), b))
+        if self.work.numel() < need:
+            self.work = torch.empty(need, dtype=torch.float32)
+        out = h.reshape(b, hidden).clone()
+        slot = cache_pos.reshape(b).to(torch.int64).contiguous()
+        cos, sin = cos.reshape(b, -1).contiguous(), sin.reshape(b, -1).contiguous()
+        kp = (_vp * self.n_layers)(*[t.data_ptr() for t in cache.k])
+        vp = (_vp * self.n_layers)(*[t.data_ptr() for t in cache.v])
+        rc = self.lib.bn_decode_step_f32(
+            ctypes.addressof(c),
+            ctypes.addressof(self.layers),
+            self.n_layers,
+            ctypes.addressof(kp),
+            ctypes.addressof(vp),
+            cache.valid.data_ptr(),
+            slot.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            b,
+            out.data_ptr(),
+            self.work.data_ptr(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"bn_decode_step_f32 failed with code {rc}")
+        self.calls += 1
+        return out.view(b, 1, hidden)
+
+
+def attach(model) -> FusedDecode | None:
+    """Give `model` a fused decode step when it can run one (and BITNETLM_FUSED_DECODE is not 0).
+
+    Returns it, or None (model.cpu_decode is then None: the torch layers run every step)."""
+    fused = None
+    if os.environ.get(ENV, "") != "0" and hasattr(model, "cpu_decode") and why_not(model) is None:
+        fused = FusedDecode(model)
+    if hasattr(model, "cpu_decode"):
+        model.cpu_decode = fused
+    return fused
+
+
+def detach(model) -> None:
+    """Back to the torch layers for every step."""
+    model.cpu_decode = None

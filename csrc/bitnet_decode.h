@@ -1,0 +1,61 @@
+/* bitnet_decode: one fused decode step (t = 1 per row) through every layer of a BitNet b1.58 / 1bitLLM block.
+ *
+ * Why: at batch 1 a decode step of a 2B4T-shaped model runs ~40 small torch ops per layer around the ternary
+ * projections (norms, RoPE, cache writes, masks, attention, activation, residuals), ~1200 per token, each with
+ * microseconds of dispatch. Here they are plain loops between calls of the public ternary linear API, so the
+ * packed weight layout stays private to bitnet_cpu.c.
+ *
+ * Per layer and row i (position in the cache: slot[i]; RoPE tables cos/sin [m, head_dim] given per row):
+ *   x = rmsnorm(h, in_norm); q|k|v = ternary(x); rotate q, k (HF rotate-half); cache[slot] = k, v
+ *   a = softmax(q.K^T / sqrt(D)) V over slots j <= slot[i] with valid[i, j] (and j = slot[i] itself), per head,
+ *       GQA: query head hq reads KV head hq / (n_heads / n_kv); fp32 scores and softmax
+ *   h += o_proj(attn_sub_norm?(a)); x = rmsnorm(h, post_norm); h += down(ffn_sub_norm?(act(gate(x)) * up(x)))
+ * act: relu2 = relu(g)^2 or silu. KV cache per layer [m, n_kv, S, D] in fp32 or bf16 (round to nearest even).
+ * Not re-entrant and not to be run beside another call of the library from another thread (shared pool).
+ */
+#ifndef BITNET_DECODE_H
+#define BITNET_DECODE_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum { BN_ACT_RELU2 = 0, BN_ACT_SILU = 1 };
+enum { BN_KV_F32 = 0, BN_KV_BF16 = 1 };
+enum { BN_DEC_Q = 0, BN_DEC_K, BN_DEC_V, BN_DEC_O, BN_DEC_GATE, BN_DEC_UP, BN_DEC_DOWN, BN_DEC_NPROJ };
+
+#define BN_DECODE_MAX_HEAD_DIM 512
+
+typedef struct {
+    int64_t hidden, inter, n_heads, n_kv, head_dim;
+    int64_t max_seq;  /* S: slots per row of the cache */
+    float eps;        /* RMSNorm epsilon */
+    int32_t act;      /* BN_ACT_* */
+    int32_t kv_dtype; /* BN_KV_* */
+} bn_decode_config;
+
+typedef struct {
+    const float *in_norm, *post_norm;     /* [hidden] */
+    const float *attn_sub_norm;           /* [n_heads * head_dim] or NULL */
+    const float *ffn_sub_norm;            /* [inter] or NULL */
+    const uint8_t *w[BN_DEC_NPROJ];       /* packed ternary weights (bitnet_cpu.h layout), BN_DEC_* order */
+    const float *scale[BN_DEC_NPROJ];     /* their weight scales, read at call time */
+} bn_decode_layer;
+
+/* floats of scratch bn_decode_step_f32 needs for m rows */
+int64_t bn_decode_work_floats(const bn_decode_config *c, int64_t m);
+
+/* Run n_layers layers for m rows. h [m, hidden] fp32 is updated in place. k_cache[l], v_cache[l]: layer l's
+ * cache [m, n_kv, max_seq, head_dim] (fp32 or bf16 bits); valid [m, max_seq] bytes (0/1); slot [m];
+ * cos, sin [m, head_dim]; work: bn_decode_work_floats(c, m) floats. Returns 0, or a negative code
+ * (-1 bad arguments, other: the failing ternary linear's code). */
+int bn_decode_step_f32(const bn_decode_config *c, const bn_decode_layer *layers, int64_t n_layers,
+                       void *const *k_cache, void *const *v_cache, const uint8_t *valid, const int64_t *slot,
+                       const float *cos, const float *sin, int64_t m, float *h, float *work);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

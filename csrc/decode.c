@@ -1,0 +1,259 @@
+/* Fused decode step (see bitnet_decode.h): the glue between the ternary projections of one layer as plain
+ * loops, so a decode step makes one library call instead of ~40 torch ops per layer.
+ *
+ * The projections go through the public bn_ternary_linear_* API only (the packed layout is private to
+ * bitnet_cpu.c). Elementwise steps repeat the torch path's float32 operations in the same order (RoPE,
+ * activation, residuals are bit-identical); reductions (RMSNorm's mean, attention dot products, softmax sums)
+ * are summed in a different order, so results differ from the torch path by float rounding only.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "bitnet_decode.h"
+#include "bn_internal.h"
+
+/* 8 independent partial sums: the compiler can keep them in vector registers without reassociating */
+#define LANES 8
+
+static inline float bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    /* round to nearest even, like torch's .to(torch.bfloat16); NaN stays a (quiet) NaN */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float lanes_sum(const float *acc) {
+    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+static float dot_f32(const float *a, const float *b, int64_t n) {
+    float acc[LANES] = {0};
+    int64_t d = 0;
+    for (; d + LANES <= n; d += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += a[d + l] * b[d + l];
+    float s = lanes_sum(acc);
+    for (; d < n; d++) s += a[d] * b[d];
+    return s;
+}
+
+static float dot_bf16(const float *a, const uint16_t *b, int64_t n) {
+    float acc[LANES] = {0};
+    int64_t d = 0;
+    for (; d + LANES <= n; d += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += a[d + l] * bf16_to_f32(b[d + l]);
+    float s = lanes_sum(acc);
+    for (; d < n; d++) s += a[d] * bf16_to_f32(b[d]);
+    return s;
+}
+
+/* y = w * (x * rsqrt(mean(x^2) + eps)), the torch RMSNorm's operations (y may alias x) */
+static void rmsnorm(const float *x, const float *w, int64_t n, float eps, float *y) {
+    float acc[LANES] = {0};
+    int64_t d = 0;
+    for (; d + LANES <= n; d += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += x[d + l] * x[d + l];
+    float ss = lanes_sum(acc);
+    for (; d < n; d++) ss += x[d] * x[d];
+    float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = w[i] * (x[i] * r);
+}
+
+/* x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1), in place on one head */
+static void rope(float *x, const float *cos, const float *sin, int64_t d) {
+    float tmp[BN_DECODE_MAX_HEAD_DIM];
+    int64_t half = d / 2;
+    for (int64_t i = 0; i < d; i++) {
+        float rh = i < half ? -x[i + half] : x[i - half];
+        tmp[i] = x[i] * cos[i] + rh * sin[i];
+    }
+    memcpy(x, tmp, sizeof(float) * (size_t)d);
+}
+
+/* ---- attention ---------------------------------------------------------------------------------------- */
+typedef struct {
+    const bn_decode_config *c;
+    const void *kc, *vc;  /* this layer's cache */
+    const uint8_t *valid;
+    const int64_t *slot;
+    const float *q;       /* [m, q_ld] rotated queries (head-major inside a row) */
+    int64_t q_ld;
+    float *out;           /* [m, n_heads * head_dim] */
+    float *scores;        /* [m * n_heads, max_seq] */
+} attn_ctx;
+
+/* one task = one (row, query head) */
+static void attn_range(void *p, int64_t lo, int64_t hi) {
+    const attn_ctx *A = p;
+    const bn_decode_config *c = A->c;
+    int64_t D = c->head_dim, S = c->max_seq, H = c->n_heads, rep = c->n_heads / c->n_kv;
+    float scale = 1.0f / sqrtf((float)D);
+    int bf16 = c->kv_dtype == BN_KV_BF16;
+    for (int64_t task = lo; task < hi; task++) {
+        int64_t i = task / H, hq = task % H, g = hq / rep, pos = A->slot[i];
+        const float *q = A->q + i * A->q_ld + hq * D;
+        const uint8_t *ok = A->valid + i * S;
+        int64_t base = (i * c->n_kv + g) * S * D; /* element offset of (row i, kv head g, slot 0) */
+        float *sc = A->scores + task * S;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j <= pos; j++) {
+            /* key j is visible if it holds a real token at or before this slot; a padding query sees itself */
+            if (!ok[j] && j != pos) {
+                sc[j] = -INFINITY;
+                continue;
+            }
+            float s = bf16 ? dot_bf16(q, (const uint16_t *)A->kc + base + j * D, D)
+                           : dot_f32(q, (const float *)A->kc + base + j * D, D);
+            sc[j] = s * scale;
+            if (sc[j] > mx) mx = sc[j];
+        }
+        float sum = 0.0f;
+        for (int64_t j = 0; j <= pos; j++) {
+            float e = sc[j] == -INFINITY ? 0.0f : expf(sc[j] - mx);
+            sc[j] = e;
+            sum += e;
+        }
+        float inv = 1.0f / sum;
+        float acc[BN_DECODE_MAX_HEAD_DIM];
+        for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+        for (int64_t j = 0; j <= pos; j++) {
+            float w = sc[j];
+            if (w == 0.0f) continue;
+            if (bf16) {
+                const uint16_t *v = (const uint16_t *)A->vc + base + j * D;
+                for (int64_t d = 0; d < D; d++) acc[d] += w * bf16_to_f32(v[d]);
+            } else {
+                const float *v = (const float *)A->vc + base + j * D;
+                for (int64_t d = 0; d < D; d++) acc[d] += w * v[d];
+            }
+        }
+        float *o = A->out + i * H * D + hq * D;
+        for (int64_t d = 0; d < D; d++) o[d] = acc[d] * inv;
+    }
+}
+
+/* rows' rotated k, v -> their cache slots */
+static void cache_write(const bn_decode_config *c, void *kc, void *vc, const float *qkv, int64_t ld,
+                        const int64_t *slot, int64_t m) {
+    int64_t D = c->head_dim, S = c->max_seq, qd = c->n_heads * D, kvd = c->n_kv * D;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t g = 0; g < c->n_kv; g++) {
+            const float *k = qkv + i * ld + qd + g * D, *v = k + kvd;
+            int64_t off = ((i * c->n_kv + g) * S + slot[i]) * D;
+            if (c->kv_dtype == BN_KV_BF16) {
+                uint16_t *kd = (uint16_t *)kc + off, *vd = (uint16_t *)vc + off;
+                for (int64_t d = 0; d < D; d++) {
+                    kd[d] = f32_to_bf16(k[d]);
+                    vd[d] = f32_to_bf16(v[d]);
+                }
+            } else {
+                memcpy((float *)kc + off, k, sizeof(float) * (size_t)D);
+                memcpy((float *)vc + off, v, sizeof(float) * (size_t)D);
+            }
+        }
+}
+
+/* ---- one layer ---------------------------------------------------------------------------------------- */
+typedef struct {
+    float *xn, *qkv, *att, *o, *gu, *y, *scores;
+} work_t;
+
+static work_t carve(const bn_decode_config *c, int64_t m, float *w) {
+    int64_t qd = c->n_heads * c->head_dim, kvd = c->n_kv * c->head_dim;
+    work_t W;
+    W.xn = w;
+    W.qkv = W.xn + m * c->hidden;
+    W.att = W.qkv + m * (qd + 2 * kvd);
+    W.o = W.att + m * qd;
+    W.gu = W.o + m * c->hidden;
+    W.y = W.gu + m * 2 * c->inter;
+    W.scores = W.y + m * c->inter;
+    return W;
+}
+
+int64_t bn_decode_work_floats(const bn_decode_config *c, int64_t m) {
+    int64_t qd = c->n_heads * c->head_dim, kvd = c->n_kv * c->head_dim;
+    return m * (c->hidden + (qd + 2 * kvd) + qd + c->hidden + 3 * c->inter + c->n_heads * c->max_seq);
+}
+
+static int layer_step(const bn_decode_config *c, const bn_decode_layer *L, void *kc, void *vc,
+                      const uint8_t *valid, const int64_t *slot, const float *cos, const float *sin, int64_t m,
+                      float *h, const work_t *W) {
+    int64_t H = c->hidden, I = c->inter, D = c->head_dim;
+    int64_t qd = c->n_heads * D, kvd = c->n_kv * D, ld = qd + 2 * kvd;
+    int rc;
+    /* attention */
+    for (int64_t i = 0; i < m; i++) rmsnorm(h + i * H, L->in_norm, H, c->eps, W->xn + i * H);
+    {
+        const uint8_t *w[3] = {L->w[BN_DEC_Q], L->w[BN_DEC_K], L->w[BN_DEC_V]};
+        const float *s[3] = {L->scale[BN_DEC_Q], L->scale[BN_DEC_K], L->scale[BN_DEC_V]};
+        int64_t n[3] = {qd, kvd, kvd};
+        float *y[3] = {W->qkv, W->qkv + qd, W->qkv + qd + kvd};
+        if ((rc = bn_ternary_linear_multi_f32_ld(W->xn, m, H, 3, w, n, s, y, ld)) != 0) return rc;
+    }
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t hd = 0; hd < c->n_heads + c->n_kv; hd++) /* q heads then k heads: contiguous in a row */
+            rope(W->qkv + i * ld + hd * D, cos + i * D, sin + i * D, D);
+    cache_write(c, kc, vc, W->qkv, ld, slot, m);
+    attn_ctx A = {c, kc, vc, valid, slot, W->qkv, ld, W->att, W->scores};
+    int64_t macs = 0;
+    for (int64_t i = 0; i < m; i++) macs += (slot[i] + 1) * qd * 2;
+    /* below ~64k multiply-adds waking the pool costs more than it saves */
+    if (macs >= 65536) bn_parallel_for(m * c->n_heads, attn_range, &A);
+    else attn_range(&A, 0, m * c->n_heads);
+    if (L->attn_sub_norm)
+        for (int64_t i = 0; i < m; i++) rmsnorm(W->att + i * qd, L->attn_sub_norm, qd, c->eps, W->att + i * qd);
+    if ((rc = bn_ternary_linear_f32(W->att, m, qd, L->w[BN_DEC_O], H, *L->scale[BN_DEC_O], W->o)) != 0) return rc;
+    for (int64_t e = 0; e < m * H; e++) h[e] = h[e] + W->o[e];
+    /* MLP */
+    for (int64_t i = 0; i < m; i++) rmsnorm(h + i * H, L->post_norm, H, c->eps, W->xn + i * H);
+    {
+        const uint8_t *w[2] = {L->w[BN_DEC_GATE], L->w[BN_DEC_UP]};
+        const float *s[2] = {L->scale[BN_DEC_GATE], L->scale[BN_DEC_UP]};
+        int64_t n[2] = {I, I};
+        float *y[2] = {W->gu, W->gu + I};
+        if ((rc = bn_ternary_linear_multi_f32_ld(W->xn, m, H, 2, w, n, s, y, 2 * I)) != 0) return rc;
+    }
+    for (int64_t i = 0; i < m; i++) {
+        const float *g = W->gu + i * 2 * I, *u = g + I;
+        float *y = W->y + i * I;
+        if (c->act == BN_ACT_RELU2) {
+            for (int64_t e = 0; e < I; e++) {
+                float r = g[e] > 0.0f ? g[e] : 0.0f;
+                y[e] = (r * r) * u[e];
+            }
+        } else {
+            for (int64_t e = 0; e < I; e++) y[e] = (g[e] / (1.0f + expf(-g[e]))) * u[e];
+        }
+        if (L->ffn_sub_norm) rmsnorm(y, L->ffn_sub_norm, I, c->eps, y);
+    }
+    if ((rc = bn_ternary_linear_f32(W->y, m, I, L->w[BN_DEC_DOWN], H, *L->scale[BN_DEC_DOWN], W->o)) != 0)
+        return rc;
+    for (int64_t e = 0; e < m * H; e++) h[e] = h[e] + W->o[e];
+    return 0;
+}
+
+int bn_decode_step_f32(const bn_decode_config *c, const bn_decode_layer *layers, int64_t n_layers,
+                       void *const *k_cache, void *const *v_cache, const uint8_t *valid, const int64_t *slot,
+                       const float *cos, const float *sin, int64_t m, float *h, float *work) {
+    if (!c || !layers || m <= 0 || c->n_kv <= 0 || c->n_heads % c->n_kv != 0 || c->head_dim <= 0 ||
+        c->head_dim % 2 != 0 || c->head_dim > BN_DECODE_MAX_HEAD_DIM ||
+        (c->act != BN_ACT_RELU2 && c->act != BN_ACT_SILU) ||
+        (c->kv_dtype != BN_KV_F32 && c->kv_dtype != BN_KV_BF16))
+        return -1;
+    for (int64_t i = 0; i < m; i++)
+        if (slot[i] < 0 || slot[i] >= c->max_seq) return -1;
+    work_t W = carve(c, m, work);
+    for (int64_t l = 0; l < n_layers; l++) {
+        int rc = layer_step(c, &layers[l], k_cache[l], v_cache[l], valid, slot, cos, sin, m, h, &W);
+        if (rc != 0) return rc;
+    }
+    return 0;
+}
