@@ -52,9 +52,11 @@ def random_packed(n: int, k: int, backend, gen: torch.Generator) -> torch.Tensor
     """Uniform random ternary weights [n, k] directly in `backend`'s packed layout."""
     from bitnetlm.quant.packing import PackingFormat
 
-    if PackingFormat(backend.layout) is PackingFormat.CPU_2BIT and k % 128 == 0:
+    if PackingFormat(backend.layout) is PackingFormat.CPU_2BIT and k % 128 == 0 and n % 4 == 0:
+        from bitnetlm.kernels.cpu import arena
+
         idx = torch.randint(0, 81, (n, k // 4), generator=gen, dtype=torch.int64)
-        return _code_lut()[idx]  # [n, k/4] bytes of four uniform codes
+        return arena.place(_code_lut()[idx])  # [n, k/4] bytes of four uniform codes (no padding to fill)
     return backend.pack(torch.randint(-1, 2, (n, k), generator=gen, dtype=torch.int8))
 
 

@@ -12,7 +12,7 @@ static const bn_kernels *g_k = &bn_kernels_scalar;
 /* one call at a time: the pool and the scratch buffers are shared */
 static pthread_mutex_t g_call = PTHREAD_MUTEX_INITIALIZER;
 
-const char *bn_version(void) { return "cpu-2bit-v1"; }
+const char *bn_version(void) { return "cpu-2bit-v2"; }
 
 const char *bn_isa_name(int isa) {
     switch (isa) {
@@ -105,25 +105,32 @@ int bn_get_num_threads(void) { return bn_pool_threads(); }
 int64_t bn_padded_k(int64_t k) { return (k + BN_BLOCK - 1) / BN_BLOCK * BN_BLOCK; }
 int64_t bn_packed_row_bytes(int64_t k) { return bn_padded_k(k) / 4; }
 
+int64_t bn_packed_rows(int64_t n) { return (n + BN_GROUP - 1) / BN_GROUP * BN_GROUP; }
+
+/* byte offset of (row r, element e) in the cpu-2bit-v2 layout, and the shift of its 2-bit code */
+static inline int64_t code_at(int64_t r, int64_t e, int64_t rb, int *shift) {
+    int64_t blk = e / BN_BLOCK, off = e % BN_BLOCK;
+    *shift = 2 * (int)(off >> 5);
+    return (r / BN_GROUP) * BN_GROUP * rb + blk * BN_BSTRIDE + (r % BN_GROUP) * 32 + (off & 31);
+}
+
 void bn_pack(const int8_t *t, int64_t n, int64_t k, uint8_t *out) {
-    int64_t rb = bn_packed_row_bytes(k), kp = bn_padded_k(k);
-    for (int64_t r = 0; r < n; r++) {
-        uint8_t *o = out + r * rb;
-        memset(o, 0, (size_t)rb);
+    int64_t rb = bn_packed_row_bytes(k), kp = bn_padded_k(k), np = bn_packed_rows(n);
+    memset(out, 0, (size_t)(np * rb));
+    for (int64_t r = 0; r < np; r++)
         for (int64_t e = 0; e < kp; e++) {
-            int c = e < k ? t[r * k + e] + 1 : 1; /* padding holds t = 0 */
-            int64_t blk = e / BN_BLOCK, off = e % BN_BLOCK;
-            o[blk * 32 + (off & 31)] |= (uint8_t)((c & 3) << (2 * (off >> 5)));
+            int c = (r < n && e < k) ? t[r * k + e] + 1 : 1; /* padding rows and columns hold t = 0 */
+            int sh;
+            out[code_at(r, e, rb, &sh)] |= (uint8_t)((c & 3) << sh);
         }
-    }
 }
 
 void bn_unpack(const uint8_t *p, int64_t n, int64_t k, int8_t *out) {
     int64_t rb = bn_packed_row_bytes(k);
     for (int64_t r = 0; r < n; r++)
         for (int64_t e = 0; e < k; e++) {
-            int64_t blk = e / BN_BLOCK, off = e % BN_BLOCK;
-            int c = (p[r * rb + blk * 32 + (off & 31)] >> (2 * (off >> 5))) & 3;
+            int sh;
+            int c = (p[code_at(r, e, rb, &sh)] >> sh) & 3;
             out[r * k + e] = (int8_t)(c - 1);
         }
 }

@@ -1,11 +1,14 @@
 /* bitnet_cpu: ternary (1.58-bit) x int8 kernels for CPUs. Plain C11, no Python or torch headers.
  *
- * Packed layout "cpu-2bit-v1" (PackingFormat.CPU_2BIT):
- *   T int8 [N, K] with values {-1, 0, 1} -> uint8 [N, Kp/4], Kp = K rounded up to a multiple of 128.
- *   Each row is Kp/128 blocks of 32 bytes. In a block, byte j holds the codes (t + 1, in 0..2) of the
- *   block's elements j, j+32, j+64, j+96 in bits 0-1, 2-3, 4-5, 6-7. Padding elements hold code 1 (t=0).
+ * Packed layout "cpu-2bit-v2" (PackingFormat.CPU_2BIT):
+ *   T int8 [N, K] with values {-1, 0, 1} -> uint8 [Np, Kp/4] bytes, Kp = K rounded up to a multiple of 128,
+ *   Np = N rounded up to a multiple of 4. Each row is Kp/128 blocks of 32 bytes. In a block, byte j holds
+ *   the codes (t + 1, in 0..2) of the block's elements j, j+32, j+64, j+96 in bits 0-1, 2-3, 4-5, 6-7.
+ *   Rows come in groups of 4 whose blocks are interleaved: group g, block b, row-in-group i sits at byte
+ *   g*4*(Kp/4) + b*128 + i*32. Padding rows and elements hold code 1 (t=0).
  *   Why: one 32-byte load + shift + mask yields 32 consecutive codes, which line up with 32 consecutive
- *   int8 activations, so the AVX2 maddubs / VNNI dpbusd / NEON paths need no shuffles.
+ *   int8 activations, so the AVX2 maddubs / VNNI dpbusd / NEON paths need no shuffles; and the decode
+ *   kernel's 4 rows are one sequential memory stream, which the prefetchers keep at full bandwidth.
  *
  * Math: with codes c = t + 1 (unsigned), sum_k t_k x_k = sum_k c_k x_k - sum_k x_k. The activation sum is
  * computed once per token, so the unsigned-by-signed int8 instructions give the exact integer product.
@@ -41,7 +44,8 @@ int bn_get_num_threads(void);
 /* packing */
 int64_t bn_padded_k(int64_t k);                        /* K rounded up to BN_BLOCK */
 int64_t bn_packed_row_bytes(int64_t k);                /* bytes per packed row = bn_padded_k(k) / 4 */
-void bn_pack(const int8_t *t, int64_t n, int64_t k, uint8_t *out);
+int64_t bn_packed_rows(int64_t n);                     /* rows stored = n rounded up to 4 */
+void bn_pack(const int8_t *t, int64_t n, int64_t k, uint8_t *out); /* out: bn_packed_rows(n) * row bytes */
 void bn_unpack(const uint8_t *p, int64_t n, int64_t k, int8_t *out);
 
 /* per-token int8 activation quantization: x fp32 [m, k] -> xq int8 [m, ldq] (zero padded from k to ldq),

@@ -20,7 +20,7 @@ typedef struct {
     int64_t ldx;
     const int32_t *xsum; /* [m] row sums of xq */
     int64_t m;
-    const uint8_t *w;    /* [n, rb] packed cpu-2bit-v1 */
+    const uint8_t *w;    /* packed cpu-2bit-v2: [Np/4][nblk][4][32] bytes, Np = n rounded up to 4 */
     int64_t rb;          /* bytes per packed row = Kp / 4 */
     int64_t nblk;        /* Kp / 128 */
     int32_t *out_i32;    /* [m, ldo] exact products, or NULL */
@@ -46,6 +46,15 @@ typedef struct {
     bn_head_bf16_fn head_bf16;
     bn_head_i8_fn head_i8;
 } bn_kernels;
+
+/* cpu-2bit-v2 addressing: rows come in groups of 4 whose blocks are interleaved, so the 4-row decode kernel
+ * reads one sequential stream (the hardware prefetcher follows it; four separate row streams it did not).
+ * Row r's block b starts at bn_row(g, r) + b * BN_BSTRIDE. */
+#define BN_GROUP 4
+#define BN_BSTRIDE (32 * BN_GROUP)
+static inline const uint8_t *bn_row(const bn_gemm_args *g, int64_t r) {
+    return g->w + (r / BN_GROUP) * BN_GROUP * g->rb + (r % BN_GROUP) * 32;
+}
 
 /* Epilogue shared by every path: write one result. acc already has the activation sum subtracted. */
 static inline void bn_store(const bn_gemm_args *g, int64_t i, int64_t r, int32_t acc) {

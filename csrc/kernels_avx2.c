@@ -28,16 +28,6 @@ BN_INLINE float hsum_f32(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* one block (128 codes) against 128 activations: 4 maddubs summed in int16 (|sum| <= 4*512 = 2048,
- * codes <= 2 and |x| <= 128), widened to int32 once per block */
-BN_INLINE __m256i block_dot(__m256i c0, __m256i c1, __m256i c2, __m256i c3, const int8_t *x, __m256i ones) {
-    __m256i s = _mm256_maddubs_epi16(c0, _mm256_loadu_si256((const __m256i *)x));
-    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(c1, _mm256_loadu_si256((const __m256i *)(x + 32))));
-    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(c2, _mm256_loadu_si256((const __m256i *)(x + 64))));
-    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(c3, _mm256_loadu_si256((const __m256i *)(x + 96))));
-    return _mm256_madd_epi16(s, ones);
-}
-
 /* decode: 32 packed bytes -> codes of elements 0-31, 32-63, 64-95, 96-127 */
 #define DECODE(p, c0, c1, c2, c3)                                  \
     __m256i c0 = _mm256_and_si256(p, mask);                        \
@@ -45,55 +35,69 @@ BN_INLINE __m256i block_dot(__m256i c0, __m256i c1, __m256i c2, __m256i c3, cons
     __m256i c2 = _mm256_and_si256(_mm256_srli_epi16(p, 4), mask);  \
     __m256i c3 = _mm256_and_si256(_mm256_srli_epi16(p, 6), mask)
 
-/* one weight row against NT tokens starting at i0 (NT is a compile-time constant after inlining) */
+/* prefill: one weight row against NT tokens starting at i0 (NT is a compile-time constant after inlining).
+ * The maddubs pair sums (|c0 x0 + c1 x1| <= 2 * 2 * 128 = 512) are added in int16 over up to 16 blocks
+ * (64 sums, >= -32768 and <= 32512: no overflow) before one widening vpmaddwd: fewer instructions per
+ * multiply, which is what bounds this compute-bound loop. */
+#define I16_BLOCKS 16
 BN_INLINE void tile_1xT(const bn_gemm_args *g, int64_t r, int64_t i0, const int NT) {
     const __m256i mask = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
-    __m256i acc[4];
+    __m256i acc[4], s16[4];
     for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_si256();
-    const uint8_t *w = g->w + r * g->rb;
+    const uint8_t *w = bn_row(g, r);
     const int8_t *x = g->xq + i0 * g->ldx;
-    for (int64_t b = 0; b < g->nblk; b++) {
-        __m256i p = _mm256_loadu_si256((const __m256i *)(w + 32 * b));
-        DECODE(p, c0, c1, c2, c3);
-        for (int t = 0; t < NT; t++)
-            acc[t] = _mm256_add_epi32(acc[t], block_dot(c0, c1, c2, c3, x + t * g->ldx + 128 * b, ones));
+    for (int64_t b0 = 0; b0 < g->nblk; b0 += I16_BLOCKS) {
+        int64_t b1 = b0 + I16_BLOCKS < g->nblk ? b0 + I16_BLOCKS : g->nblk;
+        for (int t = 0; t < NT; t++) s16[t] = _mm256_setzero_si256();
+        for (int64_t b = b0; b < b1; b++) {
+            __m256i p = _mm256_loadu_si256((const __m256i *)(w + BN_BSTRIDE * b));
+            DECODE(p, c0, c1, c2, c3);
+            for (int t = 0; t < NT; t++) {
+                const int8_t *xb = x + t * g->ldx + 128 * b;
+                __m256i s = _mm256_add_epi16(s16[t], _mm256_maddubs_epi16(c0, _mm256_loadu_si256((const __m256i *)xb)));
+                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(c1, _mm256_loadu_si256((const __m256i *)(xb + 32))));
+                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(c2, _mm256_loadu_si256((const __m256i *)(xb + 64))));
+                s16[t] = _mm256_add_epi16(s, _mm256_maddubs_epi16(c3, _mm256_loadu_si256((const __m256i *)(xb + 96))));
+            }
+        }
+        for (int t = 0; t < NT; t++) acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(s16[t], ones));
     }
     for (int t = 0; t < NT; t++) bn_store(g, i0 + t, r, hsum_i32(acc[t]) - g->xsum[i0 + t]);
 }
 
-/* decode: 4 weight rows against one token, sharing the activation loads */
+/* decode: the 4 weight rows of one group (r % 4 == 0) against one token, sharing the activation loads;
+ * the group's 128 bytes per block are one sequential stream */
 static void gemv_4rows(const bn_gemm_args *g, int64_t r, int64_t i) {
     const __m256i mask = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
     __m256i acc0 = _mm256_setzero_si256(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-    const uint8_t *w0 = g->w + r * g->rb, *w1 = w0 + g->rb, *w2 = w1 + g->rb, *w3 = w2 + g->rb;
+    const uint8_t *w = bn_row(g, r);
     const int8_t *x = g->xq + i * g->ldx;
     const int64_t pf = bn_prefetch_bytes;
     for (int64_t b = 0; b < g->nblk; b++) {
         const int8_t *xb = x + 128 * b;
-        if (pf && (b & 1) == 0) {
-            /* the four rows are four streams; asking for lines ahead keeps more misses in flight */
-            _mm_prefetch((const char *)(w0 + 32 * b + pf), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w1 + 32 * b + pf), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w2 + 32 * b + pf), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w3 + 32 * b + pf), _MM_HINT_T0);
+        const uint8_t *wb = w + BN_BSTRIDE * b;
+        if (pf) {
+            /* software prefetch ahead of the stream keeps more misses in flight than the hardware does */
+            _mm_prefetch((const char *)(wb + pf), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wb + pf + 64), _MM_HINT_T0);
         }
         __m256i x0 = _mm256_loadu_si256((const __m256i *)xb);
         __m256i x1 = _mm256_loadu_si256((const __m256i *)(xb + 32));
         __m256i x2 = _mm256_loadu_si256((const __m256i *)(xb + 64));
         __m256i x3 = _mm256_loadu_si256((const __m256i *)(xb + 96));
-#define ROW(wr, acc)                                                                                       \
+#define ROW(j, acc)                                                                                        \
     do {                                                                                                   \
-        __m256i p = _mm256_loadu_si256((const __m256i *)(wr + 32 * b));                                    \
+        __m256i p = _mm256_loadu_si256((const __m256i *)(wb + 32 * (j)));                                  \
         __m256i s = _mm256_maddubs_epi16(_mm256_and_si256(p, mask), x0);                                   \
         s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(p, 2), mask), x1)); \
         s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(p, 4), mask), x2)); \
         s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(p, 6), mask), x3)); \
         acc = _mm256_add_epi32(acc, _mm256_madd_epi16(s, ones));                                           \
     } while (0)
-        ROW(w0, acc0);
-        ROW(w1, acc1);
-        ROW(w2, acc2);
-        ROW(w3, acc3);
+        ROW(0, acc0);
+        ROW(1, acc1);
+        ROW(2, acc2);
+        ROW(3, acc3);
 #undef ROW
     }
     int32_t xs = g->xsum[i];

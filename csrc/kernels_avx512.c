@@ -29,10 +29,10 @@ BN_INLINE void tile_1xT(const bn_gemm_args *g, int64_t r, int64_t i0, const int 
     CONSTS512;
     __m512i acc[8];
     for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_si512();
-    const uint8_t *w = g->w + r * g->rb;
+    const uint8_t *w = bn_row(g, r);
     const int8_t *x = g->xq + i0 * g->ldx;
     for (int64_t b = 0; b < g->nblk; b++) {
-        DECODE512(w + 32 * b, c01, c23);
+        DECODE512(w + BN_BSTRIDE * b, c01, c23);
         for (int t = 0; t < NT; t++) {
             const int8_t *xb = x + t * g->ldx + 128 * b;
             acc[t] = _mm512_dpbusd_epi32(acc[t], c01, _mm512_loadu_si512((const void *)xb));
@@ -45,17 +45,19 @@ BN_INLINE void tile_1xT(const bn_gemm_args *g, int64_t r, int64_t i0, const int 
 static void gemv_4rows(const bn_gemm_args *g, int64_t r, int64_t i) {
     CONSTS512;
     __m512i acc0 = _mm512_setzero_si512(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-    const uint8_t *w0 = g->w + r * g->rb;
+    const uint8_t *w0 = bn_row(g, r); /* r % 4 == 0: the group's blocks are one stream */
     const int8_t *x = g->xq + i * g->ldx;
     const int64_t pf = bn_prefetch_bytes;
     for (int64_t b = 0; b < g->nblk; b++) {
-        if (pf && (b & 1) == 0)
-            for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(w0 + j * g->rb + 32 * b + pf), _MM_HINT_T0);
+        if (pf) {
+            _mm_prefetch((const char *)(w0 + BN_BSTRIDE * b + pf), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w0 + BN_BSTRIDE * b + pf + 64), _MM_HINT_T0);
+        }
         __m512i x01 = _mm512_loadu_si512((const void *)(x + 128 * b));
         __m512i x23 = _mm512_loadu_si512((const void *)(x + 128 * b + 64));
 #define ROW(j, acc)                                             \
     do {                                                        \
-        DECODE512(w0 + (j) * g->rb + 32 * b, c01, c23);         \
+        DECODE512(w0 + 32 * (j) + BN_BSTRIDE * b, c01, c23);    \
         acc = _mm512_dpbusd_epi32(acc, c01, x01);               \
         acc = _mm512_dpbusd_epi32(acc, c23, x23);               \
     } while (0)

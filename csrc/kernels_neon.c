@@ -38,13 +38,13 @@ static inline int32x4_t half_dot(uint8x16_t p, const int8_t *xb, int32x4_t acc) 
 
 static void gemm_rows_neon(const bn_gemm_args *g, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *w = g->w + r * g->rb;
+        const uint8_t *w = bn_row(g, r);
         for (int64_t i = 0; i < g->m; i++) {
             const int8_t *x = g->xq + i * g->ldx;
             int32x4_t acc = vdupq_n_s32(0);
             for (int64_t b = 0; b < g->nblk; b++) {
-                acc = half_dot(vld1q_u8(w + 32 * b), x + 128 * b, acc);
-                acc = half_dot(vld1q_u8(w + 32 * b + 16), x + 128 * b + 16, acc);
+                acc = half_dot(vld1q_u8(w + BN_BSTRIDE * b), x + 128 * b, acc);
+                acc = half_dot(vld1q_u8(w + BN_BSTRIDE * b + 16), x + 128 * b + 16, acc);
             }
             /* signed ternary already: no activation-sum correction */
             bn_store(g, i, r, vaddvq_s32(acc));

@@ -36,12 +36,12 @@ void bn_quant_row_scalar(const float *x, int64_t k, int8_t *xq, int64_t ldq, flo
 
 static void gemm_rows_scalar(const bn_gemm_args *g, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = g->w + r * g->rb;
+        const uint8_t *row = bn_row(g, r);
         for (int64_t i = 0; i < g->m; i++) {
             const int8_t *x = g->xq + i * g->ldx;
             int32_t acc = 0;
             for (int64_t b = 0; b < g->nblk; b++) {
-                const uint8_t *p = row + b * 32;
+                const uint8_t *p = row + b * BN_BSTRIDE;
                 const int8_t *xb = x + b * BN_BLOCK;
                 for (int j = 0; j < 32; j++) {
                     int c = p[j];

@@ -49,7 +49,7 @@ def test_layout_roundtrip_and_c_pack_agree():
     for n, k, _ in SHAPES:
         t = _rand_ternary(n, k, gen)
         p = pack(t, PackingFormat.CPU_2BIT)
-        assert p.shape == (n, cpuk.padded_k(k) // 4) and p.dtype == torch.uint8
+        assert p.shape == ((n + 3) // 4 * 4, cpuk.padded_k(k) // 4) and p.dtype == torch.uint8
         assert torch.equal(unpack(p, PackingFormat.CPU_2BIT, (n, k)), t)
         # the C library's own packer writes the same bytes as the torch definition
         pc = torch.empty_like(p)
@@ -61,15 +61,24 @@ def test_layout_roundtrip_and_c_pack_agree():
 
 
 def test_layout_example():
-    # element e of block b: byte 32*b + e % 32, bits 2*((e % 128) // 32); code t + 1
+    # row r, element e of block b: byte (r // 4) * 4 * (Kp / 4) + 128 * b + 32 * (r % 4) + e % 32,
+    # bits 2 * ((e % 128) // 32); code t + 1; rows padded to a multiple of 4 with code 1
     t = torch.zeros(1, 130, dtype=torch.int8)
     t[0, 0], t[0, 33], t[0, 127], t[0, 129] = 1, -1, 1, -1
     p = cpuk.pack_cpu(t)
-    assert p.shape == (1, 64)
+    assert p.shape == (4, 64)
     assert p[0, 0] == 0b01010110  # e=0 code 2 at bits 0-1, e=32/64/96 code 1
     assert p[0, 1] == 0b01010001  # e=1 code 1, e=33 code 0 at bits 2-3
     assert p[0, 31] == 0b10010101  # e=127 code 2 at bits 6-7
-    assert p[0, 33] == 0b01010100  # block 1, e=129 -> byte 33, code 0 at bits 0-1
+    flat = p.flatten()
+    assert flat[129] == 0b01010100  # block 1 (byte 128 + 32 * row 0), e=129 -> byte 129, code 0 at bits 0-1
+    assert (flat[32:128] == 0b01010101).all()  # padding rows 1-3 of the group: t = 0
+    t2 = torch.zeros(5, 128, dtype=torch.int8)
+    t2[1, 0], t2[4, 0] = 1, -1
+    p2 = cpuk.pack_cpu(t2).flatten()
+    assert p2.numel() == 8 * 32
+    assert p2[32] == 0b01010110  # row 1: second 32 bytes of group 0's block
+    assert p2[128] == 0b01010100  # row 4: first row of group 1
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -183,7 +192,7 @@ def test_float_heads_match_torch():
 
 
 def test_bad_packed_shape_is_a_clear_error():
-    with pytest.raises(ValueError, match="cpu-2bit-v1"):
+    with pytest.raises(ValueError, match="cpu-2bit-v2"):
         cpuk.BACKEND.linear(
             torch.randn(1, 256), torch.zeros(4, 32, dtype=torch.uint8), torch.tensor([1.0]), 4
         )

@@ -16,7 +16,7 @@ def test_greedy_equals_reference_backend(oracle_dirs, variant):
     ref = load_model(ours, backend="reference").eval()
     fast = load_model(ours, backend="cpu").eval()
     layouts = {m.layout.value for m in fast.modules() if hasattr(m, "layout")}
-    assert layouts == {"cpu-2bit-v1"}
+    assert layouts == {"cpu-2bit-v2"}
     prompt = torch.randint(3, ref.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
     # logits of the prompt: bit-identical (same float32 operations on the same exact integer products)
     with torch.inference_mode():

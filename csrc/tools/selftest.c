@@ -27,7 +27,7 @@ int main(void) {
         int64_t n = shapes[s][0], k = shapes[s][1], m = shapes[s][2];
         int8_t *t = malloc((size_t)(n * k)), *xq = malloc((size_t)(m * k)), *t2 = malloc((size_t)(n * k));
         float *x = malloc(sizeof(float) * (size_t)(m * k));
-        uint8_t *p = malloc((size_t)(n * bn_packed_row_bytes(k)));
+        uint8_t *p = malloc((size_t)(bn_packed_rows(n) * bn_packed_row_bytes(k)));
         int32_t *ref = malloc(sizeof(int32_t) * (size_t)(m * n)), *got = malloc(sizeof(int32_t) * (size_t)(m * n));
         float *yref = malloc(sizeof(float) * (size_t)(m * n)), *y = malloc(sizeof(float) * (size_t)(m * n));
         for (int64_t i = 0; i < n * k; i++) t[i] = (int8_t)((int)(rnd() % 3) - 1);

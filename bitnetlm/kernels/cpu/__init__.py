@@ -1,6 +1,6 @@
 """CPU kernel backend "cpu": the C library in csrc/ (AVX-512 VNNI / AVX2 / NEON / scalar, multithreaded).
 
-Layout PackingFormat.CPU_2BIT ("cpu-2bit-v1", see layout.py). Without the built library (no compiler at
+Layout PackingFormat.CPU_2BIT ("cpu-2bit-v2", see layout.py). Without the built library (no compiler at
 install time, or BITNETLM_DISABLE_CEXT=1) `BACKEND.is_available()` is False and dispatch falls back to
 the reference backend.
 

@@ -43,6 +43,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "bn_get_num_threads": (_i32, []),
         "bn_padded_k": (_i64, [_i64]),
         "bn_packed_row_bytes": (_i64, [_i64]),
+        "bn_packed_rows": (_i64, [_i64]),
         "bn_pack": (None, [_vp, _i64, _i64, _vp]),
         "bn_unpack": (None, [_vp, _i64, _i64, _vp]),
         "bn_quantize_act": (None, [_vp, _i64, _i64, _vp, _i64, _vp, _vp]),

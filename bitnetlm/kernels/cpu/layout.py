@@ -1,41 +1,59 @@
-"""The cpu-2bit-v1 layout (PackingFormat.CPU_2BIT) in torch, the definition the C kernels read.
+"""The cpu-2bit-v2 layout (PackingFormat.CPU_2BIT) in torch, the definition the C kernels read.
 
-T int8 [N, K] -> uint8 [N, Kp/4], Kp = K rounded up to 128. Each row is Kp/128 blocks of 32 bytes; in a
-block, byte j holds the codes t+1 of elements j, j+32, j+64, j+96 in bits 0-1, 2-3, 4-5, 6-7. Padding
-elements hold code 1 (t = 0). One 32-byte load, a shift and a mask give 32 consecutive codes, aligned
-with 32 consecutive int8 activations (see csrc/bitnet_cpu.h).
+T int8 [N, K] -> uint8 [Np, Kp/4], Kp = K rounded up to 128, Np = N rounded up to 4. Each row is Kp/128
+blocks of 32 bytes; in a block, byte j holds the codes t+1 of elements j, j+32, j+64, j+96 in bits 0-1, 2-3,
+4-5, 6-7. Rows come in groups of 4 whose blocks are interleaved in memory: [Np/4, Kp/128, 4, 32]. Padding
+rows and elements hold code 1 (t = 0). One 32-byte load, a shift and a mask give 32 consecutive codes,
+aligned with 32 consecutive int8 activations, and the decode kernel's 4 rows are one sequential stream
+(see csrc/bitnet_cpu.h). Packed tensors live in huge-page arenas (arena.py).
 """
 
 from __future__ import annotations
 
 import torch
 
+from bitnetlm.kernels.cpu import arena
+
 BLOCK = 128
+GROUP = 4
 
 
 def padded_k(k: int) -> int:
     return (k + BLOCK - 1) // BLOCK * BLOCK
 
 
+def packed_rows(n: int) -> int:
+    return (n + GROUP - 1) // GROUP * GROUP
+
+
+def packed_shape(n: int, k: int) -> tuple[int, int]:
+    return packed_rows(n), padded_k(k) // 4
+
+
 def pack_cpu(t: torch.Tensor) -> torch.Tensor:
     if t.dtype != torch.int8 or t.dim() != 2:
         raise TypeError(f"pack_cpu: expected int8 ternary [N, K], found {t.dtype} {tuple(t.shape)}")
     n, k = t.shape
-    kp = padded_k(k)
-    codes = torch.ones((n, kp), dtype=torch.uint8, device=t.device)
-    codes[:, :k] = (t + 1).to(torch.uint8)
-    codes = codes.reshape(n, kp // BLOCK, 4, 32)  # [N, blocks, group i, byte j]: element 32*i + j
-    out = codes[:, :, 0] | (codes[:, :, 1] << 2) | (codes[:, :, 2] << 4) | (codes[:, :, 3] << 6)
-    return out.reshape(n, kp // 4).contiguous()  # [N, Kp/4]
+    np_, kp = packed_rows(n), padded_k(k)
+    codes = torch.ones((np_, kp), dtype=torch.uint8, device=t.device)
+    codes[:n, :k] = (t + 1).to(torch.uint8)
+    # [groups, row in group, blocks, 4 code planes, 32 bytes] -> [groups, blocks, row in group, planes, bytes]
+    codes = codes.reshape(np_ // GROUP, GROUP, kp // BLOCK, 4, 32).transpose(1, 2)
+    out = codes[:, :, :, 0] | (codes[:, :, :, 1] << 2) | (codes[:, :, :, 2] << 4) | (codes[:, :, :, 3] << 6)
+    out = out.reshape(np_, kp // 4)  # [Np, Kp/4] bytes in memory order
+    return arena.place(out) if t.device.type == "cpu" else out.contiguous()
 
 
 def unpack_cpu(p: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     n, k = shape
-    kp = padded_k(k)
-    if p.dtype != torch.uint8 or tuple(p.shape) != (n, kp // 4):
+    np_, kp = packed_rows(n), padded_k(k)
+    if p.dtype != torch.uint8 or tuple(p.shape) != (np_, kp // 4):
         raise ValueError(
-            f"unpack_cpu: for T of shape {(n, k)} expected uint8 [{n}, {kp // 4}], found {p.dtype} {tuple(p.shape)}"
+            f"unpack_cpu: for T of shape {(n, k)} expected uint8 [{np_}, {kp // 4}] (layout cpu-2bit-v2), "
+            f"found {p.dtype} {tuple(p.shape)}"
         )
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=p.device).view(1, 1, 4, 1)
-    codes = (p.reshape(n, kp // BLOCK, 1, 32) >> shifts) & 3  # [N, blocks, 4, 32]
-    return (codes.reshape(n, kp).to(torch.int8) - 1)[:, :k].contiguous()
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=p.device).view(1, 1, 1, 4, 1)
+    b = p.reshape(np_ // GROUP, kp // BLOCK, GROUP, 1, 32)  # [groups, blocks, row in group, 1, bytes]
+    codes = (b >> shifts) & 3  # [groups, blocks, row, plane, bytes]
+    codes = codes.transpose(1, 2).reshape(np_, kp)  # [Np, Kp]
+    return (codes.to(torch.int8) - 1)[:n, :k].contiguous()

@@ -12,7 +12,7 @@ import ctypes
 import torch
 
 from bitnetlm.kernels.cpu import _lib
-from bitnetlm.kernels.cpu.layout import padded_k
+from bitnetlm.kernels.cpu.layout import packed_shape
 
 
 def lib() -> ctypes.CDLL:
@@ -23,10 +23,10 @@ def lib() -> ctypes.CDLL:
 
 
 def _check_packed(packed: torch.Tensor, n: int, k: int, where: str) -> None:
-    want = (n, padded_k(k) // 4)
+    want = packed_shape(n, k)
     if packed.dtype != torch.uint8 or tuple(packed.shape) != want or not packed.is_contiguous():
         raise ValueError(
-            f"{where}: packed weights must be contiguous uint8 {list(want)} in layout cpu-2bit-v1 for "
+            f"{where}: packed weights must be contiguous uint8 {list(want)} in layout cpu-2bit-v2 for "
             f"[{n}, {k}], found {packed.dtype} {list(packed.shape)}"
         )
 
