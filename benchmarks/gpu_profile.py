@@ -33,7 +33,7 @@ def main() -> int:
         EngineConfig(max_batch=max(batches), max_seq_len=args.context + 200, weights=args.weights),
     )
     for b in batches:
-        for blk in (64, 32, 128):
+        for blk in (0, 32, 64, 128):  # 0 = the launcher's choice
             attention.ATTN_CHUNK = blk
             eng._graphs.clear()
             st = eng.decode_state(b)
@@ -50,7 +50,7 @@ def main() -> int:
             e.record()
             e.synchronize()
             print(f"batch {b} attn chunk {blk}: {a.elapsed_time(e) / 100:.3f} ms/step", flush=True)
-        attention.ATTN_CHUNK = 64
+        attention.ATTN_CHUNK = 0
         eng._graphs.clear()
         st = eng.decode_state(b)
         st.pos.fill_(args.context)

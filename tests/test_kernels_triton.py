@@ -69,9 +69,9 @@ def test_layout_roundtrip_and_example():
         layout.unpack_triton(p, (n + 1, k))
 
 
-# every path (fused dp4a GEMV, split-K tensor-core GEMM with atomics, tiled GEMM) on ragged N and K
-# (K not a multiple of 16 exercises the padding; M > 16 the BM=64 tiles)
-@pytest.mark.parametrize("path", ["gemv", "gemv8", "splitk", "gemm"])
+# every path (fused dp4a GEMV, row GEMV fused / pre-quantized, split-K tensor-core GEMM, tiled GEMM) on ragged
+# N and K (K not a multiple of 16 exercises the padding; M > 16 the BM=64 tiles)
+@pytest.mark.parametrize("path", ["gemv", "gemv8", "row", "rowq", "splitk", "gemm"])
 @pytest.mark.parametrize("m,n,k", [(1, 70, 200), (3, 40, 64), (17, 33, 130)])
 def test_ternary_linear_exact(m, n, k, path):
     t, x, s = _case(m, n, k, seed=m * 1000 + n)
@@ -85,8 +85,8 @@ def test_ternary_linear_exact(m, n, k, path):
     xi[:, 0] = 127
     yi = L.ternary_linear(xi, p, torch.ones(1, device=x.device), n, path=path)
     assert torch.equal(yi.to(torch.int32), int_matmul(xi.to(torch.int8).cpu(), t.cpu()).to(x.device))
-    # split-K leaves its workspace zeroed for the next call (CUDA-graph replays rely on it)
-    assert all(int(w.abs().sum()) == 0 and int(c.abs().sum()) == 0 for w, c in L._workspaces.values())
+    # split-K leaves its tile counters zeroed for the next call (CUDA-graph replays rely on it)
+    assert all(int(c.abs().sum()) == 0 for _, c in L._workspaces.values())
 
 
 def test_default_dispatch_exact():
@@ -104,9 +104,10 @@ def test_quantize_rows_exact():
     assert torch.equal(q, xq) and torch.equal(a, ar[:, 0]) and torch.equal(rs, xq.int().sum(1))
 
 
-@pytest.mark.parametrize("m", [2, 20])
-def test_fused_variants(m):
-    """norm + per-row scale (q|k|v), gated relu2 / silu (gate|up), residual: against the fused reference."""
+@pytest.mark.parametrize("m,path", [(2, None), (2, "rowq"), (20, None)])
+def test_fused_variants(m, path):
+    """norm + per-row scale (q|k|v), gated relu2 / silu (gate|up), residual: against the fused reference
+    (M = 2 dispatches to the fused row GEMV, M = 20 to split-K; rowq = the row GEMV on pre-quantized rows)."""
     n, k = 24, 80
     t, x, _ = _case(m, 2 * n, k, seed=m)
     g = torch.Generator().manual_seed(7)
@@ -114,15 +115,15 @@ def test_fused_variants(m):
     srow = (0.01 + torch.rand(2 * n, generator=g)).to(x.device)
     res = torch.randn(m, n, generator=g).to(x.device)
     p = layout.pack_triton(t)
-    y = L.ternary_linear(x, p, srow, 2 * n, norm_weight=norm)
+    y = L.ternary_linear(x, p, srow, 2 * n, norm_weight=norm, path=path)
     torch.testing.assert_close(y, _fused_reference(x, t, srow, norm), rtol=2e-2, atol=2e-2)
     for act in ("relu2", "silu"):
-        y = L.ternary_linear(x, p, srow, n, norm_weight=norm, gated=True, act=act)
+        y = L.ternary_linear(x, p, srow, n, norm_weight=norm, gated=True, act=act, path=path)
         torch.testing.assert_close(
             y, _fused_reference(x, t, srow, norm, gated=True, act=act), rtol=3e-2, atol=3e-2
         )
     tn = t[:n]
-    y = L.ternary_linear(x, layout.pack_triton(tn), srow[:1], n, residual=res)
+    y = L.ternary_linear(x, layout.pack_triton(tn), srow[:1], n, residual=res, path=path)
     xq, a = quantize_activations(x)
     assert torch.equal(y, int_matmul_f32(xq, tn) * (srow[:1] / a) + res)
 
@@ -194,8 +195,8 @@ SHAPES_2B4T = [(3840, 2560), (2560, 2560), (2560, 6912), (640, 2560)]  # q|k|v, 
     [
         (m, p)
         for m in (1, 5, 8, 16, 64, 300)
-        for p in ("gemv", "gemv8", "splitk", "gemm")
-        if p not in ("gemv", "gemv8") or m <= 16
+        for p in ("gemv", "gemv8", "row", "rowq", "splitk", "gemm")
+        if p not in ("gemv", "gemv8", "row", "rowq") or m <= 16
     ],
 )
 def test_gpu_2b4t_shapes_exact(m, path):
@@ -226,12 +227,14 @@ def test_gpu_gated_2b4t_and_int8_head():
         torch.testing.assert_close(L.w8_linear(xm, w, s), ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item())
 
 
-def test_decode_attention_split_merge():
-    """Split-KV decode attention (several splits merged by the last program) vs softmax attention, GQA."""
+@pytest.mark.parametrize("h,hkv", [(4, 2), (3, 3), (6, 2)])
+def test_decode_attention_split_merge(h, hkv):
+    """Split-KV decode attention (several splits merged by the last program) vs softmax attention; GQA groups
+    of 2, 1 (MHA) and 3 (not a power of two) query heads per KV head."""
     from bitnetlm.kernels.triton.attention import attn_decode
 
     g = torch.Generator().manual_seed(3)
-    b, h, hkv, s, d = 2, 4, 2, 50, 16
+    b, s, d = 2, 50, 16
     q = torch.randn(b, h, d, generator=g).to(DEV)
     kc = torch.randn(b, hkv, s, d, generator=g).to(DEV)
     vc = torch.randn(b, hkv, s, d, generator=g).to(DEV)
@@ -245,3 +248,29 @@ def test_decode_attention_split_merge():
             v = vc[i, :, :n].repeat_interleave(h // hkv, 0)
             w = torch.softmax((k @ q[i, :, :, None]).squeeze(-1) * d**-0.5, dim=-1)  # [H, n]
             torch.testing.assert_close(out[i], (w[:, None, :] @ v).squeeze(1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_attention_2b4t_bf16():
+    """The tensor-core (bf16) attention path at the 2B4T head shape, batch 1 and 64, against float64 softmax."""
+    from bitnetlm.kernels.triton.attention import attn_decode
+
+    h, hkv, s, d = 20, 5, 700, 128
+    for b in (1, 64):
+        g = torch.Generator(device="cuda").manual_seed(b)
+        q = torch.randn(b, h, d, device="cuda", generator=g).bfloat16()
+        kc = torch.randn(b, hkv, s, d, device="cuda", generator=g).bfloat16()
+        vc = torch.randn(b, hkv, s, d, device="cuda", generator=g).bfloat16()
+        pos = torch.randint(0, s, (b,), device="cuda", generator=g, dtype=torch.int32)
+        pos[0] = s - 1
+        for _ in range(2):
+            out = torch.full((b, h, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+            attn_decode(q, kc, vc, pos, out, d**-0.5)
+            for i in range(b):
+                n = int(pos[i]) + 1
+                k = kc[i, :, :n].double().repeat_interleave(h // hkv, 0)
+                v = vc[i, :, :n].double().repeat_interleave(h // hkv, 0)
+                w = torch.softmax((k @ q[i].double()[:, :, None]).squeeze(-1) * d**-0.5, dim=-1)
+                ref = (w[:, None, :] @ v).squeeze(1)
+                err = (out[i].double() - ref).norm() / ref.norm()
+                assert err < 1e-2, (b, i, float(err))

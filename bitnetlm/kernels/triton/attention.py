@@ -85,48 +85,7 @@ def rope_cache(qkv, cos, sin, pos, q_out, k_cache, v_cache, n_heads: int, n_kv: 
 
 
 @triton.jit
-def _attn_decode_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    pos_ptr,
-    o_ptr,
-    sm_scale,
-    H,
-    HKV,
-    S,
-    D: tl.constexpr,
-    BS: tl.constexpr,
-):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    kvh = h // (H // HKV)
-    n = tl.load(pos_ptr + b) + 1  # keys 0..pos[b] are this row's context
-    offs_d = tl.arange(0, D)
-    q = tl.load(q_ptr + (b * H + h) * D + offs_d).to(tl.float32) * sm_scale
-    kb = k_ptr + (b * HKV + kvh) * S * D
-    vb = v_ptr + (b * HKV + kvh) * S * D
-    m_i = tl.max(tl.full([BS], float("-inf"), tl.float32), axis=0)
-    l_i = tl.sum(tl.zeros([BS], tl.float32), axis=0)
-    acc = tl.zeros([D], tl.float32)
-    for s0 in range(0, n, BS):
-        offs_s = s0 + tl.arange(0, BS)
-        ms = offs_s < n
-        k = tl.load(kb + offs_s[:, None] * D + offs_d[None, :], mask=ms[:, None], other=0.0).to(tl.float32)
-        sc = tl.sum(k * q[None, :], axis=1)
-        sc = tl.where(ms, sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=0))
-        p = tl.exp(sc - m_new)
-        alpha = tl.exp(m_i - m_new)
-        v = tl.load(vb + offs_s[:, None] * D + offs_d[None, :], mask=ms[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        m_i = m_new
-    tl.store(o_ptr + (b * H + h) * D + offs_d, (acc / l_i).to(o_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _attn_split_kernel(
+def _attn_gqa_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
@@ -140,75 +99,121 @@ def _attn_split_kernel(
     HKV,
     S,
     NSPLIT,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    GM: tl.constexpr,
     D: tl.constexpr,
     CHUNK: tl.constexpr,
+    BS: tl.constexpr,
     NS2: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
-    """Flash-decoding: program (b, h, split) scores one CHUNK of keys; the last split of (b, h) to finish (an
-    atomic counter) merges the partial (max, sum, acc) of all splits and resets the counter for the next call."""
+    """Flash-decoding over a GQA group: program (b, kv head, split) loads each K/V block of its CHUNK keys once
+    for all G query heads sharing it (scores and P@V on tensor cores, the G rows padded to GP >= 16); the last
+    split of (b, kv head) to finish (an atomic counter) merges the partial (max, sum, acc) of all splits and
+    resets the counter for the next call (CUDA-graph replays need no memset)."""
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    kvh = tl.program_id(1)
     sp = tl.program_id(2)
-    kvh = h // (H // HKV)
-    n = tl.load(pos_ptr + b) + 1
+    n = tl.load(pos_ptr + b) + 1  # keys 0..pos[b] are this row's context
     offs_d = tl.arange(0, D)
-    offs_s = sp * CHUNK + tl.arange(0, CHUNK)
-    ms = offs_s < n
-    q = tl.load(q_ptr + (b * H + h) * D + offs_d).to(tl.float32) * sm_scale
+    offs_g = tl.arange(0, GP)
+    mg = offs_g < G
+    heads = b * H + kvh * G + offs_g  # [GP] query rows
+    q = tl.load(q_ptr + heads[:, None] * D + offs_d[None, :], mask=mg[:, None], other=0.0)  # [GP, D]
     base = (b * HKV + kvh) * S * D
-    k = tl.load(k_ptr + base + offs_s[:, None] * D + offs_d[None, :], mask=ms[:, None], other=0.0).to(
-        tl.float32
-    )
-    sc = tl.where(ms, tl.sum(k * q[None, :], axis=1), float("-inf"))
-    m = tl.max(sc, axis=0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    p = tl.exp(sc - m_safe)
-    v = tl.load(v_ptr + base + offs_s[:, None] * D + offs_d[None, :], mask=ms[:, None], other=0.0).to(
-        tl.float32
-    )
-    row = (b * H + h) * NSPLIT + sp
-    tl.store(pacc_ptr + row * D + offs_d, tl.sum(p[:, None] * v, axis=0))
-    tl.store(pml_ptr + row * 2, m)
-    tl.store(pml_ptr + row * 2 + 1, tl.sum(p, axis=0))
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    lo = sp * CHUNK
+    hi = tl.minimum(lo + CHUNK, n)
+    for s0 in range(lo, hi, BS):
+        offs_s = s0 + tl.arange(0, BS)
+        ms = offs_s < hi
+        k = tl.load(k_ptr + base + offs_s[:, None] * D + offs_d[None, :], mask=ms[:, None], other=0.0)
+        v = tl.load(v_ptr + base + offs_s[:, None] * D + offs_d[None, :], mask=ms[:, None], other=0.0)
+        if IEEE:
+            sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            sc = tl.dot(q, tl.trans(k))
+        sc = tl.where(ms[None, :], sc * sm_scale, float("-inf"))  # [GP, BS]
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        p = tl.exp(sc - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        if IEEE:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    row = (b * HKV + kvh) * NSPLIT + sp
+    pr = row * GP + offs_g  # partial rows [GP] (rows >= G are never read)
+    tl.store(pacc_ptr + pr[:, None] * D + offs_d[None, :], acc)
+    tl.store(pml_ptr + pr * 2, m_i)
+    tl.store(pml_ptr + pr * 2 + 1, l_i)
     tl.debug_barrier()
-    done = tl.atomic_add(cnt_ptr + b * H + h, 1, sem="acq_rel")
+    done = tl.atomic_add(cnt_ptr + b * HKV + kvh, 1, sem="acq_rel")
     if done == NSPLIT - 1:
         tl.debug_barrier()
-        tl.atomic_xchg(cnt_ptr + b * H + h, 0, sem="relaxed")
+        tl.atomic_xchg(cnt_ptr + b * HKV + kvh, 0, sem="relaxed")
         offs_p = tl.arange(0, NS2)
-        mp = offs_p < NSPLIT
-        rows = (b * H + h) * NSPLIT + offs_p
+        offs_h = tl.arange(0, GM)
+        mp = (offs_p < NSPLIT)[:, None] & (offs_h < G)[None, :]  # [NS2, GM]
+        rows = ((b * HKV + kvh) * NSPLIT + offs_p)[:, None] * GP + offs_h[None, :]
         # .cg: read the other programs' partials from L2, never from a stale L1 line of an earlier replay
         m_all = tl.load(pml_ptr + rows * 2, mask=mp, other=float("-inf"), cache_modifier=".cg")
         l_all = tl.load(pml_ptr + rows * 2 + 1, mask=mp, other=0.0, cache_modifier=".cg")
-        acc = tl.load(
-            pacc_ptr + rows[:, None] * D + offs_d[None, :], mask=mp[:, None], other=0.0, cache_modifier=".cg"
+        pa = tl.load(
+            pacc_ptr + rows[:, :, None] * D + offs_d[None, None, :],
+            mask=mp[:, :, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )  # [NS2, GM, D]
+        mx = tl.max(m_all, axis=0)  # [GM]
+        w = tl.where(m_all == float("-inf"), 0.0, tl.exp(m_all - mx[None, :]))
+        o = tl.sum(pa * w[:, :, None], axis=0) / tl.sum(l_all * w, axis=0)[:, None]  # [GM, D]
+        oh = b * H + kvh * G + offs_h
+        tl.store(
+            o_ptr + oh[:, None] * D + offs_d[None, :],
+            o.to(o_ptr.dtype.element_ty),
+            mask=(offs_h < G)[:, None],
         )
-        mx = tl.max(m_all, axis=0)
-        w = tl.where(m_all == float("-inf"), 0.0, tl.exp(m_all - mx))
-        o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_all * w, axis=0)
-        tl.store(o_ptr + (b * H + h) * D + offs_d, o.to(o_ptr.dtype.element_ty))
 
 
-ATTN_CHUNK = 64  # keys per program: decode attention is latency-bound, so spread it over many programs
+ATTN_CHUNK = 0  # keys per split; 0 = chosen from the batch (about 4 programs per SM, at most 32 splits)
+ATTN_PROGRAMS = 528
 _attn_ws: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
+def _attn_chunk(b: int, hkv: int, s: int) -> int:
+    if INTERPRET:
+        return 16
+    if ATTN_CHUNK:
+        return ATTN_CHUNK
+    want = max(1, ATTN_PROGRAMS // (b * hkv))  # splits per (b, kv head)
+    chunk = triton.next_power_of_2(triton.cdiv(s, want))
+    return max(32, chunk, triton.next_power_of_2(triton.cdiv(s, 32)))
+
+
 def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float) -> None:
-    """One query per row: q [B, H, D] attends to cache slots 0..pos[b]; out [B, H, D]."""
+    """One query per row: q [B, H, D] attends to cache slots 0..pos[b]; out [B, H, D]. GQA: the H // Hkv
+    query heads of a KV head share one program's K/V loads."""
     b, h, d = q.shape[0], q.shape[1], q.shape[-1]
-    s = k_cache.shape[2]
-    chunk = 16 if INTERPRET else ATTN_CHUNK
+    hkv, s = k_cache.shape[1], k_cache.shape[2]
+    g = h // hkv
+    gp = max(16, triton.next_power_of_2(g))  # tl.dot needs >= 16 rows
+    chunk = _attn_chunk(b, hkv, s)
     nsplit = triton.cdiv(s, chunk)
-    key = (str(q.device), b, h, nsplit, d)
+    key = (str(q.device), b, hkv, nsplit, gp, d)
     if key not in _attn_ws:  # partials + zeroed counters, allocated before any graph capture (warm-up call)
         _attn_ws[key] = (
-            torch.empty((b * h * nsplit, d), dtype=torch.float32, device=q.device),
-            torch.empty((b * h * nsplit, 2), dtype=torch.float32, device=q.device),
-            torch.zeros((b * h,), dtype=torch.int32, device=q.device),
+            torch.empty((b * hkv * nsplit * gp, d), dtype=torch.float32, device=q.device),
+            torch.empty((b * hkv * nsplit * gp, 2), dtype=torch.float32, device=q.device),
+            torch.zeros((b * hkv,), dtype=torch.int32, device=q.device),
         )
     pacc, pml, cnt = _attn_ws[key]
-    _attn_split_kernel[(b, h, nsplit)](
+    _attn_gqa_kernel[(b, hkv, nsplit)](
         q,
         k_cache,
         v_cache,
@@ -219,12 +224,17 @@ def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float) -> None:
         cnt,
         sm_scale,
         h,
-        k_cache.shape[1],
+        hkv,
         s,
         nsplit,
+        G=g,
+        GP=gp,
+        GM=triton.next_power_of_2(g),
         D=d,
         CHUNK=chunk,
+        BS=min(chunk, 16 if INTERPRET else 64),
         NS2=triton.next_power_of_2(nsplit),
+        IEEE=q.dtype == torch.float32,
         num_warps=1 if INTERPRET else 4,
     )
 

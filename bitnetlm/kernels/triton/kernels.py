@@ -387,9 +387,9 @@ def _w8_kernel(
 
 # --------------------------------------------------------------------------------------------------------------
 # split-K GEMM: small M (decode). Many programs each own a K chunk so every SM has its loads in flight at once;
-# partial int32 sums meet in a zeroed workspace through atomics and the last program of each output tile
-# (a counter per tile) reads them back with atomic_xchg (zeroing the workspace for the next call, so CUDA-graph
-# replays need no memset) and runs the epilogue. Integer adds commute: the result is exact and deterministic.
+# each stores its partial int32 tile into a workspace slot [SPLIT, M, cols] and the last program of each output
+# tile (a counter per tile, reset by that program so CUDA-graph replays need no memset) sums the slots and runs
+# the epilogue. Integer sums: the result is exact and deterministic.
 # --------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _splitk_kernel(
@@ -449,20 +449,26 @@ def _splitk_kernel(
                 acc2 = tl.dot(xa, tl.trans(_codes8(wb2, i, PTX)), acc2, out_dtype=tl.int32)
     mask_y = mask_m[:, None] & mask_n[None, :]
     if USE_SPLIT:
+        # partial tile -> its own workspace slot (plain stores: no atomics per element); the last split of the
+        # tile to arrive sums the SPLIT slots in a fixed order
         wcols = N * 2 if GATED else N
         ws = ws_ptr + offs_m[:, None] * wcols + offs_n[None, :]
-        tl.atomic_add(ws, acc, mask=mask_y, sem="relaxed")
+        tl.store(ws + pid_s * M * wcols, acc, mask=mask_y)
         if GATED:
-            tl.atomic_add(ws + N, acc2, mask=mask_y, sem="relaxed")
+            tl.store(ws + pid_s * M * wcols + N, acc2, mask=mask_y)
         tl.debug_barrier()
         tile = pid_m * tl.num_programs(0) + pid_n
         done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
         if done == SPLIT - 1:
             tl.debug_barrier()
-            acc = tl.atomic_xchg(ws, tl.zeros([BM, BN], tl.int32), mask=mask_y, sem="relaxed")
-            if GATED:
-                acc2 = tl.atomic_xchg(ws + N, tl.zeros([BM, BN], tl.int32), mask=mask_y, sem="relaxed")
             tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
+            acc = tl.zeros([BM, BN], tl.int32)
+            acc2 = tl.zeros([BM, BN], tl.int32)
+            for sp in range(0, SPLIT):
+                # .cg: the other programs' partials from L2, never a stale L1 line of an earlier replay
+                acc += tl.load(ws + sp * M * wcols, mask=mask_y, other=0, cache_modifier=".cg")
+                if GATED:
+                    acc2 += tl.load(ws + sp * M * wcols + N, mask=mask_y, other=0, cache_modifier=".cg")
             _splitk_store(
                 acc,
                 acc2,
@@ -624,3 +630,139 @@ def _gemv8_kernel(
         PER_ROW,
         PTX,
     )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Row GEMV (decode, small M): each program owns BN whole output rows. Its packed weight words [BN, KWP] are
+# loaded in one shot before anything else (every load in flight at once, no K loop), then the activation row
+# is quantized into int32 words once per program (PREQ=False: norm + absmax + rounding fused, no extra launch)
+# or read pre-quantized from `_quant_kernel` (PREQ=True), and dp4a runs over the four slabs.
+# --------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _slab_x(xrow, nw_ptr, kk, mk, HAS_NORM: tl.constexpr):
+    x = tl.load(xrow + kk, mask=mk, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        g = tl.load(nw_ptr + kk, mask=mk, other=0.0).to(tl.float32)
+    else:
+        g = x
+    return x, g
+
+
+@triton.jit
+def _slab_q(x, g, rstd, a, offs_j, HAS_NORM: tl.constexpr, PTX: tl.constexpr):
+    if HAS_NORM:
+        x = (x * rstd) * g
+    q = _rne(x * a, PTX)
+    q = tl.minimum(tl.maximum(q, -128.0), 127.0).to(tl.int32)
+    return tl.sum((q & 255) << (offs_j * 8)[None, :], axis=1), tl.sum(tl.sum(q, axis=1), axis=0)
+
+
+@triton.jit
+def _quant_words(xrow, nw_ptr, K, KW, eps, offs_w, mw, HAS_NORM: tl.constexpr, PTX: tl.constexpr):
+    """One activation row -> int8 words of the four slabs ([KWP] int32 each), a, rowsum (as `_quant_kernel`)."""
+    offs_j = tl.arange(0, 4)
+    kk = offs_w[:, None] * 4 + offs_j[None, :]  # [KWP, 4] index in slab 0
+    kp = 4 * KW
+    x0, g0 = _slab_x(xrow, nw_ptr, kk, (kk < K) & mw[:, None], HAS_NORM)
+    x1, g1 = _slab_x(xrow, nw_ptr, kk + kp, (kk + kp < K) & mw[:, None], HAS_NORM)
+    x2, g2 = _slab_x(xrow, nw_ptr, kk + 2 * kp, (kk + 2 * kp < K) & mw[:, None], HAS_NORM)
+    x3, g3 = _slab_x(xrow, nw_ptr, kk + 3 * kp, (kk + 3 * kp < K) & mw[:, None], HAS_NORM)
+    if HAS_NORM:
+        ss = tl.sum(tl.sum(x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3, axis=1), axis=0)
+        am = tl.maximum(
+            tl.maximum(tl.abs(x0 * g0), tl.abs(x1 * g1)), tl.maximum(tl.abs(x2 * g2), tl.abs(x3 * g3))
+        )
+        rstd = 1.0 / tl.sqrt_rn(ss / K + eps)
+        amax = tl.max(tl.max(am, axis=1), axis=0) * rstd
+    else:
+        am = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
+        amax = tl.max(tl.max(am, axis=1), axis=0)
+        rstd = amax
+    a = _rcp_rn(tl.maximum(amax, 1e-5), PTX) * 127.0
+    w0, r0 = _slab_q(x0, g0, rstd, a, offs_j, HAS_NORM, PTX)
+    w1, r1 = _slab_q(x1, g1, rstd, a, offs_j, HAS_NORM, PTX)
+    w2, r2 = _slab_q(x2, g2, rstd, a, offs_j, HAS_NORM, PTX)
+    w3, r3 = _slab_q(x3, g3, rstd, a, offs_j, HAS_NORM, PTX)
+    return w0, w1, w2, w3, a, r0 + r1 + r2 + r3
+
+
+@triton.jit
+def _row_dot(xw0, xw1, xw2, xw3, wv, PTX: tl.constexpr):
+    """sum_k x_k * c_k for each of the BN weight rows (codes c = t + 1) -> [BN] int32."""
+    acc = _dp4a(tl.broadcast_to(xw0[None, :], wv.shape), wv & 0x03030303, tl.zeros_like(wv), PTX)
+    acc = _dp4a(tl.broadcast_to(xw1[None, :], wv.shape), (wv >> 2) & 0x03030303, acc, PTX)
+    acc = _dp4a(tl.broadcast_to(xw2[None, :], wv.shape), (wv >> 4) & 0x03030303, acc, PTX)
+    acc = _dp4a(tl.broadcast_to(xw3[None, :], wv.shape), (wv >> 6) & 0x03030303, acc, PTX)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _gemv_row_kernel(
+    x_ptr,
+    nw_ptr,
+    q_ptr,
+    a_ptr,
+    rs_ptr,
+    w_ptr,
+    s_ptr,
+    r_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    KW,  # N: output features (per half when GATED); KW: int32 words per packed row
+    stride_xm,
+    stride_qw,
+    stride_rm,
+    stride_ym,
+    eps,
+    PREQ: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    GATED: tl.constexpr,
+    ACT: tl.constexpr,
+    PER_ROW: tl.constexpr,
+    PTX: tl.constexpr,
+    BN: tl.constexpr,
+    KWP: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_n = pid * BN + tl.arange(0, BN)
+    mask_n = offs_n < N
+    offs_w = tl.arange(0, KWP)
+    mw = offs_w < KW
+    wm = mask_n[:, None] & mw[None, :]
+    wv = tl.load(w_ptr + offs_n[:, None] * KW + offs_w[None, :], mask=wm, other=0)  # [BN, KWP] int32
+    if GATED:
+        wv2 = tl.load(w_ptr + (offs_n + N)[:, None] * KW + offs_w[None, :], mask=wm, other=0)
+    if PER_ROW:
+        s = tl.load(s_ptr + offs_n, mask=mask_n, other=1.0)
+        if GATED:
+            s2 = tl.load(s_ptr + N + offs_n, mask=mask_n, other=1.0)
+    else:
+        s = tl.load(s_ptr) + tl.zeros([BN], tl.float32)
+        s2 = s
+    for m in range(M):
+        if PREQ:
+            qrow = q_ptr + m * stride_qw
+            xw0 = tl.load(qrow + offs_w, mask=mw, other=0)
+            xw1 = tl.load(qrow + KW + offs_w, mask=mw, other=0)
+            xw2 = tl.load(qrow + 2 * KW + offs_w, mask=mw, other=0)
+            xw3 = tl.load(qrow + 3 * KW + offs_w, mask=mw, other=0)
+            a = tl.load(a_ptr + m)
+            rs = tl.load(rs_ptr + m)
+        else:
+            xw0, xw1, xw2, xw3, a, rs = _quant_words(
+                x_ptr + m * stride_xm, nw_ptr, K, KW, eps, offs_w, mw, HAS_NORM, PTX
+            )
+        y = (_row_dot(xw0, xw1, xw2, xw3, wv, PTX) - rs).to(tl.float32) * _div_rn(
+            s, a + tl.zeros_like(s), PTX
+        )
+        if GATED:
+            u = (_row_dot(xw0, xw1, xw2, xw3, wv2, PTX) - rs).to(tl.float32) * _div_rn(
+                s2, a + tl.zeros_like(s2), PTX
+            )
+            y = _activate(y, ACT) * u
+        if HAS_RES:
+            y += tl.load(r_ptr + m * stride_rm + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)

@@ -14,14 +14,15 @@ import triton
 from bitnetlm.kernels.triton import kernels as K
 from bitnetlm.kernels.triton.layout import packed_row_bytes
 
+ROW_MAX_M = 2  # rows up to this try the row GEMV first (dp4a work grows with M; tensor cores take over)
 GEMV_MAX_M = 16  # rows up to this may use the fused dp4a GEMV (the tuner decides against split-K)
 SPLITK_MAX_M = 64  # rows up to this use split-K tensor-core GEMM; above it, the plain tiled GEMM
 PTX = not K.INTERPRET
 _choice: dict[tuple, dict] = {}
-# BITNETLM_TRITON_TUNE: 0 = first candidate, no timing (tests); 1 = do_bench (default, what the README numbers
-# used; it charges each candidate its Python launch cost, which a CUDA graph does not pay); graph = time inside
-# CUDA graphs with L2 flushed (not yet measured on the device machine)
-TUNE_MODE = os.environ.get("BITNETLM_TRITON_TUNE", "1")
+# BITNETLM_TRITON_TUNE: 0 = first candidate, no timing (tests); graph (default) = time inside CUDA graphs with L2
+# flushed, as the captured decode step runs them; 1 = triton's do_bench (charges each candidate its Python launch
+# cost, which a CUDA graph does not pay: it favoured single-launch paths that are slower inside the graph)
+TUNE_MODE = os.environ.get("BITNETLM_TRITON_TUNE", "graph")
 TUNE = TUNE_MODE != "0"
 
 
@@ -114,8 +115,15 @@ def _gemm_candidates(m: int, gated: bool) -> list[dict]:
         return [dict(BM=32, BN=64, BKB=32, GROUP_M=4, num_warps=1, num_stages=1)]
     if m <= 64:
         c = [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 32, 128, 4, 4)]
-    else:
-        c = [(128, 128, 64, 8, 3), (128, 64, 128, 4, 3), (128, 128, 128, 8, 3), (64, 128, 128, 4, 3)]
+    else:  # 128-wide tiles leave SMs idle on the N = 2560 projections at 512 rows: smaller tiles too
+        c = [
+            (128, 128, 64, 8, 3),
+            (128, 64, 128, 4, 3),
+            (64, 128, 128, 4, 3),
+            (64, 64, 128, 4, 3),
+            (128, 64, 64, 4, 4),
+            (64, 64, 256, 4, 3),
+        ]
     out = []
     for bm, bn, bkb, nw, ns in c:
         if gated and bm * bn > 128 * 64:
@@ -136,9 +144,24 @@ def _gemv8_candidates(bm: int, gated: bool) -> list[dict]:
         (8, 64, 4),
         (4, 64, 2),
         (16, 32, 4),
+        (4, 32, 4),  # the small tiles keep M = 16 within the register budget
+        (2, 64, 4),
     ):
         if bm * bn * bkw * (2 if gated else 1) <= 32 * 32 * nw:
             out.append(dict(path="gemv8", BN=bn, BKW=bkw, num_warps=nw))
+    return out[:5]
+
+
+def _row_candidates(kw: int, gated: bool, path: str) -> list[dict]:
+    """Row GEMV tiles: BN whole rows of KWP words a program (all its weight loads issued at once)."""
+    if K.INTERPRET:
+        return [dict(path=path, BN=16, num_warps=1)]
+    kwp = _next_pow2(kw)
+    out = []
+    for bn, nw in ((8, 4), (16, 4), (4, 4), (16, 8), (32, 8), (8, 8), (2, 4)):
+        words = bn * kwp * (2 if gated else 1)
+        if words <= 64 * 32 * nw and words >= 8 * 32 * nw:  # weight registers a thread: 8..64
+            out.append(dict(path=path, BN=bn, num_warps=nw))
     return out[:5]
 
 
@@ -148,6 +171,8 @@ def _splitk_candidates(m: int, n: int, kp: int, gated: bool) -> list[dict]:
         tiles = [(64, 32, 8)]  # several splits even on small shapes: the atomics path is what CI checks
     else:
         tiles = [(64, 64, 400), (64, 128, 400), (32, 128, 400), (64, 64, 800), (32, 64, 800), (32, 128, 1600)]
+        if m > 16:  # no split (no workspace round trip) and few splits: M = 64 tiles already fill the SMs
+            tiles += [(64, 128, 0), (32, 128, 0), (64, 128, 150), (32, 128, 250)]
     out = []
     for bn, bkb, target in tiles:
         if gated and bn > 64:
@@ -175,12 +200,13 @@ def _splitk_candidates(m: int, n: int, kp: int, gated: bool) -> list[dict]:
 _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _workspace(device, m: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zeroed int32 partial sums [M, cols] and per-tile counters; every call leaves them zeroed again."""
-    key = (str(device), m, cols)
+def _workspace(device, m: int, cols: int, split: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 partial sums [split, M, cols] and zeroed per-tile counters; every call leaves the counters zeroed.
+    Created by the first (eager) call of a shape, never while a CUDA graph is being captured."""
+    key = (str(device), m, cols, split)
     if key not in _workspaces:
         _workspaces[key] = (
-            torch.zeros((m, cols), dtype=torch.int32, device=device),
+            torch.empty((split, m, cols), dtype=torch.int32, device=device),
             torch.zeros((8192,), dtype=torch.int32, device=device),
         )
     return _workspaces[key]
@@ -321,7 +347,7 @@ def ternary_linear(
 
     def launch_splitk(cfg):
         q, a, rs = quant()
-        ws, cnt = _workspace(x.device, m, rows)
+        ws, cnt = _workspace(x.device, m, rows, cfg["SPLIT"])
         grid = (triton.cdiv(out_features, cfg["BN"]), cfg["SPLIT"], triton.cdiv(m, cfg["BM"]))
         K._splitk_kernel[grid](
             q,
@@ -380,19 +406,70 @@ def ternary_linear(
             **cfg,
         )
 
+    def launch_row(cfg):
+        kw = kp // 4
+        if cfg["path"] == "rowq":
+            q, a, rs = quant()
+            qw, sq = q.view(torch.int32), q.stride(0) // 4
+        else:
+            q = a = rs = qw = scale  # unused pointers
+            sq = 0
+        K._gemv_row_kernel[(triton.cdiv(out_features, cfg["BN"]),)](
+            x2,
+            nw,
+            qw,
+            a,
+            rs,
+            packed.view(torch.int32),
+            scale,
+            r,
+            y,
+            m,
+            out_features,
+            k,
+            kw,
+            x2.stride(0),
+            sq,
+            r.stride(0),
+            y.stride(0),
+            eps,
+            PREQ=cfg["path"] == "rowq",
+            HAS_NORM=norm_weight is not None,
+            HAS_RES=residual is not None,
+            GATED=gated,
+            ACT=actc,
+            PER_ROW=per_row,
+            PTX=PTX,
+            BN=cfg["BN"],
+            KWP=_next_pow2(kw),
+            num_warps=cfg["num_warps"],
+        )
+
     def launch(cfg):
-        {"gemv": launch_gemv, "gemv8": launch_gemv8, "splitk": launch_splitk, "gemm": launch_gemm}[
-            cfg["path"]
-        ](cfg)
+        {
+            "gemv": launch_gemv,
+            "gemv8": launch_gemv8,
+            "splitk": launch_splitk,
+            "gemm": launch_gemm,
+            "row": launch_row,
+            "rowq": launch_row,
+        }[cfg["path"]](cfg)
 
     gemv = [dict(path="gemv", **c) for c in _gemv_candidates(bm, gated, k)]
     splitk = _splitk_candidates(m, out_features, kp, gated) if m <= SPLITK_MAX_M or path == "splitk" else []
     gemm = [dict(path="gemm", **c) for c in _gemm_candidates(m, gated)]
     gemv8 = _gemv8_candidates(bm, gated)
+    row = _row_candidates(kp // 4, gated, "row")
+    rowq = _row_candidates(kp // 4, gated, "rowq")
     if path is None:  # the first candidate is the untuned default
-        cands = gemv8 + splitk[:3] + gemv[:2] if m <= GEMV_MAX_M else (splitk if m <= SPLITK_MAX_M else gemm)
+        if m <= ROW_MAX_M:
+            cands = row + rowq[:3] + splitk[:2] + gemv8[:1]
+        elif m <= GEMV_MAX_M:
+            cands = splitk[:4] + rowq[:2] + gemv8[:2] + gemv[:1]
+        else:
+            cands = splitk if m <= SPLITK_MAX_M else gemm
     else:
-        cands = {"gemv": gemv, "gemv8": gemv8, "splitk": splitk, "gemm": gemm}[path]
+        cands = {"gemv": gemv, "gemv8": gemv8, "splitk": splitk, "gemm": gemm, "row": row, "rowq": rowq}[path]
     mb = min(bm, 1024)  # tune per power-of-two bucket of M
     key = (path or "auto", out_features, k, mb, *flags)
     launch(_tune(key, cands, launch))
