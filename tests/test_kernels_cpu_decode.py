@@ -1,0 +1,140 @@
+"""Fused CPU decode step (kernels.cpu.decode): same logits as the unfused C-backend layers, same greedy tokens
+as the reference backend, and the torch layers whenever it is off or a step does not qualify."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import greedy_with_cache
+
+from bitnetlm.kernels.cpu.decode import ENV, attach, detach, why_not
+from bitnetlm.loading import load_model
+
+# The fused step sums RMSNorm means and attention dot products / softmax in another order than torch, so it
+# is not bit-exact; everything else (projections, RoPE, activation, residuals) repeats torch's fp32 ops.
+# Measured on the oracle checkpoints: max |difference| <= 2.3e-7 x max |logit| with an fp32 cache; with bf16
+# a k/v value at a rounding boundary can round to the neighbouring bf16 number, seen up to 2.4e-6 x max |logit|.
+# Bound: 1e-5 x max |logit| (a fault such as a wrong slot, mask, head or norm gives differences of order 1e-2).
+REL_BOUND = 1e-5
+
+
+def _fused_vs_unfused(model, batch: int, kv_dtype: torch.dtype, steps: int = 12):
+    """Prefill rows with padding, then decode `steps` tokens twice per step: fused into one cache, unfused into
+    a copy. Batch 3: rows at different positions, rows 1 and 2 left-padded (masked slots before the query),
+    row 2 a padding query every other step."""
+    fused = model.cpu_decode
+    assert fused is not None
+    gen = torch.Generator().manual_seed(7)
+    left, lens = torch.tensor([0, 2, 3][:batch]), torch.tensor([9, 5, 7][:batch])
+    t0 = int(lens.max())
+    prompt = torch.randint(3, model.config.vocab_size, (batch, t0), generator=gen)
+    pmask = (torch.arange(t0)[None] >= left[:, None]) & (torch.arange(t0)[None] < lens[:, None])
+    caches = [model.new_cache(batch, 48, dtype=kv_dtype) for _ in range(2)]
+    worst = 0.0
+    with torch.inference_mode():
+        for c in caches:
+            model(prompt, cache=c, input_mask=pmask)
+        pos, tok = lens.clone(), prompt[:, 0]
+        for s in range(steps):
+            real = torch.ones(batch, dtype=torch.bool)
+            if batch == 3:
+                real[2] = s % 2 == 0
+            args = dict(positions=pos[:, None], input_mask=real[:, None])
+            n = fused.calls
+            got = model(tok[:, None], cache=caches[0], **args)
+            assert fused.calls == n + 1  # the fused step ran
+            model.cpu_decode = None
+            want = model(tok[:, None], cache=caches[1], **args)
+            model.cpu_decode = fused
+            err = (got - want).abs().max().item()
+            assert err <= REL_BOUND * want.abs().max().item(), (s, err)
+            worst = max(worst, err / want.abs().max().item())
+            tok = want[:, -1].argmax(-1)
+            pos = pos + real.long()
+    # the caches hold the same k, v up to float rounding: in bf16 a value at a rounding boundary may land on
+    # the neighbouring bf16 number (one step, 2^-7 relative at most)
+    tol = 1e-5 if kv_dtype == torch.float32 else 2**-7
+    for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=1e-5)
+    assert torch.equal(caches[0].valid, caches[1].valid)
+    return worst
+
+
+@pytest.mark.parametrize("variant", ["packed-autobitlinear", "1bitllm"])  # relu2 GQA / silu MHA
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fused_logits_match_unfused(oracle_dirs, one_torch_thread, variant, kv_dtype, batch):
+    model = load_model(oracle_dirs[variant][0], backend="cpu").eval()
+    assert why_not(model) is None
+    _fused_vs_unfused(model, batch, kv_dtype)
+
+
+@pytest.mark.parametrize("variant", ["packed-autobitlinear", "packed-bitlinear", "1bitllm"])
+def test_fused_greedy_equals_reference_backend(oracle_dirs, one_torch_thread, variant):
+    ours, _ = oracle_dirs[variant]
+    ref = load_model(ours, backend="reference").eval()
+    fast = load_model(ours, backend="cpu").eval()
+    assert ref.cpu_decode is None and fast.cpu_decode is not None
+    prompt = torch.randint(3, ref.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(11))
+    got = greedy_with_cache(fast, prompt, 40)
+    assert fast.cpu_decode.calls == 39  # every step after the prompt
+    assert torch.equal(got, greedy_with_cache(ref, prompt, 40))
+
+
+def test_disabled_gives_the_unfused_path(oracle_dirs, one_torch_thread, monkeypatch):
+    ours, _ = oracle_dirs["packed-autobitlinear"]
+    prompt = torch.randint(3, 512, (1, 6), generator=torch.Generator().manual_seed(12))
+    ref = load_model(ours, backend="reference").eval()
+    want = greedy_with_cache(ref, prompt, 16)
+    monkeypatch.setenv(ENV, "0")
+    off = load_model(ours, backend="cpu").eval()
+    assert off.cpu_decode is None
+    monkeypatch.delenv(ENV)
+    on = load_model(ours, backend="cpu").eval()
+    detach(on)
+    assert on.cpu_decode is None
+    for model in (off, on):
+        # the unfused C path is bit-identical to the reference backend, logits included
+        cache, cache_ref = model.new_cache(1, 8), ref.new_cache(1, 8)
+        with torch.inference_mode():
+            for pos in range(3):
+                ids, p = prompt[:, pos : pos + 1], torch.tensor([[pos]])
+                assert torch.equal(
+                    model(ids, positions=p, cache=cache), ref(ids, positions=p, cache=cache_ref)
+                )
+        assert torch.equal(greedy_with_cache(model, prompt, 16), want)
+    assert attach(on) is on.cpu_decode is not None
+
+
+def test_steps_that_do_not_qualify_run_the_torch_layers(oracle_dirs, one_torch_thread):
+    ours, _ = oracle_dirs["packed-autobitlinear"]
+    model = load_model(ours, backend="cpu").eval()
+    fused = model.cpu_decode
+    ids = torch.tensor([[5]])
+    with torch.no_grad():
+        cache = model.new_cache(1, 8)
+        model(ids, cache=cache)  # plain no_grad qualifies
+        assert fused.calls == 1
+        model(torch.tensor([[5, 6]]), cache=model.new_cache(1, 8))  # prefill: t > 1
+        model(ids)  # no cache
+        model(ids, cache=model.new_cache(1, 8, dtype=torch.float16))  # fp16 cache
+    model(ids, cache=model.new_cache(1, 8))  # autograd on: the torch layers build the graph
+    assert fused.calls == 1
+    # repacked weights: the step follows the new tensors (here the same values in a fresh buffer)
+    lin = model.layers[0].mlp.down_proj
+    lin.packed = lin.packed.clone()
+    assert fused.stale()
+    with torch.inference_mode():
+        model(ids, cache=model.new_cache(1, 8))
+    assert fused.calls == 2 and not fused.stale()
+
+
+def test_models_it_does_not_take(oracle_dirs):
+    ours, _ = oracle_dirs["packed-autobitlinear"]
+    ref = load_model(ours, backend="reference")
+    assert "backend" in why_not(ref) and attach(ref) is None and ref.cpu_decode is None
+    gelu = load_model(ours, backend="cpu")
+    gelu.config.hidden_act = "gelu"
+    assert "gelu" in why_not(gelu) and attach(gelu) is None
+    fp = load_model(oracle_dirs["llama"][0], backend="cpu")
+    assert "Linear" in why_not(fp) and fp.cpu_decode is None
