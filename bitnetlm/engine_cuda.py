@@ -343,16 +343,28 @@ class CudaEngine:
 
     # ---- sampling and the captured decode step ---------------------------------------------
     @staticmethod
+    def argmax(logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] -> first index of the maximum [B], as `argmax`, in two wide passes: a single-row
+        argmax over 128k entries runs on one block (~27 us on an H200); row-chunk maxima then the best chunk."""
+        b, v = logits.shape
+        r = next((r for r in (256, 192, 128, 64) if v % r == 0 and v // r >= 64), 0)
+        if not r:
+            return logits.argmax(dim=-1)
+        vals, idx = logits.view(b, r, v // r).max(dim=-1)  # first maximum inside each chunk
+        j = vals.argmax(dim=-1, keepdim=True)  # first chunk holding the maximum
+        return (j * (v // r) + idx.gather(1, j)).squeeze(1)
+
+    @staticmethod
     def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0) -> torch.Tensor:
         """Next tokens [B] on the device (no host sync): argmax, or exponential-race sampling."""
         if temperature <= 0:
-            return logits.argmax(dim=-1)
+            return CudaEngine.argmax(logits)
         logits = logits / temperature
         if top_k > 0:
             kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        return (probs / torch.empty_like(probs).exponential_(1.0)).argmax(dim=-1)
+        return CudaEngine.argmax(probs / torch.empty_like(probs).exponential_(1.0))
 
     def _check_batch(self, b: int, t: int) -> None:
         if b > self.ecfg.max_batch:

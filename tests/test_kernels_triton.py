@@ -274,3 +274,17 @@ def test_gpu_decode_attention_2b4t_bf16():
                 ref = (w[:, None, :] @ v).squeeze(1)
                 err = (out[i].double() - ref).norm() / ref.norm()
                 assert err < 1e-2, (b, i, float(err))
+
+
+def test_engine_argmax_first_index():
+    """The engine's two-pass argmax equals torch.argmax (first index of the maximum), ties across chunks too."""
+    from bitnetlm.engine_cuda import CudaEngine
+
+    g = torch.Generator().manual_seed(4)
+    for v in (128256, 32000, 512, 1001):
+        x = torch.randn(5, v, generator=g).to(DEV)
+        x[1, 7] = x[1, v - 3] = 100.0  # tie: first one wins
+        x[2] = 0.0  # all tied
+        x[3, v - 1] = 50.0
+        x[4] = x[4].bfloat16().float()  # many ties
+        assert torch.equal(CudaEngine.argmax(x), x.argmax(-1)), v

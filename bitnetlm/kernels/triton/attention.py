@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from bitnetlm.kernels.triton.kernels import ACT_CODES, INTERPRET, _activate
+from bitnetlm.kernels.triton.kernels import ACT_CODES, INTERPRET, _activate, _pdl_wait
+from bitnetlm.kernels.triton.launch import pdl_kw
 
 
 @triton.jit
@@ -30,9 +31,11 @@ def _rope_cache_kernel(
     stride_row,
     D: tl.constexpr,
     HALF: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     row = tl.program_id(0)  # b * T + t
     hh = tl.program_id(1)  # 0..H-1 q heads, H..H+HKV-1 k heads, then v heads
+    _pdl_wait(PDL)
     b = row // T
     t = row % T
     pos = tl.load(pos_ptr + b) + t
@@ -81,6 +84,7 @@ def rope_cache(qkv, cos, sin, pos, q_out, k_cache, v_cache, n_heads: int, n_kv: 
         D=d,
         HALF=d // 2,
         num_warps=1,
+        **pdl_kw(),
     )
 
 
@@ -107,6 +111,7 @@ def _attn_gqa_kernel(
     BS: tl.constexpr,
     NS2: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Flash-decoding over a GQA group: program (b, kv head, split) loads each K/V block of its CHUNK keys once
     for all G query heads sharing it (scores and P@V on tensor cores, the G rows padded to GP >= 16); the last
@@ -115,6 +120,7 @@ def _attn_gqa_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
+    _pdl_wait(PDL)
     n = tl.load(pos_ptr + b) + 1  # keys 0..pos[b] are this row's context
     offs_d = tl.arange(0, D)
     offs_g = tl.arange(0, GP)
@@ -236,12 +242,16 @@ def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float) -> None:
         NS2=triton.next_power_of_2(nsplit),
         IEEE=q.dtype == torch.float32,
         num_warps=1 if INTERPRET else 4,
+        **pdl_kw(),
     )
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, K, stride_x, stride_y, eps, BK: tl.constexpr):
+def _rmsnorm_kernel(
+    x_ptr, w_ptr, y_ptr, K, stride_x, stride_y, eps, BK: tl.constexpr, PDL: tl.constexpr = False
+):
     m = tl.program_id(0)
+    _pdl_wait(PDL)
     offs = tl.arange(0, BK)
     mk = offs < K
     x = tl.load(x_ptr + m * stride_x + offs, mask=mk, other=0.0).to(tl.float32)
@@ -264,6 +274,7 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         eps,
         BK=triton.next_power_of_2(k),
         num_warps=1 if INTERPRET else (8 if k > 4096 else 4),
+        **pdl_kw(),
     )
     return y.reshape(x.shape)
 

@@ -20,8 +20,24 @@ import triton.language as tl
 from triton import knobs
 from triton.language.extra import libdevice
 
+try:  # grid dependency control (programmatic dependent launch, sm_90+)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton: kernels run with PDL=False
+    gdc_launch_dependents = gdc_wait = None
+
 INTERPRET = bool(knobs.runtime.interpret)
+HAS_GDC = gdc_wait is not None and not INTERPRET
 ACT_CODES = {"relu2": 0, "silu": 1}
+
+
+@triton.jit
+def _pdl_wait(PDL: tl.constexpr):
+    """Programmatic dependent launch: let the next kernel start its prologue now, then wait until the previous
+    kernel has finished and its writes are visible. Everything a kernel reads that an earlier kernel wrote, and
+    every store, comes after this; only constant data (weights, scales) may be read before it."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
 
 
 @triton.jit
@@ -244,10 +260,12 @@ def _quant_kernel(
     HAS_NORM: tl.constexpr,
     PTX: tl.constexpr,
     BK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     m = tl.program_id(0)
     offs = tl.arange(0, BK)
     mk = offs < K
+    _pdl_wait(PDL)
     x = tl.load(x_ptr + m * stride_xm + offs, mask=mk, other=0.0).to(tl.float32)
     if HAS_NORM:
         g = tl.load(nw_ptr + offs, mask=mk, other=0.0).to(tl.float32)
@@ -355,9 +373,11 @@ def _w8_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     PTX: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    _pdl_wait(PDL)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_m = offs_m < M
@@ -419,10 +439,12 @@ def _splitk_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BKB: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
+    _pdl_wait(PDL)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_m = offs_m < M
@@ -725,6 +747,7 @@ def _gemv_row_kernel(
     PTX: tl.constexpr,
     BN: tl.constexpr,
     KWP: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BN + tl.arange(0, BN)
@@ -742,6 +765,7 @@ def _gemv_row_kernel(
     else:
         s = tl.load(s_ptr) + tl.zeros([BN], tl.float32)
         s2 = s
+    _pdl_wait(PDL)  # the weight and scale loads above overlap the previous kernel
     for m in range(M):
         if PREQ:
             qrow = q_ptr + m * stride_qw

@@ -26,6 +26,24 @@ TUNE_MODE = os.environ.get("BITNETLM_TRITON_TUNE", "graph")
 TUNE = TUNE_MODE != "0"
 
 
+_PDL: list[bool] = []
+
+
+def pdl_kw() -> dict:
+    """Launch options for the decode kernels: programmatic dependent launch (sm_90+) lets a kernel start (and
+    load its weights) while the previous one drains; each such kernel waits (`_pdl_wait`) before touching
+    anything an earlier kernel wrote. BITNETLM_TRITON_PDL=0 turns it off."""
+    if not _PDL:
+        on = (
+            K.HAS_GDC
+            and os.environ.get("BITNETLM_TRITON_PDL", "1") != "0"
+            and torch.cuda.is_available()
+            and torch.cuda.get_device_capability()[0] >= 9
+        )
+        _PDL.append(bool(on))
+    return dict(PDL=True, launch_pdl=True) if _PDL[0] else {}
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -314,6 +332,7 @@ def ternary_linear(
             PTX=PTX,
             BK=_next_pow2(4 * kp),
             num_warps=1 if K.INTERPRET else (8 if k > 4096 else 4),
+            **pdl_kw(),
         )
         return q, a, rs
 
@@ -378,6 +397,7 @@ def ternary_linear(
             BKB=cfg["BKB"],
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
+            **pdl_kw(),
         )
 
     def launch_gemm(cfg):
@@ -443,6 +463,7 @@ def ternary_linear(
             BN=cfg["BN"],
             KWP=_next_pow2(kw),
             num_warps=cfg["num_warps"],
+            **pdl_kw(),
         )
 
     def launch(cfg):
@@ -521,5 +542,5 @@ def w8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor
             BM=16 if m <= 16 else 64, BN=64 if m <= 16 else 128, BK=128 if m <= 16 else 64, num_warps=4
         )
     grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]))
-    K._w8_kernel[grid](x2, w, s, y, m, n, k, x2.stride(0), y.stride(0), PTX=PTX, **cfg)
+    K._w8_kernel[grid](x2, w, s, y, m, n, k, x2.stride(0), y.stride(0), PTX=PTX, **cfg, **pdl_kw())
     return y.reshape(*lead, n)
