@@ -22,6 +22,9 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--weights", default="ternary")
     ap.add_argument("--context", type=int, default=512)
+    ap.add_argument(
+        "--prefill", type=int, default=0, help="also profile one batch-1 prefill of this many tokens"
+    )
     args = ap.parse_args()
     from bitnetlm.engine_cuda import CudaEngine, EngineConfig
     from bitnetlm.kernels.triton import attention
@@ -64,6 +67,30 @@ def main() -> int:
         print(f"--- batch {b}: kernels over 10 decode steps", flush=True)
         print(
             prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60),
+            flush=True,
+        )
+    if args.prefill:
+        from torch.profiler import ProfilerActivity, profile
+
+        from bitnetlm.engine_cuda import capture
+
+        tok = torch.randint(0, eng.cfg.vocab_size, (1, args.prefill), device="cuda")
+        pos0 = torch.zeros((1,), dtype=torch.int32, device="cuda")
+        graph, _ = capture(lambda: eng.forward(tok, pos0))
+        a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(10):
+            graph.replay()
+        e.record()
+        e.synchronize()
+        print(f"prefill {args.prefill} tokens: {a.elapsed_time(e) / 10:.3f} ms", flush=True)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                graph.replay()
+            torch.cuda.synchronize()
+        print(f"--- prefill {args.prefill}: kernels over 5 prefills", flush=True)
+        print(
+            prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60),
             flush=True,
         )
     return 0

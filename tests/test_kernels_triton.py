@@ -71,7 +71,7 @@ def test_layout_roundtrip_and_example():
 
 # every path (fused dp4a GEMV, row GEMV fused / pre-quantized, split-K tensor-core GEMM, tiled GEMM) on ragged
 # N and K (K not a multiple of 16 exercises the padding; M > 16 the BM=64 tiles)
-@pytest.mark.parametrize("path", ["gemv", "gemv8", "row", "rowq", "splitk", "gemm"])
+@pytest.mark.parametrize("path", ["gemv", "gemv8", "row", "rowq", "splitk", "splitk_t", "gemm", "gemm_t"])
 @pytest.mark.parametrize("m,n,k", [(1, 70, 200), (3, 40, 64), (17, 33, 130)])
 def test_ternary_linear_exact(m, n, k, path):
     t, x, s = _case(m, n, k, seed=m * 1000 + n)
@@ -195,7 +195,7 @@ SHAPES_2B4T = [(3840, 2560), (2560, 2560), (2560, 6912), (640, 2560)]  # q|k|v, 
     [
         (m, p)
         for m in (1, 5, 8, 16, 64, 300)
-        for p in ("gemv", "gemv8", "row", "rowq", "splitk", "gemm")
+        for p in ("gemv", "gemv8", "row", "rowq", "splitk", "splitk_t", "gemm", "gemm_t")
         if p not in ("gemv", "gemv8", "row", "rowq") or m <= 16
     ],
 )
@@ -215,10 +215,16 @@ def test_gpu_gated_2b4t_and_int8_head():
     t, x, _ = _case(8, 2 * 6912, 2560, seed=11, dev="cuda")
     srow = torch.rand(2 * 6912, device="cuda") * 0.05
     norm = 1 + 0.1 * torch.randn(2560, device="cuda")
-    for m in (8, 64):
+    p = layout.pack_triton(t)
+    for m in (1, 8, 64):
         xm = torch.randn(m, 2560, device="cuda")
-        y = L.ternary_linear(xm, layout.pack_triton(t), srow, 6912, norm_weight=norm, gated=True)
-        torch.testing.assert_close(y, _fused_reference(xm, t, srow, norm, gated=True), rtol=2e-3, atol=2e-3)
+        ref = _fused_reference(xm, t, srow, norm, gated=True)
+        paths = [None, "splitk", "splitk_t", "gemm", "gemm_t"] + (["row", "rowq", "gemv"] if m <= 16 else [])
+        for path in paths:
+            y = L.ternary_linear(xm, p, srow, 6912, norm_weight=norm, gated=True, path=path)
+            torch.testing.assert_close(
+                y, ref, rtol=2e-3, atol=2e-3, msg=lambda e, m=m, path=path: f"{m} {path}: {e}"
+            )
     w = torch.randint(-127, 128, (1000, 2560), dtype=torch.int8, device="cuda")
     s = torch.rand(1000, device="cuda")
     for m in (1, 40):

@@ -287,6 +287,62 @@ def _quant_kernel(
 # GEMM: prefill / large batch, int8 tensor cores
 # --------------------------------------------------------------------------------------------------------------
 @triton.jit
+def _mma_loop(
+    q_ptr,
+    w_ptr,
+    offs_m,
+    offs_n,
+    mask_m,
+    mask_n,
+    N,
+    KP,
+    b_lo,
+    b_hi,
+    stride_qm,
+    GATED: tl.constexpr,
+    PTX: tl.constexpr,
+    SWAP: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BKB: tl.constexpr,
+):
+    """int32 [BM, BN] tiles X @ C^T (and the up half when GATED) over packed bytes b_lo..b_hi of every slab.
+    SWAP computes C @ X^T instead: the decoded codes are the MMA's A operand straight from registers and the
+    activations its B operand (shared memory), with the batch in the MMA's N dimension -- the shape Hopper's
+    wgmma wants, and no padding of a small batch up to 64 rows."""
+    if SWAP:
+        acc = tl.zeros([BN, BM], tl.int32)
+        acc2 = tl.zeros([BN, BM], tl.int32)
+    else:
+        acc = tl.zeros([BM, BN], tl.int32)
+        acc2 = tl.zeros([BM, BN], tl.int32)
+    for b0 in range(b_lo, b_hi, BKB):
+        offs_b = b0 + tl.arange(0, BKB)
+        mb = offs_b < b_hi
+        mw = mask_n[:, None] & mb[None, :]
+        wb = tl.load(w_ptr + offs_n[:, None] * KP + offs_b[None, :], mask=mw, other=0)  # [BN, BKB] uint8
+        if GATED:
+            wb2 = tl.load(w_ptr + (offs_n + N)[:, None] * KP + offs_b[None, :], mask=mw, other=0)
+        for i in tl.static_range(4):
+            xa = tl.load(
+                q_ptr + offs_m[:, None] * stride_qm + (i * KP + offs_b)[None, :],
+                mask=mask_m[:, None] & mb[None, :],
+                other=0,
+            )  # [BM, BKB] int8
+            if SWAP:
+                acc = tl.dot(_codes8(wb, i, PTX), tl.trans(xa), acc, out_dtype=tl.int32)
+                if GATED:
+                    acc2 = tl.dot(_codes8(wb2, i, PTX), tl.trans(xa), acc2, out_dtype=tl.int32)
+            else:
+                acc = tl.dot(xa, tl.trans(_codes8(wb, i, PTX)), acc, out_dtype=tl.int32)
+                if GATED:
+                    acc2 = tl.dot(xa, tl.trans(_codes8(wb2, i, PTX)), acc2, out_dtype=tl.int32)
+    if SWAP:
+        return tl.trans(acc), tl.trans(acc2)
+    return acc, acc2
+
+
+@triton.jit
 def _gemm_kernel(
     q_ptr,
     a_ptr,
@@ -310,6 +366,7 @@ def _gemm_kernel(
     BN: tl.constexpr,
     BKB: tl.constexpr,
     GROUP_M: tl.constexpr,
+    SWAP: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
@@ -323,24 +380,9 @@ def _gemm_kernel(
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    acc = tl.zeros([BM, BN], tl.int32)
-    acc2 = tl.zeros([BM, BN], tl.int32)
-    for b0 in range(0, KP, BKB):
-        offs_b = b0 + tl.arange(0, BKB)
-        mb = offs_b < KP
-        mw = mask_n[:, None] & mb[None, :]
-        wb = tl.load(w_ptr + offs_n[:, None] * KP + offs_b[None, :], mask=mw, other=0)  # [BN, BKB] uint8
-        if GATED:
-            wb2 = tl.load(w_ptr + (offs_n + N)[:, None] * KP + offs_b[None, :], mask=mw, other=0)
-        for i in tl.static_range(4):
-            xa = tl.load(
-                q_ptr + offs_m[:, None] * stride_qm + (i * KP + offs_b)[None, :],
-                mask=mask_m[:, None] & mb[None, :],
-                other=0,
-            )  # [BM, BKB] int8
-            acc = tl.dot(xa, tl.trans(_codes8(wb, i, PTX)), acc, out_dtype=tl.int32)
-            if GATED:
-                acc2 = tl.dot(xa, tl.trans(_codes8(wb2, i, PTX)), acc2, out_dtype=tl.int32)
+    acc, acc2 = _mma_loop(
+        q_ptr, w_ptr, offs_m, offs_n, mask_m, mask_n, N, KP, 0, KP, stride_qm, GATED, PTX, SWAP, BM, BN, BKB
+    )
     a = tl.load(a_ptr + offs_m, mask=mask_m, other=1.0)
     rs = tl.load(rs_ptr + offs_m, mask=mask_m, other=0)
     y = _epilogue(acc, rs, a, s_ptr, offs_n, mask_n, PER_ROW, PTX)
@@ -440,6 +482,7 @@ def _splitk_kernel(
     BN: tl.constexpr,
     BKB: tl.constexpr,
     PDL: tl.constexpr = False,
+    SWAP: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -449,26 +492,27 @@ def _splitk_kernel(
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    acc = tl.zeros([BM, BN], tl.int32)
-    acc2 = tl.zeros([BM, BN], tl.int32)
     b_lo = pid_s * CHUNKS_PER_SPLIT * BKB
     b_hi = tl.minimum(b_lo + CHUNKS_PER_SPLIT * BKB, KP)
-    for b0 in range(b_lo, b_hi, BKB):
-        offs_b = b0 + tl.arange(0, BKB)
-        mb = offs_b < b_hi
-        mw = mask_n[:, None] & mb[None, :]
-        wb = tl.load(w_ptr + offs_n[:, None] * KP + offs_b[None, :], mask=mw, other=0)  # [BN, BKB] uint8
-        if GATED:
-            wb2 = tl.load(w_ptr + (offs_n + N)[:, None] * KP + offs_b[None, :], mask=mw, other=0)
-        for i in tl.static_range(4):
-            xa = tl.load(
-                q_ptr + offs_m[:, None] * stride_qm + (i * KP + offs_b)[None, :],
-                mask=mask_m[:, None] & mb[None, :],
-                other=0,
-            )  # [BM, BKB] int8
-            acc = tl.dot(xa, tl.trans(_codes8(wb, i, PTX)), acc, out_dtype=tl.int32)
-            if GATED:
-                acc2 = tl.dot(xa, tl.trans(_codes8(wb2, i, PTX)), acc2, out_dtype=tl.int32)
+    acc, acc2 = _mma_loop(
+        q_ptr,
+        w_ptr,
+        offs_m,
+        offs_n,
+        mask_m,
+        mask_n,
+        N,
+        KP,
+        b_lo,
+        b_hi,
+        stride_qm,
+        GATED,
+        PTX,
+        SWAP,
+        BM,
+        BN,
+        BKB,
+    )
     mask_y = mask_m[:, None] & mask_n[None, :]
     if USE_SPLIT:
         # partial tile -> its own workspace slot (plain stores: no atomics per element); the last split of the

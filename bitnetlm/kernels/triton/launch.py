@@ -6,6 +6,7 @@ winner; call the ops once outside CUDA-graph capture (a warm-up) so no tuning ha
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -81,6 +82,44 @@ def _graph_time(fn, calls: int = 8, reps: int = 3) -> float:
     return timed(g_both) - timed(g_flush)
 
 
+# tuned choices persist across processes (a later load skips the timing): one JSON file per user, keyed by the
+# GPU, the Triton version and the tuning key; a stored choice is used only if it is still a candidate
+TUNE_CACHE = os.environ.get(
+    "BITNETLM_TRITON_TUNE_CACHE",
+    os.path.join(os.path.expanduser("~"), ".cache", "bitnetlm", "triton_tune.json"),
+)
+_disk: dict[str, dict] = {}
+
+
+def _disk_key(key: tuple) -> str:
+    return f"{torch.cuda.get_device_name()}|triton {triton.__version__}|{TUNE_MODE}|{key}"
+
+
+def _disk_load() -> None:
+    if _disk or not TUNE_CACHE:
+        return
+    _disk["__loaded__"] = {}
+    try:
+        with open(TUNE_CACHE) as f:
+            _disk.update(json.load(f))
+    except (OSError, ValueError):
+        pass
+
+
+def _disk_store(key: tuple, cfg: dict) -> None:
+    if not TUNE_CACHE:
+        return
+    _disk[_disk_key(key)] = cfg
+    try:
+        os.makedirs(os.path.dirname(TUNE_CACHE) or ".", exist_ok=True)
+        tmp = f"{TUNE_CACHE}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({k: v for k, v in _disk.items() if k != "__loaded__"}, f, indent=1)
+        os.replace(tmp, TUNE_CACHE)
+    except OSError:
+        pass
+
+
 def _tune(key: tuple, candidates: list[dict], launch) -> dict:
     """The fastest candidate for `key` (first candidate under the interpreter or during capture)."""
     if key in _choice:
@@ -88,6 +127,11 @@ def _tune(key: tuple, candidates: list[dict], launch) -> dict:
     if K.INTERPRET or len(candidates) == 1 or not TUNE or torch.cuda.is_current_stream_capturing():
         _choice[key] = candidates[0]
         return candidates[0]
+    _disk_load()
+    stored = _disk.get(_disk_key(key))
+    if stored in candidates:
+        _choice[key] = stored
+        return stored
     best, best_t = candidates[0], float("inf")
     for cfg in candidates:
         try:
@@ -102,6 +146,7 @@ def _tune(key: tuple, candidates: list[dict], launch) -> dict:
         if t < best_t:
             best, best_t = cfg, t
     _choice[key] = best
+    _disk_store(key, best)
     return best
 
 
@@ -130,7 +175,8 @@ def _gemv_candidates(bm: int, gated: bool, k: int = 4096) -> list[dict]:
 
 def _gemm_candidates(m: int, gated: bool) -> list[dict]:
     if K.INTERPRET:
-        return [dict(BM=32, BN=64, BKB=32, GROUP_M=4, num_warps=1, num_stages=1)]
+        c = dict(BM=32, BN=64, BKB=32, GROUP_M=4, num_warps=1, num_stages=1)
+        return [c, dict(c, SWAP=True)]
     if m <= 64:
         c = [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 32, 128, 4, 4)]
     else:  # 128-wide tiles leave SMs idle on the N = 2560 projections at 512 rows: smaller tiles too
@@ -147,6 +193,10 @@ def _gemm_candidates(m: int, gated: bool) -> list[dict]:
         if gated and bm * bn > 128 * 64:
             continue
         out.append(dict(BM=bm, BN=bn, BKB=bkb, GROUP_M=8, num_warps=nw, num_stages=ns))
+    if m > 64:  # swapped operands (codes = A from registers, activations = B): weight rows in the MMA's M
+        for bm, bn, bkb, nw, ns in ((128, 128, 64, 8, 3), (64, 128, 128, 4, 3), (128, 64, 128, 4, 3)):
+            if not (gated and bm * bn > 128 * 64):
+                out.append(dict(BM=bm, BN=bn, BKB=bkb, GROUP_M=8, num_warps=nw, num_stages=ns, SWAP=True))
     return out
 
 
@@ -192,7 +242,13 @@ def _splitk_candidates(m: int, n: int, kp: int, gated: bool) -> list[dict]:
         if m > 16:  # no split (no workspace round trip) and few splits: M = 64 tiles already fill the SMs
             tiles += [(64, 128, 0), (32, 128, 0), (64, 128, 150), (32, 128, 250)]
     out = []
-    for bn, bkb, target in tiles:
+    if not K.INTERPRET:  # swapped operands first: weight rows fill the MMA's M (64), the batch its N (>= 16)
+        tiles = [(64, 128, 0, True), (64, 128, 250, True), (64, 128, 500, True), (128, 128, 250, True)] + [
+            (*t, False) for t in tiles
+        ]
+    else:
+        tiles = [(*t, False) for t in tiles] + [(*t, True) for t in tiles]
+    for bn, bkb, target, swap in tiles:
         if gated and bn > 64:
             continue
         n_tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
@@ -210,6 +266,7 @@ def _splitk_candidates(m: int, n: int, kp: int, gated: bool) -> list[dict]:
                 CPS=per,
                 num_warps=4,
                 num_stages=1 if K.INTERPRET else 3,
+                SWAP=swap,
             )
         )
     return out
@@ -392,6 +449,7 @@ def ternary_linear(
             PER_ROW=per_row,
             PTX=PTX,
             USE_SPLIT=cfg["SPLIT"] > 1,
+            SWAP=cfg.get("SWAP", False),
             BM=cfg["BM"],
             BN=cfg["BN"],
             BKB=cfg["BKB"],
@@ -477,7 +535,11 @@ def ternary_linear(
         }[cfg["path"]](cfg)
 
     gemv = [dict(path="gemv", **c) for c in _gemv_candidates(bm, gated, k)]
-    splitk = _splitk_candidates(m, out_features, kp, gated) if m <= SPLITK_MAX_M or path == "splitk" else []
+    splitk = (
+        _splitk_candidates(m, out_features, kp, gated)
+        if m <= SPLITK_MAX_M or path in ("splitk", "splitk_t")
+        else []
+    )
     gemm = [dict(path="gemm", **c) for c in _gemm_candidates(m, gated)]
     gemv8 = _gemv8_candidates(bm, gated)
     row = _row_candidates(kp // 4, gated, "row")
@@ -490,7 +552,16 @@ def ternary_linear(
         else:
             cands = splitk if m <= SPLITK_MAX_M else gemm
     else:
-        cands = {"gemv": gemv, "gemv8": gemv8, "splitk": splitk, "gemm": gemm, "row": row, "rowq": rowq}[path]
+        cands = {
+            "gemv": gemv,
+            "gemv8": gemv8,
+            "splitk": [c for c in splitk if not c["SWAP"]],
+            "splitk_t": [c for c in splitk if c["SWAP"]],
+            "gemm": [c for c in gemm if not c.get("SWAP")],
+            "gemm_t": [c for c in gemm if c.get("SWAP")],
+            "row": row,
+            "rowq": rowq,
+        }[path]
     mb = min(bm, 1024)  # tune per power-of-two bucket of M
     key = (path or "auto", out_features, k, mb, *flags)
     launch(_tune(key, cands, launch))
