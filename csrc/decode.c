@@ -9,18 +9,11 @@
 #include <math.h>
 #include <string.h>
 
-#include "bitnet_decode.h"
 #include "bn_internal.h"
+#include "decode_internal.h"
 
 /* 8 independent partial sums: the compiler can keep them in vector registers without reassociating */
 #define LANES 8
-
-static inline float bf16_to_f32(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
 static inline uint16_t f32_to_bf16(float f) {
     /* round to nearest even, like torch's .to(torch.bfloat16); NaN stays a (quiet) NaN */
@@ -32,26 +25,6 @@ static inline uint16_t f32_to_bf16(float f) {
 
 static inline float lanes_sum(const float *acc) {
     return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-}
-
-static float dot_f32(const float *a, const float *b, int64_t n) {
-    float acc[LANES] = {0};
-    int64_t d = 0;
-    for (; d + LANES <= n; d += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] += a[d + l] * b[d + l];
-    float s = lanes_sum(acc);
-    for (; d < n; d++) s += a[d] * b[d];
-    return s;
-}
-
-static float dot_bf16(const float *a, const uint16_t *b, int64_t n) {
-    float acc[LANES] = {0};
-    int64_t d = 0;
-    for (; d + LANES <= n; d += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] += a[d + l] * bf16_to_f32(b[d + l]);
-    float s = lanes_sum(acc);
-    for (; d < n; d++) s += a[d] * bf16_to_f32(b[d]);
-    return s;
 }
 
 /* y = w * (x * rsqrt(mean(x^2) + eps)), the torch RMSNorm's operations (y may alias x) */
@@ -75,68 +48,6 @@ static void rope(float *x, const float *cos, const float *sin, int64_t d) {
         tmp[i] = x[i] * cos[i] + rh * sin[i];
     }
     memcpy(x, tmp, sizeof(float) * (size_t)d);
-}
-
-/* ---- attention ---------------------------------------------------------------------------------------- */
-typedef struct {
-    const bn_decode_config *c;
-    const void *kc, *vc;  /* this layer's cache */
-    const uint8_t *valid;
-    const int64_t *slot;
-    const float *q;       /* [m, q_ld] rotated queries (head-major inside a row) */
-    int64_t q_ld;
-    float *out;           /* [m, n_heads * head_dim] */
-    float *scores;        /* [m * n_heads, max_seq] */
-} attn_ctx;
-
-/* one task = one (row, query head) */
-static void attn_range(void *p, int64_t lo, int64_t hi) {
-    const attn_ctx *A = p;
-    const bn_decode_config *c = A->c;
-    int64_t D = c->head_dim, S = c->max_seq, H = c->n_heads, rep = c->n_heads / c->n_kv;
-    float scale = 1.0f / sqrtf((float)D);
-    int bf16 = c->kv_dtype == BN_KV_BF16;
-    for (int64_t task = lo; task < hi; task++) {
-        int64_t i = task / H, hq = task % H, g = hq / rep, pos = A->slot[i];
-        const float *q = A->q + i * A->q_ld + hq * D;
-        const uint8_t *ok = A->valid + i * S;
-        int64_t base = (i * c->n_kv + g) * S * D; /* element offset of (row i, kv head g, slot 0) */
-        float *sc = A->scores + task * S;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j <= pos; j++) {
-            /* key j is visible if it holds a real token at or before this slot; a padding query sees itself */
-            if (!ok[j] && j != pos) {
-                sc[j] = -INFINITY;
-                continue;
-            }
-            float s = bf16 ? dot_bf16(q, (const uint16_t *)A->kc + base + j * D, D)
-                           : dot_f32(q, (const float *)A->kc + base + j * D, D);
-            sc[j] = s * scale;
-            if (sc[j] > mx) mx = sc[j];
-        }
-        float sum = 0.0f;
-        for (int64_t j = 0; j <= pos; j++) {
-            float e = sc[j] == -INFINITY ? 0.0f : expf(sc[j] - mx);
-            sc[j] = e;
-            sum += e;
-        }
-        float inv = 1.0f / sum;
-        float acc[BN_DECODE_MAX_HEAD_DIM];
-        for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
-        for (int64_t j = 0; j <= pos; j++) {
-            float w = sc[j];
-            if (w == 0.0f) continue;
-            if (bf16) {
-                const uint16_t *v = (const uint16_t *)A->vc + base + j * D;
-                for (int64_t d = 0; d < D; d++) acc[d] += w * bf16_to_f32(v[d]);
-            } else {
-                const float *v = (const float *)A->vc + base + j * D;
-                for (int64_t d = 0; d < D; d++) acc[d] += w * v[d];
-            }
-        }
-        float *o = A->out + i * H * D + hq * D;
-        for (int64_t d = 0; d < D; d++) o[d] = acc[d] * inv;
-    }
 }
 
 /* rows' rotated k, v -> their cache slots */
@@ -202,12 +113,7 @@ static int layer_step(const bn_decode_config *c, const bn_decode_layer *L, void 
         for (int64_t hd = 0; hd < c->n_heads + c->n_kv; hd++) /* q heads then k heads: contiguous in a row */
             rope(W->qkv + i * ld + hd * D, cos + i * D, sin + i * D, D);
     cache_write(c, kc, vc, W->qkv, ld, slot, m);
-    attn_ctx A = {c, kc, vc, valid, slot, W->qkv, ld, W->att, W->scores};
-    int64_t macs = 0;
-    for (int64_t i = 0; i < m; i++) macs += (slot[i] + 1) * qd * 2;
-    /* below ~64k multiply-adds waking the pool costs more than it saves */
-    if (macs >= 65536) bn_parallel_for(m * c->n_heads, attn_range, &A);
-    else attn_range(&A, 0, m * c->n_heads);
+    bn_decode_attention(c, kc, vc, valid, slot, W->qkv, ld, m, W->att, W->scores);
     if (L->attn_sub_norm)
         for (int64_t i = 0; i < m; i++) rmsnorm(W->att + i * qd, L->attn_sub_norm, qd, c->eps, W->att + i * qd);
     if ((rc = bn_ternary_linear_f32(W->att, m, qd, L->w[BN_DEC_O], H, *L->scale[BN_DEC_O], W->o)) != 0) return rc;

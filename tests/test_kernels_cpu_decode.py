@@ -7,6 +7,7 @@ import pytest
 import torch
 from oracle import greedy_with_cache
 
+from bitnetlm.kernels import cpu
 from bitnetlm.kernels.cpu.decode import ENV, attach, detach, why_not
 from bitnetlm.loading import load_model
 
@@ -18,18 +19,18 @@ from bitnetlm.loading import load_model
 REL_BOUND = 1e-5
 
 
-def _fused_vs_unfused(model, batch: int, kv_dtype: torch.dtype, steps: int = 12):
+def _fused_vs_unfused(model, batch: int, kv_dtype: torch.dtype, steps: int = 12, ctx: int = 0):
     """Prefill rows with padding, then decode `steps` tokens twice per step: fused into one cache, unfused into
     a copy. Batch 3: rows at different positions, rows 1 and 2 left-padded (masked slots before the query),
-    row 2 a padding query every other step."""
+    row 2 a padding query every other step. ctx: extra prompt length for every row."""
     fused = model.cpu_decode
     assert fused is not None
     gen = torch.Generator().manual_seed(7)
-    left, lens = torch.tensor([0, 2, 3][:batch]), torch.tensor([9, 5, 7][:batch])
+    left, lens = torch.tensor([0, 2, 3][:batch]), torch.tensor([9, 5, 7][:batch]) + ctx
     t0 = int(lens.max())
     prompt = torch.randint(3, model.config.vocab_size, (batch, t0), generator=gen)
     pmask = (torch.arange(t0)[None] >= left[:, None]) & (torch.arange(t0)[None] < lens[:, None])
-    caches = [model.new_cache(batch, 48, dtype=kv_dtype) for _ in range(2)]
+    caches = [model.new_cache(batch, t0 + steps, dtype=kv_dtype) for _ in range(2)]
     worst = 0.0
     with torch.inference_mode():
         for c in caches:
@@ -67,6 +68,20 @@ def test_fused_logits_match_unfused(oracle_dirs, one_torch_thread, variant, kv_d
     model = load_model(oracle_dirs[variant][0], backend="cpu").eval()
     assert why_not(model) is None
     _fused_vs_unfused(model, batch, kv_dtype)
+
+
+@pytest.mark.parametrize("isa", [None, "scalar"])  # AVX2/AVX-512 machines: vector and portable attention
+def test_fused_long_context_threaded_attention(oracle_dirs, one_torch_thread, isa):
+    """~200 cached positions in 3 rows: enough work for the attention to be shared out over 2 threads."""
+    model = load_model(oracle_dirs["packed-autobitlinear"][0], backend="cpu").eval()
+    threads = cpu.get_num_threads()
+    cpu.set_num_threads(2)
+    try:
+        with cpu.use_isa(isa):
+            _fused_vs_unfused(model, 3, torch.float32, steps=4, ctx=190)
+            _fused_vs_unfused(model, 3, torch.bfloat16, steps=4, ctx=190)
+    finally:
+        cpu.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("variant", ["packed-autobitlinear", "packed-bitlinear", "1bitllm"])
