@@ -31,44 +31,46 @@ def _rope_cache_kernel(
     stride_row,
     D: tl.constexpr,
     HALF: tl.constexpr,
+    HP: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
+    """One program per token row, all heads at once ([HP, D/2] halves): q heads rotated into q, k heads rotated
+    into the cache slot pos, v heads copied into theirs."""
     row = tl.program_id(0)  # b * T + t
-    hh = tl.program_id(1)  # 0..H-1 q heads, H..H+HKV-1 k heads, then v heads
     _pdl_wait(PDL)
     b = row // T
     t = row % T
     pos = tl.load(pos_ptr + b) + t
+    hh = tl.arange(0, HP)  # 0..H-1 q heads, H..H+HKV-1 k heads, then v heads
     d = tl.arange(0, HALF)
-    src = qkv_ptr + row * stride_row + hh * D
-    x1 = tl.load(src + d)
-    x2 = tl.load(src + HALF + d)
-    if hh < H + HKV:
-        c = tl.load(cos_ptr + pos * HALF + d)
-        s = tl.load(sin_ptr + pos * HALF + d)
-        f1 = x1.to(tl.float32)
-        f2 = x2.to(tl.float32)
-        o1 = f1 * c - f2 * s
-        o2 = f2 * c + f1 * s
-        if hh < H:
-            dst = q_ptr + ((b * H + hh) * T + t) * D
-            tl.store(dst + d, o1.to(q_ptr.dtype.element_ty))
-            tl.store(dst + HALF + d, o2.to(q_ptr.dtype.element_ty))
-        else:
-            dst = k_ptr + ((b * HKV + (hh - H)) * S + pos) * D
-            tl.store(dst + d, o1.to(k_ptr.dtype.element_ty))
-            tl.store(dst + HALF + d, o2.to(k_ptr.dtype.element_ty))
-    else:
-        dst = v_ptr + ((b * HKV + (hh - H - HKV)) * S + pos) * D
-        tl.store(dst + d, x1.to(v_ptr.dtype.element_ty))
-        tl.store(dst + HALF + d, x2.to(v_ptr.dtype.element_ty))
+    mh = (hh < H + 2 * HKV)[:, None]
+    src = qkv_ptr + row * stride_row + hh[:, None] * D + d[None, :]
+    f1 = tl.load(src, mask=mh, other=0.0).to(tl.float32)
+    f2 = tl.load(src + HALF, mask=mh, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + pos * HALF + d)[None, :]
+    s = tl.load(sin_ptr + pos * HALF + d)[None, :]
+    rot = (hh < H + HKV)[:, None]
+    o1 = tl.where(rot, f1 * c - f2 * s, f1)
+    o2 = tl.where(rot, f2 * c + f1 * s, f2)
+    mq = (hh < H)[:, None]
+    dq = q_ptr + (((b * H + hh) * T + t) * D)[:, None] + d[None, :]
+    tl.store(dq, o1.to(q_ptr.dtype.element_ty), mask=mq)
+    tl.store(dq + HALF, o2.to(q_ptr.dtype.element_ty), mask=mq)
+    mk = ((hh >= H) & (hh < H + HKV))[:, None]
+    dk = k_ptr + (((b * HKV + (hh - H)) * S + pos) * D)[:, None] + d[None, :]
+    tl.store(dk, o1.to(k_ptr.dtype.element_ty), mask=mk)
+    tl.store(dk + HALF, o2.to(k_ptr.dtype.element_ty), mask=mk)
+    mv = ((hh >= H + HKV) & (hh < H + 2 * HKV))[:, None]
+    dv = v_ptr + (((b * HKV + (hh - H - HKV)) * S + pos) * D)[:, None] + d[None, :]
+    tl.store(dv, o1.to(v_ptr.dtype.element_ty), mask=mv)
+    tl.store(dv + HALF, o2.to(v_ptr.dtype.element_ty), mask=mv)
 
 
 def rope_cache(qkv, cos, sin, pos, q_out, k_cache, v_cache, n_heads: int, n_kv: int, t: int) -> None:
     """Rotate q/k of `qkv` [B*T, (H+2Hkv)*D] at positions pos[b]+t; q -> q_out [B,H,T,D], k/v -> cache slots."""
     d = k_cache.shape[-1]
-    grid = (qkv.shape[0], n_heads + 2 * n_kv)
-    _rope_cache_kernel[grid](
+    hp = triton.next_power_of_2(n_heads + 2 * n_kv)
+    _rope_cache_kernel[(qkv.shape[0],)](
         qkv,
         cos,
         sin,
@@ -83,7 +85,8 @@ def rope_cache(qkv, cos, sin, pos, q_out, k_cache, v_cache, n_heads: int, n_kv: 
         qkv.stride(0),
         D=d,
         HALF=d // 2,
-        num_warps=1,
+        HP=hp,
+        num_warps=1 if INTERPRET else max(1, min(8, hp * d // 512)),
         **pdl_kw(),
     )
 

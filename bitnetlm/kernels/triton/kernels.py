@@ -337,9 +337,13 @@ def _mma_loop(
                 acc = tl.dot(xa, tl.trans(_codes8(wb, i, PTX)), acc, out_dtype=tl.int32)
                 if GATED:
                     acc2 = tl.dot(xa, tl.trans(_codes8(wb2, i, PTX)), acc2, out_dtype=tl.int32)
-    if SWAP:
-        return tl.trans(acc), tl.trans(acc2)
-    return acc, acc2
+    if SWAP:  # (one return: Triton checks every return statement's type, taken branch or not)
+        r1 = tl.trans(acc)
+        r2 = tl.trans(acc2)
+    else:
+        r1 = acc
+        r2 = acc2
+    return r1, r2
 
 
 @triton.jit
@@ -468,7 +472,7 @@ def _splitk_kernel(
     N,
     KP,
     CHUNKS_PER_SPLIT,
-    SPLIT,
+    SPLIT: tl.constexpr,
     stride_qm,
     stride_rm,
     stride_ym,
@@ -530,7 +534,7 @@ def _splitk_kernel(
             tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
             acc = tl.zeros([BM, BN], tl.int32)
             acc2 = tl.zeros([BM, BN], tl.int32)
-            for sp in range(0, SPLIT):
+            for sp in tl.static_range(SPLIT):  # unrolled: every slot's load in flight at once
                 # .cg: the other programs' partials from L2, never a stale L1 line of an earlier replay
                 acc += tl.load(ws + sp * M * wcols, mask=mask_y, other=0, cache_modifier=".cg")
                 if GATED:
