@@ -193,10 +193,15 @@ def _gemm_candidates(m: int, gated: bool) -> list[dict]:
         if gated and bm * bn > 128 * 64:
             continue
         out.append(dict(BM=bm, BN=bn, BKB=bkb, GROUP_M=8, num_warps=nw, num_stages=ns))
-    if m > 64:  # swapped operands (codes = A from registers, activations = B): weight rows in the MMA's M
-        for bm, bn, bkb, nw, ns in ((128, 128, 64, 8, 3), (64, 128, 128, 4, 3), (128, 64, 128, 4, 3)):
-            if not (gated and bm * bn > 128 * 64):
-                out.append(dict(BM=bm, BN=bn, BKB=bkb, GROUP_M=8, num_warps=nw, num_stages=ns, SWAP=True))
+    # swapped operands (codes = A from registers, activations = B): weight rows in the MMA's M
+    swapped = (
+        ((128, 128, 64, 8, 3), (64, 128, 128, 4, 3), (128, 64, 128, 4, 3))
+        if m > 64
+        else ((64, 64, 128, 4, 3),)
+    )
+    for bm, bn, bkb, nw, ns in swapped:
+        if not (gated and bm * bn > 128 * 64):
+            out.append(dict(BM=bm, BN=bn, BKB=bkb, GROUP_M=8, num_warps=nw, num_stages=ns, SWAP=True))
     return out
 
 
