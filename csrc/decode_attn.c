@@ -1,14 +1,16 @@
 /* Single-query GQA attention for the fused decode step.
  *
- * One task = (row, KV head, a block of its query heads). Keys and values are read slot by slot and used by
- * every query head of the block while the row is in L1, so a KV head's cache is streamed once per block
- * (GQA: 4 query heads per KV head in 2B4T). With few rows the query heads of a KV head are split into two
- * blocks so both threads of a small machine get work (5 KV heads on 2 threads would leave one idle 1/3 of
- * the time). Scores and softmax in fp32.
+ * One task = (row, KV head, a block of up to 8 of its query heads): scores of every key for the block, softmax
+ * per head over the visible keys (fp32), then the weighted sum of values. All query heads of a KV head stay in
+ * one task even when that leaves a thread idle part of the time (5 KV heads on 2 threads): the work is bound
+ * by reading the cache, and splitting the heads over two tasks reads it twice (measured ~10% slower).
  *
- * The dot / axpy kernels come in a portable version (vectorised by the compiler, no FMA) and an AVX2+FMA
- * one used when the library's instruction-set path is AVX2 or AVX-512 (bn_get_isa: BITNETLM_CPU_ISA=scalar
- * selects the portable one).
+ * Kernels: a portable version (compiler-vectorised, no FMA) and an AVX2+FMA one, used when the library's
+ * instruction-set path is AVX2 or AVX-512 and head_dim is a multiple of 16 (BITNETLM_CPU_ISA=scalar selects
+ * the portable one). AVX2 scores: 4 query heads x 2 keys per pass (8 independent FMA chains; each key row is
+ * loaded once for the heads sharing it; one chain per dot product was latency-bound at ~3 multiply-adds per
+ * cycle). AVX2 values: 4 heads x 16 columns in registers over blocks of 32 keys held in L1 (accumulating in
+ * memory instead was bound by store-to-load forwarding: the whole attention took ~1.3x longer).
  */
 #include <math.h>
 
@@ -17,7 +19,6 @@
 
 #define LANES 8
 #define HEAD_BLOCK 8 /* query heads per task at most (accumulators on the stack) */
-#define BN_ALWAYS_INLINE static inline __attribute__((always_inline))
 
 typedef struct {
     const bn_decode_config *c;
@@ -31,112 +32,111 @@ typedef struct {
 } attn_ctx;
 
 /* ---- portable kernels ----------------------------------------------------------------------------------- */
-BN_ALWAYS_INLINE float lanes_sum(const float *acc) {
+/* Kernels of one task: nh query heads q [nh, D] against keys / values 0..n-1 of one KV head (rows of D at kb,
+ * vb: fp32 or bf16). scores: sc[h * S + j] = scale * q_h . K_j. values: o[h * D + d] = inv[h] * sum_j
+ * sc[h * S + j] V_j[d]. */
+typedef void (*scores_fn)(const float *q, int64_t nh, const void *kb, int bf16, int64_t n, int64_t D, int64_t S,
+                          float scale, float *sc);
+typedef void (*values_fn)(const float *sc, int64_t nh, const void *vb, int bf16, int64_t n, int64_t D, int64_t S,
+                          const float *inv, float *o);
+
+static inline float lanes_sum(const float *acc) {
     return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
-BN_ALWAYS_INLINE float dot_f32(const float *a, const float *b, int64_t n) {
-    float acc[LANES] = {0};
-    int64_t d = 0;
-    for (; d + LANES <= n; d += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] += a[d + l] * b[d + l];
-    float s = lanes_sum(acc);
-    for (; d < n; d++) s += a[d] * b[d];
-    return s;
+static void scores_portable(const float *q, int64_t nh, const void *kb, int bf16, int64_t n, int64_t D, int64_t S,
+                            float scale, float *sc) {
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t h = 0; h < nh; h++) {
+            const float *qh = q + h * D;
+            float acc[LANES] = {0}, s;
+            int64_t d = 0;
+            if (bf16) {
+                const uint16_t *k = (const uint16_t *)kb + j * D;
+                for (; d + LANES <= D; d += LANES)
+                    for (int l = 0; l < LANES; l++) acc[l] += qh[d + l] * bn_bf16_to_f32(k[d + l]);
+                s = lanes_sum(acc);
+                for (; d < D; d++) s += qh[d] * bn_bf16_to_f32(k[d]);
+            } else {
+                const float *k = (const float *)kb + j * D;
+                for (; d + LANES <= D; d += LANES)
+                    for (int l = 0; l < LANES; l++) acc[l] += qh[d + l] * k[d + l];
+                s = lanes_sum(acc);
+                for (; d < D; d++) s += qh[d] * k[d];
+            }
+            sc[h * S + j] = s * scale;
+        }
 }
 
-BN_ALWAYS_INLINE float dot_bf16(const float *a, const uint16_t *b, int64_t n) {
-    float acc[LANES] = {0};
-    int64_t d = 0;
-    for (; d + LANES <= n; d += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] += a[d + l] * bn_bf16_to_f32(b[d + l]);
-    float s = lanes_sum(acc);
-    for (; d < n; d++) s += a[d] * bn_bf16_to_f32(b[d]);
-    return s;
+static void values_portable(const float *sc, int64_t nh, const void *vb, int bf16, int64_t n, int64_t D, int64_t S,
+                            const float *inv, float *o) {
+    for (int64_t h = 0; h < nh; h++) {
+        float acc[BN_DECODE_MAX_HEAD_DIM];
+        for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            float w = sc[h * S + j];
+            if (w == 0.0f) continue; /* masked key */
+            if (bf16) {
+                const uint16_t *v = (const uint16_t *)vb + j * D;
+                for (int64_t d = 0; d < D; d++) acc[d] += w * bn_bf16_to_f32(v[d]);
+            } else {
+                const float *v = (const float *)vb + j * D;
+                for (int64_t d = 0; d < D; d++) acc[d] += w * v[d];
+            }
+        }
+        for (int64_t d = 0; d < D; d++) o[h * D + d] = acc[d] * inv[h];
+    }
 }
 
-BN_ALWAYS_INLINE void axpy_f32(float *acc, float w, const float *v, int64_t n) {
-    for (int64_t d = 0; d < n; d++) acc[d] += w * v[d];
-}
-
-BN_ALWAYS_INLINE void axpy_bf16(float *acc, float w, const uint16_t *v, int64_t n) {
-    for (int64_t d = 0; d < n; d++) acc[d] += w * bn_bf16_to_f32(v[d]);
-}
-
-/* ---- the task, written once for both kernel sets --------------------------------------------------------- */
-typedef float (*dot_f32_fn)(const float *, const float *, int64_t);
-typedef float (*dot_bf16_fn)(const float *, const uint16_t *, int64_t);
-typedef void (*axpy_f32_fn)(float *, float, const float *, int64_t);
-typedef void (*axpy_bf16_fn)(float *, float, const uint16_t *, int64_t);
-
-BN_ALWAYS_INLINE void attn_task(const attn_ctx *A, int64_t task, dot_f32_fn df, dot_bf16_fn db, axpy_f32_fn af,
-                                axpy_bf16_fn ab) {
+/* ---- the task ---------------------------------------------------------------------------------------------- */
+static void attn_task(const attn_ctx *A, int64_t task, scores_fn scores, values_fn values) {
     const bn_decode_config *c = A->c;
     int64_t D = c->head_dim, S = c->max_seq, H = c->n_heads;
     int64_t i = task / (c->n_kv * A->tasks_per_row_group);
     int64_t g = task / A->tasks_per_row_group % c->n_kv;
     int64_t h0 = g * A->rep + task % A->tasks_per_row_group * A->per_task;
     int64_t nh = A->per_task < g * A->rep + A->rep - h0 ? A->per_task : g * A->rep + A->rep - h0;
-    int64_t pos = A->slot[i];
-    float scale = 1.0f / sqrtf((float)D);
+    int64_t n = A->slot[i] + 1, pos = A->slot[i];
     int bf16 = c->kv_dtype == BN_KV_BF16;
+    size_t esz = bf16 ? 2 : 4;
     const uint8_t *ok = A->valid + i * S;
     int64_t base = (i * c->n_kv + g) * S * D; /* element offset of (row i, KV head g, slot 0) */
-    const float *q = A->q + i * A->q_ld + h0 * D;
     float *sc = A->scores + (i * H + h0) * S; /* nh rows of S */
-    float mx[HEAD_BLOCK], inv[HEAD_BLOCK];
-    for (int64_t h = 0; h < nh; h++) mx[h] = -INFINITY;
-    for (int64_t j = 0; j <= pos; j++) {
-        /* key j is visible if it holds a real token at or before this slot; a padding query sees itself */
-        if (!ok[j] && j != pos) {
-            for (int64_t h = 0; h < nh; h++) sc[h * S + j] = -INFINITY;
-            continue;
-        }
-        for (int64_t h = 0; h < nh; h++) {
-            float s = bf16 ? db(q + h * D, (const uint16_t *)A->kc + base + j * D, D)
-                           : df(q + h * D, (const float *)A->kc + base + j * D, D);
-            s *= scale;
-            sc[h * S + j] = s;
-            if (s > mx[h]) mx[h] = s;
-        }
-    }
+    float inv[HEAD_BLOCK];
+    scores(A->q + i * A->q_ld + h0 * D, nh, (const char *)A->kc + base * esz, bf16, n, D, S,
+           1.0f / sqrtf((float)D), sc);
     for (int64_t h = 0; h < nh; h++) {
-        float sum = 0.0f, *row = sc + h * S;
-        for (int64_t j = 0; j <= pos; j++) {
-            float e = row[j] == -INFINITY ? 0.0f : expf(row[j] - mx[h]);
+        /* key j is visible if it holds a real token at or before this slot; a padding query sees itself */
+        float mx = -INFINITY, sum = 0.0f, *row = sc + h * S;
+        for (int64_t j = 0; j < n; j++)
+            if ((ok[j] || j == pos) && row[j] > mx) mx = row[j];
+        for (int64_t j = 0; j < n; j++) {
+            float e = (ok[j] || j == pos) ? expf(row[j] - mx) : 0.0f;
             row[j] = e;
             sum += e;
         }
         inv[h] = 1.0f / sum;
     }
-    float acc[HEAD_BLOCK][BN_DECODE_MAX_HEAD_DIM];
-    for (int64_t h = 0; h < nh; h++)
-        for (int64_t d = 0; d < D; d++) acc[h][d] = 0.0f;
-    for (int64_t j = 0; j <= pos; j++)
-        for (int64_t h = 0; h < nh; h++) {
-            float w = sc[h * S + j];
-            if (w == 0.0f) continue;
-            if (bf16) ab(acc[h], w, (const uint16_t *)A->vc + base + j * D, D);
-            else af(acc[h], w, (const float *)A->vc + base + j * D, D);
-        }
-    for (int64_t h = 0; h < nh; h++) {
-        float *o = A->out + i * H * D + (h0 + h) * D;
-        for (int64_t d = 0; d < D; d++) o[d] = acc[h][d] * inv[h];
-    }
+    values(sc, nh, (const char *)A->vc + base * esz, bf16, n, D, S, inv, A->out + i * H * D + h0 * D);
 }
 
 static void attn_range_portable(void *p, int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; t++) attn_task(p, t, dot_f32, dot_bf16, axpy_f32, axpy_bf16);
+    for (int64_t t = lo; t < hi; t++) attn_task(p, t, scores_portable, values_portable);
 }
 
-/* ---- AVX2 + FMA kernels ------------------------------------------------------------------------------------ */
+/* ---- AVX2 + FMA kernels (head_dim a multiple of 16) ---------------------------------------------------------- */
 #ifdef BN_X86
 #include <immintrin.h>
 #define AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma")))
+#define AVX2_FN static __attribute__((target("avx2,fma")))
+#define PREFETCH_ROWS 8 /* K / V rows to fetch ahead: the hardware prefetcher alone gave ~4.5 GB/s per thread */
 
-AVX2_INLINE __m256 load_bf16x8(const uint16_t *p) {
-    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+AVX2_INLINE __m256 load8(const void *p, int bf16) {
+    if (bf16) {
+        __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    }
+    return _mm256_loadu_ps((const float *)p);
 }
 
 AVX2_INLINE float hsum8(__m256 v) {
@@ -146,67 +146,123 @@ AVX2_INLINE float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-AVX2_INLINE float dot_f32_avx2(const float *a, const float *b, int64_t n) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-    int64_t d = 0;
-    for (; d + 16 <= n; d += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
+/* HN query heads x 2 keys per pass: 2 * HN independent FMA chains, each key row loaded once for HN heads */
+AVX2_INLINE void scores_heads(const float *q, const char *kb, int bf16, int64_t n, int64_t D, int64_t S,
+                              float scale, float *sc, const int HN) {
+    size_t row = (size_t)D * (bf16 ? 2 : 4);
+    int64_t j = 0;
+    for (; j + 2 <= n; j += 2) {
+        __m256 a0[4], a1[4];
+        for (int h = 0; h < HN; h++) a0[h] = a1[h] = _mm256_setzero_ps();
+        const char *k0 = kb + (size_t)j * row, *k1 = k0 + row;
+        for (size_t off = 0; off < 2 * row; off += 64) _mm_prefetch(k0 + PREFETCH_ROWS * row + off, _MM_HINT_T0);
+        for (int64_t d = 0; d < D; d += 8) {
+            __m256 x0 = load8(k0 + d * (bf16 ? 2 : 4), bf16), x1 = load8(k1 + d * (bf16 ? 2 : 4), bf16);
+            for (int h = 0; h < HN; h++) {
+                __m256 qv = _mm256_loadu_ps(q + h * D + d);
+                a0[h] = _mm256_fmadd_ps(qv, x0, a0[h]);
+                a1[h] = _mm256_fmadd_ps(qv, x1, a1[h]);
+            }
+        }
+        for (int h = 0; h < HN; h++) {
+            sc[h * S + j] = hsum8(a0[h]) * scale;
+            sc[h * S + j + 1] = hsum8(a1[h]) * scale;
+        }
     }
-    float s = hsum8(_mm256_add_ps(s0, s1));
-    for (; d < n; d++) s += a[d] * b[d];
-    return s;
-}
-
-AVX2_INLINE float dot_bf16_avx2(const float *a, const uint16_t *b, int64_t n) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-    int64_t d = 0;
-    for (; d + 16 <= n; d += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), load_bf16x8(b + d), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), load_bf16x8(b + d + 8), s1);
+    for (; j < n; j++) {
+        __m256 a0[4];
+        for (int h = 0; h < HN; h++) a0[h] = _mm256_setzero_ps();
+        const char *k0 = kb + (size_t)j * row;
+        for (int64_t d = 0; d < D; d += 8) {
+            __m256 x0 = load8(k0 + d * (bf16 ? 2 : 4), bf16);
+            for (int h = 0; h < HN; h++) a0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), x0, a0[h]);
+        }
+        for (int h = 0; h < HN; h++) sc[h * S + j] = hsum8(a0[h]) * scale;
     }
-    float s = hsum8(_mm256_add_ps(s0, s1));
-    for (; d < n; d++) s += a[d] * bn_bf16_to_f32(b[d]);
-    return s;
 }
 
-AVX2_INLINE void axpy_f32_avx2(float *acc, float w, const float *v, int64_t n) {
-    __m256 wv = _mm256_set1_ps(w);
-    int64_t d = 0;
-    for (; d + 8 <= n; d += 8)
-        _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(acc + d)));
-    for (; d < n; d++) acc[d] += w * v[d];
+AVX2_FN void scores_avx2(const float *q, int64_t nh, const void *kb, int bf16, int64_t n, int64_t D, int64_t S,
+                         float scale, float *sc) {
+    for (int64_t h = 0; h < nh; h += 4) {
+        const float *qh = q + h * D;
+        float *s = sc + h * S;
+        switch (nh - h < 4 ? nh - h : 4) {
+        case 1: scores_heads(qh, kb, bf16, n, D, S, scale, s, 1); break;
+        case 2: scores_heads(qh, kb, bf16, n, D, S, scale, s, 2); break;
+        case 3: scores_heads(qh, kb, bf16, n, D, S, scale, s, 3); break;
+        default: scores_heads(qh, kb, bf16, n, D, S, scale, s, 4); break;
+        }
+    }
 }
 
-AVX2_INLINE void axpy_bf16_avx2(float *acc, float w, const uint16_t *v, int64_t n) {
-    __m256 wv = _mm256_set1_ps(w);
-    int64_t d = 0;
-    for (; d + 8 <= n; d += 8)
-        _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(wv, load_bf16x8(v + d), _mm256_loadu_ps(acc + d)));
-    for (; d < n; d++) acc[d] += w * bn_bf16_to_f32(v[d]);
+/* HN heads x 16 output columns in registers over keys j0..j1-1, added to acc [HN][D] */
+AVX2_INLINE void values_tile(const float *sc, const char *vb, int bf16, int64_t j0, int64_t j1, int64_t D, int64_t S,
+                             int64_t d0, float *acc, const int HN) {
+    size_t es = bf16 ? 2 : 4, row = (size_t)D * es;
+    __m256 a0[4], a1[4];
+    for (int h = 0; h < HN; h++) {
+        a0[h] = _mm256_loadu_ps(acc + h * D + d0);
+        a1[h] = _mm256_loadu_ps(acc + h * D + d0 + 8);
+    }
+    const char *v = vb + (size_t)j0 * row + (size_t)d0 * es;
+    for (int64_t j = j0; j < j1; j++, v += row) {
+        __m256 x0 = load8(v, bf16), x1 = load8(v + 8 * es, bf16);
+        for (int h = 0; h < HN; h++) {
+            __m256 w = _mm256_broadcast_ss(sc + h * S + j);
+            a0[h] = _mm256_fmadd_ps(w, x0, a0[h]);
+            a1[h] = _mm256_fmadd_ps(w, x1, a1[h]);
+        }
+    }
+    for (int h = 0; h < HN; h++) {
+        _mm256_storeu_ps(acc + h * D + d0, a0[h]);
+        _mm256_storeu_ps(acc + h * D + d0 + 8, a1[h]);
+    }
 }
 
-__attribute__((target("avx2,fma"))) static void attn_range_avx2(void *p, int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; t++) attn_task(p, t, dot_f32_avx2, dot_bf16_avx2, axpy_f32_avx2, axpy_bf16_avx2);
+#define KEY_BLOCK 32 /* V rows kept in L1 while every 16-column strip of them is used (16 KiB in fp32) */
+
+AVX2_FN void values_avx2(const float *sc, int64_t nh, const void *vb, int bf16, int64_t n, int64_t D, int64_t S,
+                         const float *inv, float *o) {
+    size_t row = (size_t)D * (bf16 ? 2 : 4);
+    for (int64_t e = 0; e < nh * D; e++) o[e] = 0.0f;
+    for (int64_t j0 = 0; j0 < n; j0 += KEY_BLOCK) {
+        int64_t j1 = j0 + KEY_BLOCK < n ? j0 + KEY_BLOCK : n;
+        /* the next block's rows while this one is computed */
+        for (int64_t j = j1; j < j1 + KEY_BLOCK && j < n; j++)
+            for (size_t off = 0; off < row; off += 64) _mm_prefetch((const char *)vb + j * row + off, _MM_HINT_T0);
+        for (int64_t h = 0; h < nh; h += 4)
+            for (int64_t d = 0; d < D; d += 16) { /* head_dim: a multiple of 16 on this path */
+                const float *s = sc + h * S;
+                float *oh = o + h * D;
+                switch (nh - h < 4 ? nh - h : 4) {
+                case 1: values_tile(s, vb, bf16, j0, j1, D, S, d, oh, 1); break;
+                case 2: values_tile(s, vb, bf16, j0, j1, D, S, d, oh, 2); break;
+                case 3: values_tile(s, vb, bf16, j0, j1, D, S, d, oh, 3); break;
+                default: values_tile(s, vb, bf16, j0, j1, D, S, d, oh, 4); break;
+                }
+            }
+    }
+    for (int64_t h = 0; h < nh; h++)
+        for (int64_t d = 0; d < D; d++) o[h * D + d] *= inv[h];
+}
+
+static void attn_range_avx2(void *p, int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; t++) attn_task(p, t, scores_avx2, values_avx2);
 }
 #endif
 
 void bn_decode_attention(const bn_decode_config *c, const void *kc, const void *vc, const uint8_t *valid,
                          const int64_t *slot, const float *q, int64_t q_ld, int64_t m, float *out, float *scores) {
     attn_ctx A = {c, kc, vc, valid, slot, q, q_ld, out, scores, c->n_heads / c->n_kv, 0, 0};
-    int64_t groups = m * c->n_kv, threads = bn_get_num_threads();
-    /* split a KV head's query heads into blocks when there are too few (row, KV head) pairs to share out */
-    int64_t split = groups >= 4 * threads ? 1 : (4 * threads + groups - 1) / groups;
-    if (split > A.rep) split = A.rep;
-    A.per_task = (A.rep + split - 1) / split;
-    if (A.per_task > HEAD_BLOCK) A.per_task = HEAD_BLOCK;
+    int64_t groups = m * c->n_kv;
+    A.per_task = A.rep < HEAD_BLOCK ? A.rep : HEAD_BLOCK;
     A.tasks_per_row_group = (A.rep + A.per_task - 1) / A.per_task;
     int64_t tasks = groups * A.tasks_per_row_group, macs = 0;
     for (int64_t i = 0; i < m; i++) macs += (slot[i] + 1) * c->n_heads * c->head_dim * 2;
     bn_range_fn fn = attn_range_portable;
 #ifdef BN_X86
     int isa = bn_get_isa();
-    if (isa == BN_ISA_AVX2 || isa == BN_ISA_AVX512VNNI) fn = attn_range_avx2;
+    if ((isa == BN_ISA_AVX2 || isa == BN_ISA_AVX512VNNI) && c->head_dim % 16 == 0) fn = attn_range_avx2;
 #endif
     /* below ~64k multiply-adds waking the pool costs more than it saves */
     if (macs >= 65536) bn_parallel_for(tasks, fn, &A);

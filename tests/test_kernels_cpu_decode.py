@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import greedy_with_cache
+from oracle import greedy_with_cache, random_model
 
-from bitnetlm.kernels import cpu
+from bitnetlm.kernels import cpu, prepare
 from bitnetlm.kernels.cpu.decode import ENV, attach, detach, why_not
 from bitnetlm.loading import load_model
+from bitnetlm.quant import to_inference_
 
 # The fused step sums RMSNorm means and attention dot products / softmax in another order than torch, so it
 # is not bit-exact; everything else (projections, RoPE, activation, residuals) repeats torch's fp32 ops.
@@ -68,6 +69,17 @@ def test_fused_logits_match_unfused(oracle_dirs, one_torch_thread, variant, kv_d
     model = load_model(oracle_dirs[variant][0], backend="cpu").eval()
     assert why_not(model) is None
     _fused_vs_unfused(model, batch, kv_dtype)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 1), (6, 2)])  # 8 and 3 query heads per KV head
+def test_fused_logits_match_unfused_wide_gqa(one_torch_thread, heads, kv_heads):
+    """Query-head blocks of 3, 4 and 8 (the oracle checkpoints have 1 and 2): random model of ours."""
+    model = random_model(
+        hidden=16 * heads, inter=128, num_attention_heads=heads, num_key_value_heads=kv_heads
+    )
+    model = prepare(to_inference_(model).eval(), backend="cpu")
+    _fused_vs_unfused(model, 3, torch.float32, steps=4, ctx=30)
+    _fused_vs_unfused(model, 3, torch.bfloat16, steps=4, ctx=30)
 
 
 @pytest.mark.parametrize("isa", [None, "scalar"])  # AVX2/AVX-512 machines: vector and portable attention

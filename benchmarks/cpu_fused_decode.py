@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""Decode tokens/s with the fused CPU decode step (kernels.cpu.decode) on and off, in the same run.
+
+Random weights of the 2B4T shape (bench.random_model, bf16 head), C kernels on `--threads` threads, torch at
+1 thread. For each KV cache type and context length, two identical caches are filled by one prefill (not
+timed); then `--tg` decode steps are run on each, fused and unfused steps interleaved one by one (order
+alternating), so load from other processes hits both about equally. The table gives tokens/s from the median
+and the fastest step of each. Prints the machine and its load average: a shared machine makes numbers noisy.
+
+    python benchmarks/cpu_fused_decode.py --threads 2 --ctx 0,1024 --tg 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from bitnetlm import bench  # noqa: E402
+from bitnetlm.kernels import cpu  # noqa: E402
+from bitnetlm.kernels.cpu.decode import attach  # noqa: E402
+
+KV = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@torch.inference_mode()
+def twin_caches(model, ctx: int, n: int, kv_dtype: torch.dtype):
+    """Two caches holding the same `ctx` prefilled positions, with room for n more."""
+    a, b = (model.new_cache(1, ctx + n, dtype=kv_dtype) for _ in range(2))
+    if ctx:
+        model(torch.randint(0, 1000, (1, ctx), generator=torch.Generator().manual_seed(0)), cache=a)
+        for x, y in zip(a.k + a.v, b.k + b.v):
+            y.copy_(x)
+        b.valid.copy_(a.valid)
+    return a, b
+
+
+@torch.inference_mode()
+def step_seconds(model, fused, caches, ctx: int, n: int) -> dict[str, list[float]]:
+    """Per-step seconds of n decode steps with the fused step on (cache 0) and off (cache 1), interleaved."""
+    out = {"on": [], "off": []}
+    toks = {"on": torch.tensor([[7]]), "off": torch.tensor([[7]])}
+    for i in range(n):
+        pos = torch.tensor([[ctx + i]])
+        for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):
+            model.cpu_decode = fused if mode == "on" else None
+            calls = fused.calls
+            t0 = time.perf_counter()
+            logits = model(toks[mode], positions=pos, cache=caches[mode == "off"])
+            out[mode].append(time.perf_counter() - t0)
+            assert (fused.calls == calls + 1) == (mode == "on")
+            toks[mode] = logits[:, -1].argmax(-1, keepdim=True)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="2b4t")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ctx", default="0,1024", help="cached positions before the timed steps")
+    ap.add_argument("--kv", default="fp32,bf16")
+    ap.add_argument("--tg", type=int, default=32, help="timed steps per mode (after 2 warm-up steps)")
+    a = ap.parse_args()
+    model = bench.random_model(a.shape, head_dtype="bf16")
+    fused = attach(model)
+    if fused is None:
+        raise SystemExit("the fused step cannot run for this model / build")
+    cpu.set_num_threads(a.threads)
+    torch.set_num_threads(1)
+    la0 = os.getloadavg()
+    rows = []
+    for kv in a.kv.split(","):
+        for ctx in (int(c) for c in a.ctx.split(",")):
+            model.cpu_decode = None
+            caches = twin_caches(model, ctx, a.tg + 2, KV[kv])
+            step_seconds(model, fused, caches, ctx, 2)  # warm-up
+            rows.append((kv, ctx, step_seconds(model, fused, caches, ctx + 2, a.tg)))
+    la1 = os.getloadavg()
+    print(f"machine: {bench.machine_name()}; kernels: {cpu.get_isa()}, {a.threads} threads, torch 1 thread")
+    print(f"load average {la0[0]:.1f} at start, {la1[0]:.1f} at end (other work on the machine adds noise)\n")
+    print(
+        "| model | KV cache | context | steps | fused off t/s (median / best) | fused on t/s (median / best) | on/off (median) |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for kv, ctx, t in rows:
+        off, on = statistics.median(t["off"]), statistics.median(t["on"])
+        print(
+            f"| {a.shape} (random) | {kv} | {ctx} | {a.tg} | {1 / off:.2f} / {1 / min(t['off']):.2f} | "
+            f"{1 / on:.2f} / {1 / min(t['on']):.2f} | {off / on:.2f}x |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
