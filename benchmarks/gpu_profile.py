@@ -3,7 +3,9 @@
     python benchmarks/gpu_profile.py [--batches 1,8] [--weights ternary]
 
 Random weights of the 2B4T shape; replays the captured decode step under torch.profiler and prints the kernels
-by total time, plus decode ms/step for the attention block-size variants.
+by total time, plus decode ms/step for the attention block-size variants. The decode kernels use programmatic
+dependent launch: a kernel starts early and waits for its predecessor, so its profiled duration includes that
+wait. For per-kernel durations run with BITNETLM_TRITON_PDL=0 (and BITNETLM_TRITON_TUNE_CACHE= for a fresh tune).
 """
 
 from __future__ import annotations

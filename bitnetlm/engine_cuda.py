@@ -1,10 +1,13 @@
 """CUDA decode engine: static KV cache, fused Triton layers, the whole decode step in one CUDA graph.
 
-Per layer and token the step is six launches: [RMSNorm + int8 quant + q|k|v W2A8 GEMV], [RoPE + KV-cache
-write], [single-query attention], [SubLN + quant + o_proj + residual], [RMSNorm + quant + gate|up + relu^2*up],
-[SubLN + quant + down_proj + residual]; then final norm, LM head (bf16, or int8 per-row scaled), sampling
-(argmax or exponential-race sampling on the device) and the bookkeeping (next token, position, output slot) --
-all captured once per batch size, replayed with no host synchronisation and no Python per layer.
+Per layer and token the step is: [RMSNorm + int8 quant + q|k|v W2A8 GEMV], [RoPE + KV-cache write],
+[split-KV attention, one program per GQA group], [SubLN + quant + o_proj + residual], [RMSNorm + quant + gate|up +
+relu^2*up], [SubLN + quant + down_proj + residual] -- six launches, plus one quantization launch per projection
+where the tuner finds a separate quant + GEMV faster than the fused one (it times both inside CUDA graphs). The
+Triton kernels use programmatic dependent launch, so each one loads its weights while the previous one drains.
+Then final norm, LM head (bf16, or int8 per-row scaled), sampling (argmax or exponential-race sampling on the
+device) and the bookkeeping (next token, position, output slot) -- all captured once per batch size, replayed
+with no host synchronisation and no Python per layer.
 
 `weights="dense"` builds the same engine over full-precision (bf16) matrices (cuBLAS, same graph treatment):
 the baseline the ternary path is measured against. Prefill (T > 1) runs the GEMM path and PyTorch SDPA
