@@ -125,17 +125,22 @@ class FusedDecode:
         c.n_heads, c.n_kv, c.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         c.eps, c.act = cfg.rms_norm_eps, ACTS[cfg.hidden_act]
         self.layers = (_Layer * self.n_layers)()
-        self.watch = []  # (owner, attribute, tensor): a replaced tensor makes the C pointers stale
+        # (module's parameter/buffer dict, name, tensor): a replaced tensor makes the C pointers stale. The
+        # dicts are read directly: nn.Module.__getattr__ made this check cost ~1 ms per step.
+        self.watch = []
         for st, blk in zip(self.layers, model.layers):
             a, f, lins = _parts(blk)
             norms = (blk.input_layernorm, blk.post_attention_layernorm, a.attn_sub_norm, f.ffn_sub_norm)
             for field, norm in zip(("in_norm", "post_norm", "attn_sub_norm", "ffn_sub_norm"), norms):
                 if norm is not None:
                     setattr(st, field, norm.weight.data_ptr())
-                    self.watch.append((norm, "weight", norm.weight))
+                    self.watch.append((norm._parameters, "weight", norm.weight))
             for j, lin in enumerate(lins):
                 st.w[j], st.scale[j] = lin.packed.data_ptr(), lin.weight_scale.data_ptr()
-                self.watch += [(lin, "packed", lin.packed), (lin, "weight_scale", lin.weight_scale)]
+                self.watch += [
+                    (lin._buffers, "packed", lin.packed),
+                    (lin._buffers, "weight_scale", lin.weight_scale),
+                ]
         self.model_ref = model.layers  # identity check: a model whose layers were swapped drops the fusion
         self.work = torch.empty(0, dtype=torch.float32)
 
@@ -146,7 +151,7 @@ class FusedDecode:
         return (type(None), ())
 
     def stale(self) -> bool:
-        return any(getattr(o, n) is not t for o, n, t in self.watch)
+        return any(d.get(n) is not t for d, n, t in self.watch)
 
     def eligible(self, model, h, cos, cache, cache_pos) -> bool:
         """True when this t == 1 step can run fused (else the caller runs its torch layers)."""
