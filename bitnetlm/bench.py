@@ -111,6 +111,9 @@ def random_model(
         for name, p in list(mod.named_parameters(recurse=False)):
             if p.is_meta:
                 setattr(mod, name, nn.Parameter(torch.ones(p.shape, dtype=p.dtype), requires_grad=False))
+    from bitnetlm.kernels.cpu.decode import attach
+
+    attach(model)  # fused one-token decode steps on the C kernels, as kernels.prepare gives loaded models
     return model.eval()
 
 
