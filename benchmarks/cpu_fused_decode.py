@@ -8,6 +8,7 @@ alternating), so load from other processes hits both about equally. The table gi
 and the fastest step of each. Prints the machine and its load average: a shared machine makes numbers noisy.
 
     python benchmarks/cpu_fused_decode.py --threads 2 --ctx 0,1024 --tg 32
+    python benchmarks/cpu_fused_decode.py --batch 4 --ctx 256 --kv bf16     # batched decode (serve engine)
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ KV = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @torch.inference_mode()
-def twin_caches(model, ctx: int, n: int, kv_dtype: torch.dtype):
-    """Two caches holding the same `ctx` prefilled positions, with room for n more."""
-    a, b = (model.new_cache(1, ctx + n, dtype=kv_dtype) for _ in range(2))
+def twin_caches(model, batch: int, ctx: int, n: int, kv_dtype: torch.dtype):
+    """Two caches holding the same `ctx` prefilled positions per row, with room for n more."""
+    a, b = (model.new_cache(batch, ctx + n, dtype=kv_dtype) for _ in range(2))
     if ctx:
-        model(torch.randint(0, 1000, (1, ctx), generator=torch.Generator().manual_seed(0)), cache=a)
+        model(torch.randint(0, 1000, (batch, ctx), generator=torch.Generator().manual_seed(0)), cache=a)
         for x, y in zip(a.k + a.v, b.k + b.v):
             y.copy_(x)
         b.valid.copy_(a.valid)
@@ -46,9 +47,10 @@ def twin_caches(model, ctx: int, n: int, kv_dtype: torch.dtype):
 def step_seconds(model, fused, caches, ctx: int, n: int) -> dict[str, list[float]]:
     """Per-step seconds of n decode steps with the fused step on (cache 0) and off (cache 1), interleaved."""
     out = {"on": [], "off": []}
-    toks = {"on": torch.tensor([[7]]), "off": torch.tensor([[7]])}
+    b = caches[0].batch_size
+    toks = {"on": torch.full((b, 1), 7), "off": torch.full((b, 1), 7)}
     for i in range(n):
-        pos = torch.tensor([[ctx + i]])
+        pos = torch.full((b, 1), ctx + i)
         for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):
             model.cpu_decode = fused if mode == "on" else None
             calls = fused.calls
@@ -67,6 +69,7 @@ def main() -> int:
     ap.add_argument("--ctx", default="0,1024", help="cached positions before the timed steps")
     ap.add_argument("--kv", default="fp32,bf16")
     ap.add_argument("--tg", type=int, default=32, help="timed steps per mode (after 2 warm-up steps)")
+    ap.add_argument("--batch", type=int, default=1, help="rows decoded together (t/s counts every row)")
     a = ap.parse_args()
     model = bench.random_model(a.shape, head_dtype="bf16")
     fused = attach(model)
@@ -79,21 +82,23 @@ def main() -> int:
     for kv in a.kv.split(","):
         for ctx in (int(c) for c in a.ctx.split(",")):
             model.cpu_decode = None
-            caches = twin_caches(model, ctx, a.tg + 2, KV[kv])
+            caches = twin_caches(model, a.batch, ctx, a.tg + 2, KV[kv])
             step_seconds(model, fused, caches, ctx, 2)  # warm-up
             rows.append((kv, ctx, step_seconds(model, fused, caches, ctx + 2, a.tg)))
     la1 = os.getloadavg()
     print(f"machine: {bench.machine_name()}; kernels: {cpu.get_isa()}, {a.threads} threads, torch 1 thread")
     print(f"load average {la0[0]:.1f} at start, {la1[0]:.1f} at end (other work on the machine adds noise)\n")
     print(
-        "| model | KV cache | context | steps | fused off t/s (median / best) | fused on t/s (median / best) | on/off (median) |"
+        "| model | batch | KV cache | context | steps | fused off t/s (median / best) "
+        "| fused on t/s (median / best) | on/off (median) |"
     )
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for kv, ctx, t in rows:
         off, on = statistics.median(t["off"]), statistics.median(t["on"])
+        b = a.batch
         print(
-            f"| {a.shape} (random) | {kv} | {ctx} | {a.tg} | {1 / off:.2f} / {1 / min(t['off']):.2f} | "
-            f"{1 / on:.2f} / {1 / min(t['on']):.2f} | {off / on:.2f}x |"
+            f"| {a.shape} (random) | {b} | {kv} | {ctx} | {a.tg} | {b / off:.2f} / {b / min(t['off']):.2f} | "
+            f"{b / on:.2f} / {b / min(t['on']):.2f} | {off / on:.2f}x |"
         )
     return 0
 
