@@ -170,18 +170,21 @@ class FusedDecode:
             return False
         if model.layers is not self.model_ref or h.dtype != torch.float32 or h.device.type != "cpu":
             return False
-        k = cache.k[0]
-        c = self.cfg
-        b = h.shape[0]
-        if k.dtype not in KV_DTYPES or k.device.type != "cpu" or len(cache.k) != self.n_layers:
+        if len(cache.k) != self.n_layers:
             return False
-        if tuple(k.shape) != (b, c.n_kv, k.shape[2], c.head_dim) or cache.valid.shape != (b, k.shape[2]):
+        k, valid, c, b = cache.k[0], cache.valid, self.cfg, h.shape[0]
+        if (
+            k.dtype not in KV_DTYPES
+            or k.device.type != "cpu"
+            or tuple(k.shape) != (b, c.n_kv, k.shape[2], c.head_dim)
+        ):
+            return False
+        if valid.dtype != torch.bool or valid.shape != (b, k.shape[2]) or not valid.is_contiguous():
             return False
         if cos.dtype != torch.float32 or cache_pos.shape != (b, 1):
             return False
-        if not (
-            cache.valid.is_contiguous()
-            and all(t.is_contiguous() and t.dtype == k.dtype for t in cache.k + cache.v)
+        if not all(
+            t.is_contiguous() and t.dtype == k.dtype and t.shape == k.shape for t in cache.k + cache.v
         ):
             return False
         if self.stale():
