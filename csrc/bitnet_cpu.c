@@ -64,7 +64,7 @@ static const bn_kernels *table(int isa) {
     }
 }
 
-int64_t bn_prefetch_bytes = 4096;
+int64_t bn_prefetch_bytes = 8192; /* best of 1-16 KiB for decode on the 2-core EPYC (benchmarks/cpu_decode.py) */
 
 int bn_set_isa(int isa) {
     const char *pf = getenv("BITNETLM_PREFETCH");
