@@ -135,6 +135,45 @@ void bn_unpack(const uint8_t *p, int64_t n, int64_t k, int8_t *out) {
         }
 }
 
+/* HF offline 2-bit layout (transformers pack_weights: hf[r % R, e] holds row r's code t+1 at bits
+ * 2 * (r / R), R = ceil(n / 4)) straight into cpu-2bit-v2, without an int8 copy: the codes are the same, only
+ * their places change. Threaded over row groups. */
+typedef struct {
+    const uint8_t *hf;
+    int64_t n, k, R, rb;
+    uint8_t *out;
+} repack_ctx;
+
+static void repack_range(void *c, int64_t g0, int64_t g1) {
+    const repack_ctx *q = c;
+    int64_t nblk = q->rb / 32;
+    for (int64_t g = g0; g < g1; g++)
+        for (int i = 0; i < BN_GROUP; i++) {
+            int64_t r = g * BN_GROUP + i;
+            const uint8_t *src = r < q->n ? q->hf + (r % q->R) * q->k : NULL;
+            int sh = (int)(2 * (r / q->R));
+            for (int64_t b = 0; b < nblk; b++) {
+                uint8_t *o = q->out + g * BN_GROUP * q->rb + b * BN_BSTRIDE + i * 32;
+                for (int j = 0; j < 32; j++) {
+                    uint8_t v = 0;
+                    for (int p = 0; p < 4; p++) {
+                        int64_t e = b * BN_BLOCK + p * 32 + j;
+                        int code = (src && e < q->k) ? (src[e] >> sh) & 3 : 1; /* padding: t = 0 */
+                        v |= (uint8_t)(code << (2 * p));
+                    }
+                    o[j] = v;
+                }
+            }
+        }
+}
+
+void bn_repack_hf(const uint8_t *hf, int64_t n, int64_t k, uint8_t *out) {
+    repack_ctx q = {hf, n, k, (n + 3) / 4, bn_packed_row_bytes(k), out};
+    pthread_mutex_lock(&g_call);
+    bn_parallel_for(bn_packed_rows(n) / BN_GROUP, repack_range, &q);
+    pthread_mutex_unlock(&g_call);
+}
+
 /* ---- scratch ------------------------------------------------------------------------------------ */
 static void *g_scratch = NULL;
 static size_t g_scratch_size = 0;

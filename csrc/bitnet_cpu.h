@@ -47,6 +47,8 @@ int64_t bn_packed_row_bytes(int64_t k);                /* bytes per packed row =
 int64_t bn_packed_rows(int64_t n);                     /* rows stored = n rounded up to 4 */
 void bn_pack(const int8_t *t, int64_t n, int64_t k, uint8_t *out); /* out: bn_packed_rows(n) * row bytes */
 void bn_unpack(const uint8_t *p, int64_t n, int64_t k, int8_t *out);
+/* transformers' offline 2-bit layout uint8 [ceil(n/4), k] (row r at row r % R, bits 2*(r / R)) -> packed */
+void bn_repack_hf(const uint8_t *hf, int64_t n, int64_t k, uint8_t *out);
 
 /* per-token int8 activation quantization: x fp32 [m, k] -> xq int8 [m, ldq] (zero padded from k to ldq),
  * a fp32 [m] (may be NULL), xsum int32 [m] = sum of each row of xq (may be NULL). */

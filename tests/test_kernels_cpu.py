@@ -258,3 +258,17 @@ def test_forced_scalar_by_environment():
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "scalar"
+
+
+def test_repack_from_hf_layout_equals_pack():
+    # the load-time path: transformers' 2-bit bytes straight into cpu-2bit-v2, no int8 copy
+    from bitnetlm.quant.packing import pack_hf
+
+    gen = torch.Generator().manual_seed(11)
+    for n, k in [(1, 1), (3, 130), (5, 128), (7, 300), (13, 6912), *[(n, k) for n, k, _ in SHAPES]]:
+        t = _rand_ternary(n, k, gen)
+        got = cpuk.BACKEND.repack(pack_hf(t), PackingFormat.HF_2BIT, (n, k))
+        assert torch.equal(got, cpuk.pack_cpu(t)), (n, k)
+    # anything else is not its job: the caller falls back to unpack + pack
+    t = _rand_ternary(8, 128, gen)
+    assert cpuk.BACKEND.repack(cpuk.pack_cpu(t), PackingFormat.CPU_2BIT, (8, 128)) is None

@@ -120,9 +120,13 @@ class BitLinear(nn.Module):
 
         backend = select_backend(self.packed.device, name)
         if PackingFormat(backend.layout) is not PackingFormat(self.layout):
-            t = self.ternary_weight()
+            shape = (self.out_features, self.in_features)
+            repack = getattr(backend, "repack", None)  # a direct layout-to-layout path, when it has one
+            p = repack(self.packed, self.layout, shape) if repack is not None else None
+            if p is None:
+                p = backend.pack(self.ternary_weight())
             self.layout = PackingFormat(backend.layout)
-            self.packed = backend.pack(t)
+            self.packed = p
         self._backend = backend
 
     # ---- forward -------------------------------------------------------------------------

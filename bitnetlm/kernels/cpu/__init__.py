@@ -14,8 +14,8 @@ import contextlib
 
 import torch
 
-from bitnetlm.kernels.cpu import _lib
-from bitnetlm.kernels.cpu.layout import pack_cpu, padded_k, unpack_cpu
+from bitnetlm.kernels.cpu import _lib, arena
+from bitnetlm.kernels.cpu.layout import pack_cpu, packed_rows, padded_k, unpack_cpu
 from bitnetlm.quant.packing import PackingFormat
 
 __all__ = [
@@ -107,6 +107,23 @@ class CpuBackend:
 
     def unpack(self, p: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
         return unpack_cpu(p, tuple(shape))
+
+    def repack(self, p: torch.Tensor, layout, shape: tuple[int, int]) -> torch.Tensor | None:
+        """The HF 2-bit layout straight into ours in C (no int8 copy; ~10x faster at load), else None."""
+        n, k = shape
+        if (
+            PackingFormat(layout) is not PackingFormat.HF_2BIT
+            or p.device.type != "cpu"
+            or p.dtype != torch.uint8
+            or tuple(p.shape) != ((n + 3) // 4, k)
+            or not available()
+        ):
+            return None
+        np_, kp = packed_rows(n), padded_k(k)
+        out = arena.empty(np_ * kp // 4).view(np_, kp // 4)  # [Np, Kp/4]
+        src = p.contiguous()
+        _need().bn_repack_hf(src.data_ptr(), n, k, out.data_ptr())
+        return out
 
     def linear(
         self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_features: int

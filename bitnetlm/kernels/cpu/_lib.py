@@ -46,6 +46,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "bn_packed_rows": (_i64, [_i64]),
         "bn_pack": (None, [_vp, _i64, _i64, _vp]),
         "bn_unpack": (None, [_vp, _i64, _i64, _vp]),
+        "bn_repack_hf": (None, [_vp, _i64, _i64, _vp]),
         "bn_quantize_act": (None, [_vp, _i64, _i64, _vp, _i64, _vp, _vp]),
         "bn_ternary_matmul_i32": (_i32, [_vp, _i64, _i64, _vp, _i64, _vp]),
         "bn_ternary_linear_f32": (_i32, [_vp, _i64, _i64, _vp, _i64, _f32, _vp]),
