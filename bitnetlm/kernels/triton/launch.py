@@ -6,8 +6,11 @@ winner; call the ops once outside CUDA-graph capture (a warm-up) so no tuning ha
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
+from pathlib import Path
 
 import torch
 import triton
@@ -83,7 +86,8 @@ def _graph_time(fn, calls: int = 8, reps: int = 3) -> float:
 
 
 # tuned choices persist across processes (a later load skips the timing): one JSON file per user, keyed by the
-# GPU, the Triton version and the tuning key; a stored choice is used only if it is still a candidate
+# GPU, the Triton version, a hash of the kernel sources and the tuning key (an edited kernel is re-tuned); a
+# stored choice is used only if it is still a candidate
 TUNE_CACHE = os.environ.get(
     "BITNETLM_TRITON_TUNE_CACHE",
     os.path.join(os.path.expanduser("~"), ".cache", "bitnetlm", "triton_tune.json"),
@@ -91,8 +95,18 @@ TUNE_CACHE = os.environ.get(
 _disk: dict[str, dict] = {}
 
 
+@functools.cache
+def _source_hash() -> str:
+    h = hashlib.sha256()
+    for mod in ("kernels.py", "attention.py", "launch.py"):
+        h.update(Path(__file__).with_name(mod).read_bytes())
+    return h.hexdigest()[:12]
+
+
 def _disk_key(key: tuple) -> str:
-    return f"{torch.cuda.get_device_name()}|triton {triton.__version__}|{TUNE_MODE}|{key}"
+    return (
+        f"{torch.cuda.get_device_name()}|triton {triton.__version__}|src {_source_hash()}|{TUNE_MODE}|{key}"
+    )
 
 
 def _disk_load() -> None:
