@@ -1,4 +1,5 @@
-/* bitnet_decode: one fused decode step (t = 1 per row) through every layer of a BitNet b1.58 / 1bitLLM block.
+/* bitnet_decode: one fused decode step (t = 1 per row; t > 1 tokens per row: bn_decode_forward_f32) through
+ * every layer of a BitNet b1.58 / 1bitLLM block.
  *
  * Why: at batch 1 a decode step of a 2B4T-shaped model runs ~40 small torch ops per layer around the ternary
  * projections (norms, RoPE, cache writes, masks, attention, activation, residuals), ~1200 per token, each with
@@ -54,6 +55,16 @@ int64_t bn_decode_work_floats(const bn_decode_config *c, int64_t m);
 int bn_decode_step_f32(const bn_decode_config *c, const bn_decode_layer *layers, int64_t n_layers,
                        void *const *k_cache, void *const *v_cache, const uint8_t *valid, const int64_t *slot,
                        const float *cos, const float *sin, int64_t m, float *h, float *work);
+
+/* The same for b rows of t tokens each (prefill or chunked prefill when t > 1): h [b * t, hidden], slot
+ * [b, t], cos, sin [b * t, head_dim], work: bn_decode_work_floats(c, b * t) floats. The m = b * t tokens go
+ * through each projection as one GEMM; every token's k, v is written to the cache before any attends, and
+ * token (r, i) at slot s attends to slots j <= s of cache row r with valid[r, j] (valid as after this step's
+ * writes), and to s itself. Slots of one row should differ (a repeated slot keeps the later token's k, v).
+ * bn_decode_step_f32(..., m, ...) is this with b = m, t = 1. */
+int bn_decode_forward_f32(const bn_decode_config *c, const bn_decode_layer *layers, int64_t n_layers,
+                          void *const *k_cache, void *const *v_cache, const uint8_t *valid, const int64_t *slot,
+                          const float *cos, const float *sin, int64_t b, int64_t t, float *h, float *work);
 
 #ifdef __cplusplus
 }

@@ -50,14 +50,14 @@ static void rope(float *x, const float *cos, const float *sin, int64_t d) {
     memcpy(x, tmp, sizeof(float) * (size_t)d);
 }
 
-/* rows' rotated k, v -> their cache slots */
+/* tokens' rotated k, v -> their cache slots (token i: cache row i / t) */
 static void cache_write(const bn_decode_config *c, void *kc, void *vc, const float *qkv, int64_t ld,
-                        const int64_t *slot, int64_t m) {
+                        const int64_t *slot, int64_t m, int64_t t) {
     int64_t D = c->head_dim, S = c->max_seq, qd = c->n_heads * D, kvd = c->n_kv * D;
     for (int64_t i = 0; i < m; i++)
         for (int64_t g = 0; g < c->n_kv; g++) {
             const float *k = qkv + i * ld + qd + g * D, *v = k + kvd;
-            int64_t off = ((i * c->n_kv + g) * S + slot[i]) * D;
+            int64_t off = ((i / t * c->n_kv + g) * S + slot[i]) * D;
             if (c->kv_dtype == BN_KV_BF16) {
                 uint16_t *kd = (uint16_t *)kc + off, *vd = (uint16_t *)vc + off;
                 for (int64_t d = 0; d < D; d++) {
@@ -96,7 +96,7 @@ int64_t bn_decode_work_floats(const bn_decode_config *c, int64_t m) {
 
 static int layer_step(const bn_decode_config *c, const bn_decode_layer *L, void *kc, void *vc,
                       const uint8_t *valid, const int64_t *slot, const float *cos, const float *sin, int64_t m,
-                      float *h, const work_t *W) {
+                      int64_t t, float *h, const work_t *W) {
     int64_t H = c->hidden, I = c->inter, D = c->head_dim;
     int64_t qd = c->n_heads * D, kvd = c->n_kv * D, ld = qd + 2 * kvd;
     int rc;
@@ -112,8 +112,8 @@ static int layer_step(const bn_decode_config *c, const bn_decode_layer *L, void 
     for (int64_t i = 0; i < m; i++)
         for (int64_t hd = 0; hd < c->n_heads + c->n_kv; hd++) /* q heads then k heads: contiguous in a row */
             rope(W->qkv + i * ld + hd * D, cos + i * D, sin + i * D, D);
-    cache_write(c, kc, vc, W->qkv, ld, slot, m);
-    bn_decode_attention(c, kc, vc, valid, slot, W->qkv, ld, m, W->att, W->scores);
+    cache_write(c, kc, vc, W->qkv, ld, slot, m, t); /* every token's k, v first, then the attention */
+    bn_decode_attention(c, kc, vc, valid, slot, W->qkv, ld, m, t, W->att, W->scores);
     if (L->attn_sub_norm)
         for (int64_t i = 0; i < m; i++) rmsnorm(W->att + i * qd, L->attn_sub_norm, qd, c->eps, W->att + i * qd);
     if ((rc = bn_ternary_linear_f32(W->att, m, qd, L->w[BN_DEC_O], H, *L->scale[BN_DEC_O], W->o)) != 0) return rc;
@@ -146,10 +146,11 @@ static int layer_step(const bn_decode_config *c, const bn_decode_layer *L, void 
     return 0;
 }
 
-int bn_decode_step_f32(const bn_decode_config *c, const bn_decode_layer *layers, int64_t n_layers,
-                       void *const *k_cache, void *const *v_cache, const uint8_t *valid, const int64_t *slot,
-                       const float *cos, const float *sin, int64_t m, float *h, float *work) {
-    if (!c || !layers || m <= 0 || c->n_kv <= 0 || c->n_heads % c->n_kv != 0 || c->head_dim <= 0 ||
+int bn_decode_forward_f32(const bn_decode_config *c, const bn_decode_layer *layers, int64_t n_layers,
+                          void *const *k_cache, void *const *v_cache, const uint8_t *valid, const int64_t *slot,
+                          const float *cos, const float *sin, int64_t b, int64_t t, float *h, float *work) {
+    int64_t m = b * t;
+    if (!c || !layers || b <= 0 || t <= 0 || c->n_kv <= 0 || c->n_heads % c->n_kv != 0 || c->head_dim <= 0 ||
         c->head_dim % 2 != 0 || c->head_dim > BN_DECODE_MAX_HEAD_DIM ||
         (c->act != BN_ACT_RELU2 && c->act != BN_ACT_SILU) ||
         (c->kv_dtype != BN_KV_F32 && c->kv_dtype != BN_KV_BF16))
@@ -158,8 +159,14 @@ int bn_decode_step_f32(const bn_decode_config *c, const bn_decode_layer *layers,
         if (slot[i] < 0 || slot[i] >= c->max_seq) return -1;
     work_t W = carve(c, m, work);
     for (int64_t l = 0; l < n_layers; l++) {
-        int rc = layer_step(c, &layers[l], k_cache[l], v_cache[l], valid, slot, cos, sin, m, h, &W);
+        int rc = layer_step(c, &layers[l], k_cache[l], v_cache[l], valid, slot, cos, sin, m, t, h, &W);
         if (rc != 0) return rc;
     }
     return 0;
+}
+
+int bn_decode_step_f32(const bn_decode_config *c, const bn_decode_layer *layers, int64_t n_layers,
+                       void *const *k_cache, void *const *v_cache, const uint8_t *valid, const int64_t *slot,
+                       const float *cos, const float *sin, int64_t m, float *h, float *work) {
+    return bn_decode_forward_f32(c, layers, n_layers, k_cache, v_cache, valid, slot, cos, sin, m, 1, h, work);
 }

@@ -1,6 +1,6 @@
-/* Single-query GQA attention for the fused decode step.
+/* GQA attention for the fused decode / prefill step: each query token attends to its cache row's slots.
  *
- * One task = (row, KV head, a block of up to 8 of its query heads): scores of every key for the block, softmax
+ * One task = (query token, KV head, a block of up to 8 of its query heads): scores of every key for the block, softmax
  * per head over the visible keys (fp32), then the weighted sum of values. All query heads of a KV head stay in
  * one task even when that leaves a thread idle part of the time (5 KV heads on 2 threads): the work is bound
  * by reading the cache, and splitting the heads over two tasks reads it twice (measured ~10% slower).
@@ -26,7 +26,7 @@ typedef struct {
     const uint8_t *valid;
     const int64_t *slot;
     const float *q;
-    int64_t q_ld;
+    int64_t q_ld, t; /* t: query tokens per cache row (query row i reads cache row i / t) */
     float *out, *scores;
     int64_t rep, per_task, tasks_per_row_group; /* query heads per KV head, per task; tasks per (row, KV head) */
 } attn_ctx;
@@ -109,11 +109,11 @@ static void attn_task(const attn_ctx *A, int64_t task, scores_fn scores, softmax
     int64_t g = task / A->tasks_per_row_group % c->n_kv;
     int64_t h0 = g * A->rep + task % A->tasks_per_row_group * A->per_task;
     int64_t nh = A->per_task < g * A->rep + A->rep - h0 ? A->per_task : g * A->rep + A->rep - h0;
-    int64_t n = A->slot[i] + 1, pos = A->slot[i];
+    int64_t n = A->slot[i] + 1, pos = A->slot[i], r = i / A->t;
     int bf16 = c->kv_dtype == BN_KV_BF16;
     size_t esz = bf16 ? 2 : 4;
-    const uint8_t *ok = A->valid + i * S;
-    int64_t base = (i * c->n_kv + g) * S * D; /* element offset of (row i, KV head g, slot 0) */
+    const uint8_t *ok = A->valid + r * S;
+    int64_t base = (r * c->n_kv + g) * S * D; /* element offset of (cache row r, KV head g, slot 0) */
     float *sc = A->scores + (i * H + h0) * S; /* nh rows of S */
     float inv[HEAD_BLOCK];
     scores(A->q + i * A->q_ld + h0 * D, nh, (const char *)A->kc + base * esz, bf16, n, D, S,
@@ -301,8 +301,9 @@ static void attn_range_avx2(void *p, int64_t lo, int64_t hi) {
 #endif
 
 void bn_decode_attention(const bn_decode_config *c, const void *kc, const void *vc, const uint8_t *valid,
-                         const int64_t *slot, const float *q, int64_t q_ld, int64_t m, float *out, float *scores) {
-    attn_ctx A = {c, kc, vc, valid, slot, q, q_ld, out, scores, c->n_heads / c->n_kv, 0, 0};
+                         const int64_t *slot, const float *q, int64_t q_ld, int64_t m, int64_t t, float *out,
+                         float *scores) {
+    attn_ctx A = {c, kc, vc, valid, slot, q, q_ld, t, out, scores, c->n_heads / c->n_kv, 0, 0};
     int64_t groups = m * c->n_kv;
     A.per_task = A.rep < HEAD_BLOCK ? A.rep : HEAD_BLOCK;
     A.tasks_per_row_group = (A.rep + A.per_task - 1) / A.per_task;

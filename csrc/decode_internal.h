@@ -14,9 +14,11 @@ static inline float bn_bf16_to_f32(uint16_t b) {
     return f;
 }
 
-/* Single-query attention of m rows over their cache slots 0..slot[i] (see bitnet_decode.h): q [m, q_ld]
- * rotated query heads, out [m, n_heads * head_dim], scores: m * n_heads * max_seq floats of scratch. */
+/* Attention of m query tokens over their cache slots 0..slot[i] (see bitnet_decode.h): query token i reads
+ * cache row i / t (t tokens per row); q [m, q_ld] rotated query heads, out [m, n_heads * head_dim], scores:
+ * m * n_heads * max_seq floats of scratch. */
 void bn_decode_attention(const bn_decode_config *c, const void *kc, const void *vc, const uint8_t *valid,
-                         const int64_t *slot, const float *q, int64_t q_ld, int64_t m, float *out, float *scores);
+                         const int64_t *slot, const float *q, int64_t q_ld, int64_t m, int64_t t, float *out,
+                         float *scores);
 
 #endif

@@ -190,7 +190,7 @@ class CausalLM(nn.Module):
         # optional compact (bf16 / int8) embedding and LM head for CPU decode: kernels.cpu.head.set_head_dtype
         self.compact_embed = None
         self.compact_head = None
-        # optional fused one-token decode step on the C kernels: kernels.cpu.decode.attach
+        # optional fused decode / prefill step on the C kernels: kernels.cpu.decode.attach
         self.cpu_decode = None
 
     # ---- parts ----------------------------------------------------------------------------
@@ -269,7 +269,7 @@ class CausalLM(nn.Module):
             mask = causal[None] & input_mask[:, None, :]  # [B, T, T]
             mask = (mask | torch.eye(t, dtype=torch.bool, device=input_ids.device))[:, None]  # [B, 1, T, T]
         fused = self.cpu_decode
-        if t == 1 and fused is not None and fused.eligible(self, h, cos, cache, cache_pos):
+        if fused is not None and fused.eligible(self, h, cos, cache, cache_pos):
             h = fused(h, cos, sin, cache, cache_pos)
         else:
             for i, layer in enumerate(self.layers):

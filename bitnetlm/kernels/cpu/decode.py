@@ -1,10 +1,13 @@
-"""Fused CPU decode step: every layer of a one-token-per-row decode step in one C call (csrc/decode.c).
+"""Fused CPU decode step: every layer of a decode (or prefill) step with a KV cache in one C call (csrc/decode.c).
 
 With the C backend the ternary projections of a 2B4T decode step are already C, but the ~40 torch ops per
 layer around them (norms, RoPE, KV-cache writes, masks, attention, activation, residuals) cost ~1200 eager op
 dispatches per token. `attach(model)` gives a CausalLM a `FusedDecode` as `model.cpu_decode`; CausalLM.forward
-calls it for t == 1 steps with a KV cache when `eligible(...)` says the step can run there, and runs its torch
-layers otherwise (prefill, training, autograd, torch.compile / tracing, non-fp32 activations, other caches).
+calls it for steps with a KV cache when `eligible(...)` says the step can run there, and runs its torch layers
+otherwise (no cache, training, autograd, torch.compile / tracing, non-fp32 activations, other caches, a slot
+written twice in one step). Steps of t > 1 tokens per row (prefill, chunked prefill) send the B*T tokens through
+each projection as one GEMM, write every token's k, v to the cache, then attend causally over the cache (the
+mask CausalLM.forward builds, input_mask padding included: it has already set cache.valid for this step).
 
 Models it takes: inference BitLinears on the "cpu" backend without biases in every projection, relu2 or silu,
 fp32 RMSNorms (BitNet sub-norms optional), head_dim even and <= 512. KV cache fp32 or bf16.
@@ -65,14 +68,14 @@ class _Layer(ctypes.Structure):  # bn_decode_layer
 
 
 def _step_fn():
-    """bn_decode_step_f32 and bn_decode_work_floats with their signatures, or None if the build lacks them."""
+    """bn_decode_forward_f32 and bn_decode_work_floats with their signatures, or None if the build lacks them."""
     lib = _lib.load()
-    if lib is None or not hasattr(lib, "bn_decode_step_f32"):
+    if lib is None or not hasattr(lib, "bn_decode_forward_f32"):
         return None
-    fn = lib.bn_decode_step_f32
+    fn = lib.bn_decode_forward_f32
     if fn.argtypes is None:
         fn.restype = ctypes.c_int
-        fn.argtypes = [_vp, _vp, _i64, _vp, _vp, _vp, _vp, _vp, _vp, _i64, _vp, _vp]
+        fn.argtypes = [_vp, _vp, _i64, _vp, _vp, _vp, _vp, _vp, _vp, _i64, _i64, _vp, _vp]
         lib.bn_decode_work_floats.restype = _i64
         lib.bn_decode_work_floats.argtypes = [_vp, _i64]
     return lib
@@ -122,7 +125,7 @@ def why_not(model) -> str | None:
 
 
 class FusedDecode:
-    """All layers of `model` for t == 1 decode steps in one C call; see the module docstring."""
+    """All layers of `model` for a decode / prefill step in one C call; see the module docstring."""
 
     def __init__(self, model):
         cfg = model.config
@@ -163,7 +166,7 @@ class FusedDecode:
         return any(d.get(n) is not t for d, n, t in self.watch)
 
     def eligible(self, model, h, cos, cache, cache_pos) -> bool:
-        """True when this t == 1 step can run fused (else the caller runs its torch layers)."""
+        """True when this step (t >= 1 tokens per row) can run fused (else the caller runs its torch layers)."""
         if cache is None or model.training or torch.is_grad_enabled():
             return False
         if torch.compiler.is_compiling() or torch.jit.is_tracing():
@@ -172,7 +175,7 @@ class FusedDecode:
             return False
         if len(cache.k) != self.n_layers:
             return False
-        k, valid, c, b = cache.k[0], cache.valid, self.cfg, h.shape[0]
+        k, valid, c, (b, t) = cache.k[0], cache.valid, self.cfg, h.shape[:2]
         if (
             k.dtype not in KV_DTYPES
             or k.device.type != "cpu"
@@ -181,8 +184,10 @@ class FusedDecode:
             return False
         if valid.dtype != torch.bool or valid.shape != (b, k.shape[2]) or not valid.is_contiguous():
             return False
-        if cos.dtype != torch.float32 or cache_pos.shape != (b, 1):
+        if cos.dtype != torch.float32 or cache_pos.shape != (b, t) or h.dim() != 3:
             return False
+        if t > 1 and not bool((cache_pos[:, 1:] > cache_pos[:, :-1]).all()):
+            return False  # a slot written twice in one step: the torch path's scatter_ keeps either token
         if not all(
             t.is_contiguous() and t.dtype == k.dtype and t.shape == k.shape for t in cache.k + cache.v
         ):
@@ -197,20 +202,20 @@ class FusedDecode:
         return True
 
     def __call__(self, h, cos, sin, cache, cache_pos) -> torch.Tensor:
-        """h [B, 1, hidden] after the layers; cos, sin [B, 1, head_dim]; cache_pos [B, 1] slots to write."""
-        b, _, hidden = h.shape
+        """h [B, T, hidden] after the layers; cos, sin [B, T, head_dim]; cache_pos [B, T] slots to write."""
+        b, t, hidden = h.shape
         c = self.cfg
         c.max_seq = cache.k[0].shape[2]
         c.kv_dtype = KV_DTYPES[cache.k[0].dtype]
-        need = int(self.lib.bn_decode_work_floats(ctypes.addressof(c), b))
+        need = int(self.lib.bn_decode_work_floats(ctypes.addressof(c), b * t))
         if self.work.numel() < need:
             self.work = torch.empty(need, dtype=torch.float32)
-        out = h.reshape(b, hidden).clone()
-        slot = cache_pos.reshape(b).to(torch.int64).contiguous()
-        cos, sin = cos.reshape(b, -1).contiguous(), sin.reshape(b, -1).contiguous()
+        out = h.reshape(b * t, hidden).clone()
+        slot = cache_pos.reshape(b * t).to(torch.int64).contiguous()
+        cos, sin = cos.reshape(b * t, -1).contiguous(), sin.reshape(b * t, -1).contiguous()
         kp = (_vp * self.n_layers)(*[t.data_ptr() for t in cache.k])
         vp = (_vp * self.n_layers)(*[t.data_ptr() for t in cache.v])
-        rc = self.lib.bn_decode_step_f32(
+        rc = self.lib.bn_decode_forward_f32(
             ctypes.addressof(c),
             ctypes.addressof(self.layers),
             self.n_layers,
@@ -221,13 +226,14 @@ class FusedDecode:
             cos.data_ptr(),
             sin.data_ptr(),
             b,
+            t,
             out.data_ptr(),
             self.work.data_ptr(),
         )
         if rc != 0:
-            raise RuntimeError(f"bn_decode_step_f32 failed with code {rc}")
+            raise RuntimeError(f"bn_decode_forward_f32 failed with code {rc}")
         self.calls += 1
-        return out.view(b, 1, hidden)
+        return out.view(b, t, hidden)
 
 
 def attach(model) -> FusedDecode | None:
