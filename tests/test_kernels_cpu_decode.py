@@ -57,13 +57,17 @@ def _fused_vs_unfused(model, batch: int, kv_dtype: torch.dtype, steps: int = 12,
             worst = max(worst, err / want.abs().max().item())
             tok = want[:, -1].argmax(-1)
             pos = pos + real.long()
+    _assert_caches_close(caches[0], caches[1], kv_dtype)
+    return worst
+
+
+def _assert_caches_close(c0, c1, kv_dtype):
     # the caches hold the same k, v up to float rounding: in bf16 a value at a rounding boundary may land on
     # the neighbouring bf16 number (one step, 2^-7 relative at most)
     tol = 1e-5 if kv_dtype == torch.float32 else 2**-7
-    for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+    for a, b in zip(c0.k + c0.v, c1.k + c1.v):
         torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=1e-5)
-    assert torch.equal(caches[0].valid, caches[1].valid)
-    return worst
+    assert torch.equal(c0.valid, c1.valid)
 
 
 @pytest.mark.parametrize("variant", ["packed-autobitlinear", "1bitllm"])  # relu2 GQA / silu MHA
@@ -172,12 +176,8 @@ def _prefill_fused_vs_unfused(
         caches[0].k + caches[0].v + [caches[0].valid], caches[2].k + caches[2].v + [caches[2].valid]
     ):
         assert torch.equal(a, b)
-    if not vs_unfused:
-        return worst
-    tol = 1e-5 if kv_dtype == torch.float32 else 2**-7
-    for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
-        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=1e-5)
-    assert torch.equal(caches[0].valid, caches[1].valid)
+    if vs_unfused:
+        _assert_caches_close(caches[0], caches[1], kv_dtype)
     return worst
 
 
