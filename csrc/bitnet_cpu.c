@@ -109,9 +109,9 @@ int64_t bn_packed_rows(int64_t n) { return (n + BN_GROUP - 1) / BN_GROUP * BN_GR
 
 /* byte offset of (row r, element e) in the cpu-2bit-v2 layout, and the shift of its 2-bit code */
 static inline int64_t code_at(int64_t r, int64_t e, int64_t rb, int *shift) {
-    int64_t blk = e / BN_BLOCK, off = e % BN_BLOCK;
+    int64_t off = e % BN_BLOCK;
     *shift = 2 * (int)(off >> 5);
-    return (r / BN_GROUP) * BN_GROUP * rb + blk * BN_BSTRIDE + (r % BN_GROUP) * 32 + (off & 31);
+    return bn_block_offset(r, e / BN_BLOCK, rb) + (off & 31);
 }
 
 void bn_pack(const int8_t *t, int64_t n, int64_t k, uint8_t *out) {
@@ -153,7 +153,7 @@ static void repack_range(void *c, int64_t g0, int64_t g1) {
             const uint8_t *src = r < q->n ? q->hf + (r % q->R) * q->k : NULL;
             int sh = (int)(2 * (r / q->R));
             for (int64_t b = 0; b < nblk; b++) {
-                uint8_t *o = q->out + g * BN_GROUP * q->rb + b * BN_BSTRIDE + i * 32;
+                uint8_t *o = q->out + bn_block_offset(r, b, q->rb);
                 for (int j = 0; j < 32; j++) {
                     uint8_t v = 0;
                     for (int p = 0; p < 4; p++) {

@@ -52,9 +52,11 @@ typedef struct {
  * Row r's block b starts at bn_row(g, r) + b * BN_BSTRIDE. */
 #define BN_GROUP 4
 #define BN_BSTRIDE (32 * BN_GROUP)
-static inline const uint8_t *bn_row(const bn_gemm_args *g, int64_t r) {
-    return g->w + (r / BN_GROUP) * BN_GROUP * g->rb + (r % BN_GROUP) * 32;
+/* byte offset of row r's block b in a matrix with rb bytes per row: the one definition of the layout */
+static inline int64_t bn_block_offset(int64_t r, int64_t b, int64_t rb) {
+    return (r / BN_GROUP) * BN_GROUP * rb + b * BN_BSTRIDE + (r % BN_GROUP) * 32;
 }
+static inline const uint8_t *bn_row(const bn_gemm_args *g, int64_t r) { return g->w + bn_block_offset(r, 0, g->rb); }
 
 /* Epilogue shared by every path: write one result. acc already has the activation sum subtracted. */
 static inline void bn_store(const bn_gemm_args *g, int64_t i, int64_t r, int32_t acc) {

@@ -120,7 +120,7 @@ class CpuBackend:
         ):
             return None
         np_, kp = packed_rows(n), padded_k(k)
-        out = arena.empty(np_ * kp // 4).view(np_, kp // 4)  # [Np, Kp/4]
+        out = arena.empty((np_, kp // 4))  # [Np, Kp/4]
         src = p.contiguous()
         _need().bn_repack_hf(src.data_ptr(), n, k, out.data_ptr())
         return out

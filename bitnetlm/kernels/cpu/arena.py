@@ -11,6 +11,7 @@ THP off, BITNETLM_HUGEPAGES=0) the same code simply gives ordinary memory.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import sys
 import threading
@@ -56,7 +57,7 @@ def _new_arena(nbytes: int) -> torch.Tensor:
     return buf[skip : skip + nbytes]
 
 
-def empty(nbytes: int) -> torch.Tensor:
+def _bytes(nbytes: int) -> torch.Tensor:
     """Uninitialised uint8 [nbytes] on huge pages where possible (a view into a shared arena)."""
     global _cur, _off
     if not enabled() or nbytes < (256 << 10):
@@ -71,9 +72,14 @@ def empty(nbytes: int) -> torch.Tensor:
         return out
 
 
-def place(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of `t` on huge pages (same shape and dtype)."""
-    nbytes = t.numel() * t.element_size()
-    out = empty(nbytes).view(t.dtype).view(t.shape)
+def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """Uninitialised contiguous tensor of `shape` and `dtype` on huge pages where possible."""
+    numel = math.prod(shape)
+    return _bytes(numel * dtype.itemsize).view(dtype).view(shape)
+
+
+def place(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A contiguous copy of `t` on huge pages (same shape; `dtype` converts element by element, no temporary)."""
+    out = empty(t.shape, dtype or t.dtype)
     out.copy_(t)
     return out

@@ -22,7 +22,7 @@ HEAD_DTYPES = ("bf16", "int8")
 
 def quantize_rows_int8(w: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8: (q int8 [V, H], scale float32 [V]) with w ~= q * scale[:, None]."""
-    q = arena.empty(w.numel()).view(torch.int8).view(w.shape)  # streamed every step: huge pages
+    q = arena.empty(w.shape, torch.int8)  # streamed every step: huge pages
     s = torch.empty(w.shape[0], dtype=torch.float32)
     for i in range(0, w.shape[0], chunk):  # chunks: never a float32 copy of the whole matrix
         wf = w[i : i + chunk].float()
@@ -42,12 +42,8 @@ class CompactHead(nn.Module):
         self.dtype_name = dtype
         w = weight.detach()
         if dtype == "bf16":
-            wb = (
-                arena.empty(w.numel() * 2).view(torch.bfloat16).view(w.shape)
-            )  # streamed every step: huge pages
-            for i in range(0, w.shape[0], 8192):  # chunks: no second full-size temporary
-                wb[i : i + 8192] = w[i : i + 8192]
-            self.register_buffer("weight", wb)
+            # streamed every step: huge pages; converted in place, no second full-size temporary
+            self.register_buffer("weight", arena.place(w, torch.bfloat16))
             self.register_buffer("scale", None)
         else:
             q, s = quantize_rows_int8(w)
