@@ -11,6 +11,7 @@
 #endif
 #include <immintrin.h>
 #include <math.h>
+#include <string.h>
 
 #define BN_INLINE static inline __attribute__((always_inline))
 
@@ -107,7 +108,54 @@ static void gemv_4rows(const bn_gemm_args *g, int64_t r, int64_t i) {
     bn_store(g, i, r + 3, hsum_i32(acc3) - xs);
 }
 
-#define ROW_CHUNK 32 /* weight rows kept hot in L1/L2 while all token tiles pass over them */
+/* 8 int32 vectors -> one vector of their 8 horizontal sums (element t = sum of v[t]) */
+BN_INLINE __m256i hsum8_i32(const __m256i v[8]) {
+    __m256i s01 = _mm256_hadd_epi32(v[0], v[1]), s23 = _mm256_hadd_epi32(v[2], v[3]);
+    __m256i s45 = _mm256_hadd_epi32(v[4], v[5]), s67 = _mm256_hadd_epi32(v[6], v[7]);
+    __m256i s0123 = _mm256_hadd_epi32(s01, s23), s4567 = _mm256_hadd_epi32(s45, s67);
+    /* lanes: s0123 = [t0 t1 t2 t3 | t0 t1 t2 t3] halves, s4567 likewise */
+    __m256i lo = _mm256_permute2x128_si256(s0123, s4567, 0x20), hi = _mm256_permute2x128_si256(s0123, s4567, 0x31);
+    return _mm256_add_epi32(lo, hi);
+}
+
+/* prefill main tile: one weight row against 8 tokens over blocks [b0, b1) (at most I16_BLOCKS, so the int16
+ * pair sums cannot overflow); adds the 8 partial dot products to part[0..7]. Eight tokens share each decoded
+ * block, which halves the decode work per multiply against the 4-token tile. */
+BN_INLINE void tile_1x8_part(const bn_gemm_args *g, int64_t r, int64_t i0, int64_t b0, int64_t b1, int32_t *part) {
+    const __m256i mask = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+    __m256i s16[8];
+    for (int t = 0; t < 8; t++) s16[t] = _mm256_setzero_si256();
+    const uint8_t *w = bn_row(g, r);
+    const int8_t *x = g->xq + i0 * g->ldx;
+    const int64_t ldx = g->ldx;
+    /* row r + 2's block b lies in the next 64-byte line of this group (or the next group): fetch it while this
+     * row computes (prefetching past the last row is harmless: prefetches do not fault) */
+    const uint8_t *wn = g->w + bn_block_offset(r + 2, 0, g->rb);
+    for (int64_t b = b0; b < b1; b++) {
+        __m256i p = _mm256_loadu_si256((const __m256i *)(w + BN_BSTRIDE * b));
+        _mm_prefetch((const char *)(wn + BN_BSTRIDE * b), _MM_HINT_T0);
+        const int8_t *xb = x + 128 * b;
+        /* one code vector at a time, added straight into the 8 accumulators: 8 accumulators + code + packed
+         * bytes + mask fit the 16 registers (decoding all four first made the compiler spill accumulators) */
+        for (int j = 0; j < 4; j++) {
+            __m256i c = _mm256_and_si256(j ? _mm256_srli_epi16(p, 2 * j) : p, mask);
+            for (int t = 0; t < 8; t++) {
+                s16[t] = _mm256_add_epi16(
+                    s16[t], _mm256_maddubs_epi16(c, _mm256_loadu_si256((const __m256i *)(xb + t * ldx + 32 * j))));
+                __asm__("" : "+x"(s16[t])); /* keeps the compiler from re-associating the sums into spills */
+            }
+        }
+    }
+    for (int t = 0; t < 8; t++) s16[t] = _mm256_madd_epi16(s16[t], ones);
+    __m256i sum = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)part), hsum8_i32(s16));
+    _mm256_storeu_si256((__m256i *)part, sum);
+}
+
+/* Prefill loop order: an 8-token activation tile of at most I16_BLOCKS blocks (8 x 2 KB) stays in L1 while
+ * the rows of a chunk stream past it; the chunk's weights (<= ~192 KB) stay in L2 while all token tiles take
+ * their turn. (Rows outer, tokens inner, re-read the activations from L2 for every row.) */
+#define CHUNK_BYTES (192 * 1024)
+#define TILE_ROWS_MAX 1024
 
 static void gemm_rows_avx2(const bn_gemm_args *g, int64_t r0, int64_t r1) {
     if (g->m < 3) {
@@ -118,9 +166,21 @@ static void gemm_rows_avx2(const bn_gemm_args *g, int64_t r0, int64_t r1) {
         }
         return;
     }
-    for (int64_t rc = r0; rc < r1; rc += ROW_CHUNK) {
-        int64_t re = rc + ROW_CHUNK < r1 ? rc + ROW_CHUNK : r1;
+    int64_t chunk = CHUNK_BYTES / g->rb;
+    chunk = chunk < 4 ? 4 : chunk > TILE_ROWS_MAX ? TILE_ROWS_MAX : chunk;
+    int32_t part[TILE_ROWS_MAX][8] __attribute__((aligned(32)));
+    for (int64_t rc = r0; rc < r1; rc += chunk) {
+        int64_t re = rc + chunk < r1 ? rc + chunk : r1;
         int64_t i0 = 0;
+        for (; i0 + 8 <= g->m; i0 += 8) {
+            memset(part, 0, sizeof(part[0]) * (size_t)(re - rc));
+            for (int64_t b0 = 0; b0 < g->nblk; b0 += I16_BLOCKS) {
+                int64_t b1 = b0 + I16_BLOCKS < g->nblk ? b0 + I16_BLOCKS : g->nblk;
+                for (int64_t r = rc; r < re; r++) tile_1x8_part(g, r, i0, b0, b1, part[r - rc]);
+            }
+            for (int64_t r = rc; r < re; r++)
+                for (int t = 0; t < 8; t++) bn_store(g, i0 + t, r, part[r - rc][t] - g->xsum[i0 + t]);
+        }
         for (; i0 + 4 <= g->m; i0 += 4)
             for (int64_t r = rc; r < re; r++) tile_1xT(g, r, i0, 4);
         int64_t rem = g->m - i0;

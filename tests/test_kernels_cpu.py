@@ -37,6 +37,11 @@ SHAPES = [
     (13, 127, 4),
     (66, 384, 9),
     (3, 1000, 3),
+    # prefill tiles: 8-token tiles over several 16-block K chunks, with 4/3-token tails; more rows than one
+    # L2 row chunk
+    (70, 2560, 21),
+    (9, 6912, 16),
+    (1100, 300, 11),
 ]
 
 

@@ -21,7 +21,7 @@ static uint32_t rnd(void) {
 
 int main(void) {
     static const int64_t shapes[][3] = {{256, 2560, 1}, {640, 2560, 5}, {37, 300, 7}, {5, 129, 1}, {1, 1, 1},
-                                        {13, 127, 4}, {66, 384, 9}, {96, 6912, 2}};
+                                        {13, 127, 4}, {66, 384, 9}, {96, 6912, 2}, {70, 2560, 21}, {9, 6912, 16}};
     int fails = 0, checked = 0;
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         int64_t n = shapes[s][0], k = shapes[s][1], m = shapes[s][2];
