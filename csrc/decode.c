@@ -12,6 +12,17 @@
 #include "bn_internal.h"
 #include "decode_internal.h"
 
+/* relu by clearing negative values' bits: integer ops the compiler vectorizes. The compare-and-select form
+ * stayed a scalar branch that mispredicted on every other element (~9% of a prefill). Negative -> +0. */
+static inline float relu_bits(float g) {
+    uint32_t b;
+    memcpy(&b, &g, 4);
+    b &= ~(uint32_t)((int32_t)b >> 31);
+    float r;
+    memcpy(&r, &b, 4);
+    return r;
+}
+
 /* 8 independent partial sums: the compiler can keep them in vector registers without reassociating */
 #define LANES 8
 
@@ -132,7 +143,7 @@ static int layer_step(const bn_decode_config *c, const bn_decode_layer *L, void 
         float *y = W->y + i * I;
         if (c->act == BN_ACT_RELU2) {
             for (int64_t e = 0; e < I; e++) {
-                float r = g[e] > 0.0f ? g[e] : 0.0f;
+                float r = relu_bits(g[e]);
                 y[e] = (r * r) * u[e];
             }
         } else {
