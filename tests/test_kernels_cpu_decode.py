@@ -116,6 +116,33 @@ def test_fused_greedy_equals_reference_backend(oracle_dirs, one_torch_thread, va
     assert torch.equal(got, greedy_with_cache(ref, prompt, 40))
 
 
+def test_fused_steps_from_several_threads(oracle_dirs, one_torch_thread):
+    """One model decoding from 4 threads at once (each with its own cache, as a server without a batching
+    worker would): every thread's tokens equal the same decode run alone."""
+    import threading
+
+    ours, _ = oracle_dirs["packed-autobitlinear"]
+    fast = load_model(ours, backend="cpu").eval()
+    gen = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(3, fast.config.vocab_size, (1, 5 + i), generator=gen) for i in range(4)]
+    want = [greedy_with_cache(fast, p, 24) for p in prompts]
+    got: list = [None] * 4
+    start = threading.Barrier(4)
+
+    def run(i):
+        start.wait()
+        got[i] = greedy_with_cache(fast, prompts[i], 24)
+
+    for _ in range(3):
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        for i in range(4):
+            assert torch.equal(got[i], want[i]), i
+
+
 def _prefill_fused_vs_unfused(
     model, batch: int, t: int, kv_dtype: torch.dtype, padded: bool = False, vs_unfused: bool = True
 ):

@@ -14,8 +14,8 @@ fp32 RMSNorms (BitNet sub-norms optional), head_dim even and <= 512. KV cache fp
 Results equal the torch layers up to float summation order (RMSNorm means, attention sums).
 
 Turned off by BITNETLM_FUSED_DECODE=0 (read when attaching) or `detach(model)`.
-Forward hooks on the layers are not run by the fused step. One model should not run decode steps from several
-threads at once (one scratch buffer; the C thread pool is shared with every other call of the library).
+Forward hooks on the layers are not run by the fused step. Steps of one model from several threads at once are
+serialized by a lock (one scratch buffer; the C library runs one call at a time on its thread pool anyway).
 
 Attention accuracy: with random 2B4T-shaped weights (attention scores in the thousands, 1024 cached positions)
 one layer's output with the fused step agreed with the torch layer using a float64 attention to 2e-7 of its
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 
 import torch
 
@@ -155,6 +156,7 @@ class FusedDecode:
                 ]
         self.model_ref = model.layers  # identity check: a model whose layers were swapped drops the fusion
         self.work = torch.empty(0, dtype=torch.float32)
+        self.lock = getattr(self, "lock", None) or threading.Lock()  # kept when stale() re-initializes
 
     def __deepcopy__(self, memo):
         return None  # a copy of the model has its own tensors: it falls back to the torch layers
@@ -203,6 +205,10 @@ class FusedDecode:
 
     def __call__(self, h, cos, sin, cache, cache_pos) -> torch.Tensor:
         """h [B, T, hidden] after the layers; cos, sin [B, T, head_dim]; cache_pos [B, T] slots to write."""
+        with self.lock:  # self.cfg and self.work are per-call state
+            return self._step(h, cos, sin, cache, cache_pos)
+
+    def _step(self, h, cos, sin, cache, cache_pos) -> torch.Tensor:
         b, t, hidden = h.shape
         c = self.cfg
         c.max_seq = cache.k[0].shape[2]
