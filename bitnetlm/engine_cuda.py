@@ -3,7 +3,8 @@
 Per layer and token the step is: [RMSNorm + int8 quant + q|k|v W2A8 GEMV], [RoPE + KV-cache write],
 [split-KV attention, one program per GQA group], [SubLN + quant + o_proj + residual], [RMSNorm + quant + gate|up +
 relu^2*up], [SubLN + quant + down_proj + residual] -- six launches, plus one quantization launch per projection
-where the tuner finds a separate quant + GEMV faster than the fused one (it times both inside CUDA graphs). The
+where the tuner finds a separate quant + GEMV faster than the fused one (it times both inside CUDA graphs). At
+batch <= 2 the q|k|v GEMV also rotates and writes the KV cache (decode.py: five launches plus the quantizations). The
 Triton kernels use programmatic dependent launch, so each one loads its weights while the previous one drains.
 Then final norm, LM head (bf16, or int8 per-row scaled), sampling (argmax or exponential-race sampling on the
 device) and the bookkeeping (next token, position, output slot) -- all captured once per batch size, replayed
@@ -11,18 +12,22 @@ with no host synchronisation and no Python per layer.
 
 `weights="dense"` builds the same engine over full-precision (bf16) matrices (cuBLAS, same graph treatment):
 the baseline the ternary path is measured against. Prefill (T > 1) runs the GEMM path and PyTorch SDPA
-(flash attention) with a causal mask and always starts at position 0.
+(flash attention) with a causal mask and always starts at position 0; queries are laid out [B, T, H, D] so the
+attention output reaches o_proj without a transpose copy.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from bitnetlm.models.config import ModelConfig
+
+FUSED_MAX_B = 2  # decode steps of up to this many rows fuse RoPE + KV write into the q|k|v GEMV (decode.py)
 
 
 @dataclass
@@ -120,6 +125,8 @@ class CudaEngine:
         self.k_cache = [torch.zeros(shape, device=dev, dtype=ecfg.dtype) for _ in layers]
         self.v_cache = [torch.zeros(shape, device=dev, dtype=ecfg.dtype) for _ in layers]
         self._graphs: dict[tuple, _DecodeState] = {}
+        self._bufs: dict = {}  # decode.QuantBuf per batch size (fused q|k|v + RoPE input)
+        self.fused = os.environ.get("BITNETLM_FUSED_DECODE", "1") != "0"  # 0: q|k|v and RoPE as two launches
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -321,19 +328,30 @@ class CudaEngine:
         nqkv = (nh + 2 * nkv) * hd
         h = self._embed(tok.reshape(-1))  # [B*T, hidden]
         scale = 1.0 / math.sqrt(hd)
+        fused = t == 1 and b <= FUSED_MAX_B and self.ecfg.weights == "ternary" and self.fused
+        if fused:
+            from bitnetlm.kernels.triton.decode import QuantBuf, qkv_rope, quantize_into
+
+            if b not in self._bufs:
+                self._bufs[b] = QuantBuf(b, self.cfg.hidden_size, self.device)
+            xq = self._bufs[b]
         for li, L in enumerate(self.layers):
             kc, vc = self.k_cache[li], self.v_cache[li]
-            qkv = self._lin(h, L.qkv, L.qkv_scale, nqkv, norm=L.in_norm)  # [B*T, (H+2Hkv)*D]
-            q = torch.empty((b, nh, t, hd), device=h.device, dtype=h.dtype)
-            rope_cache(qkv, self.cos, self.sin, pos, q, kc, vc, nh, nkv, t)
+            q = torch.empty((b, t, nh, hd), device=h.device, dtype=h.dtype)
+            if fused:  # quantize, then q|k|v GEMV + RoPE + KV write in one launch
+                quantize_into(h, L.in_norm, xq, self.eps)
+                qkv_rope(xq, b, L.qkv, L.qkv_scale, q, self.cos, self.sin, pos, kc, vc, nh, nkv)
+            else:
+                qkv = self._lin(h, L.qkv, L.qkv_scale, nqkv, norm=L.in_norm)  # [B*T, (H+2Hkv)*D]
+                rope_cache(qkv, self.cos, self.sin, pos, q, kc, vc, nh, nkv, t)
             if t == 1:
                 o = torch.empty((b, nh, hd), device=h.device, dtype=h.dtype)
                 attn_decode(q.view(b, nh, hd), kc, vc, pos, o, scale)
                 o = o.view(b, nh * hd)
             else:
                 o = F.scaled_dot_product_attention(
-                    q, kc[:b, :, :t], vc[:b, :, :t], is_causal=True, enable_gqa=nh != nkv
-                )  # [B, H, T, D]
+                    q.transpose(1, 2), kc[:b, :, :t], vc[:b, :, :t], is_causal=True, enable_gqa=nh != nkv
+                )  # [B, H, T, D], in q's memory order [B, T, H, D] where the backend keeps it (no copy below)
                 o = o.transpose(1, 2).reshape(b * t, nh * hd)
             h = self._lin(o, L.o, L.o_scale, h.shape[-1], norm=L.attn_sub_norm, residual=h)
             g = self._lin(

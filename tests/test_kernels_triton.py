@@ -128,6 +128,25 @@ def test_fused_variants(m, path):
     assert torch.equal(y, int_matmul_f32(xq, tn) * (srow[:1] / a) + res)
 
 
+def test_gated_pair_gemm_equals_gemm():
+    """The paired gated GEMM (gate and up rows in one tile) gives the unpaired GEMM's result bit for bit."""
+    n, k = 40, 130
+    for m in (40, 70):
+        t, x, _ = _case(m, 2 * n, k, seed=m + 5)
+        g = torch.Generator().manual_seed(3)
+        norm = (1 + 0.1 * torch.randn(k, generator=g)).to(x.device)
+        srow = (0.01 + torch.rand(2 * n, generator=g)).to(x.device)
+        p = layout.pack_triton(t)
+        for act in ("relu2", "silu"):
+            y = L.ternary_linear(x, p, srow, n, norm_weight=norm, gated=True, act=act, path="gemm_pair")
+            assert torch.equal(
+                y, L.ternary_linear(x, p, srow, n, norm_weight=norm, gated=True, act=act, path="gemm")
+            )
+            torch.testing.assert_close(
+                y, _fused_reference(x, t, srow, norm, gated=True, act=act), rtol=3e-2, atol=3e-2
+            )
+
+
 def test_bad_packed_shape_is_a_clear_error():
     t, x, s = _case(1, 8, 32, seed=1)
     with pytest.raises(ValueError, match="expected packed triton-2bit-v1 weights"):
@@ -225,6 +244,12 @@ def test_gpu_gated_2b4t_and_int8_head():
             torch.testing.assert_close(
                 y, ref, rtol=2e-3, atol=2e-3, msg=lambda e, m=m, path=path: f"{m} {path}: {e}"
             )
+    xm = torch.randn(
+        300, 2560, device="cuda"
+    )  # prefill rows: the paired tile equals the unpaired split-K exactly
+    y = L.ternary_linear(xm, p, srow, 6912, norm_weight=norm, gated=True, path="gemm_pair")
+    assert torch.equal(y, L.ternary_linear(xm, p, srow, 6912, norm_weight=norm, gated=True, path="splitk"))
+    torch.testing.assert_close(y, _fused_reference(xm, t, srow, norm, gated=True), rtol=2e-3, atol=2e-3)
     w = torch.randint(-127, 128, (1000, 2560), dtype=torch.int8, device="cuda")
     s = torch.rand(1000, device="cuda")
     for m in (1, 40):

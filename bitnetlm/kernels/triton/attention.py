@@ -2,7 +2,8 @@
 
 Each replaces several eager PyTorch kernels with one launch, which is what a CUDA-graph decode step at batch 1
 is made of. Layouts: qkv rows [B*T, (H + 2*Hkv) * D] (q heads, then k heads, then v heads; HF rotate-half RoPE);
-KV cache [B, Hkv, S, D]; queries out [B, H, T, D].
+KV cache [B, Hkv, S, D]; queries out [B, T, H, D] (the memory order SDPA's output keeps, so the attention
+output reaches o_proj as [B*T, H*D] rows without a copy).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def _rope_cache_kernel(
     o1 = tl.where(rot, f1 * c - f2 * s, f1)
     o2 = tl.where(rot, f2 * c + f1 * s, f2)
     mq = (hh < H)[:, None]
-    dq = q_ptr + (((b * H + hh) * T + t) * D)[:, None] + d[None, :]
+    dq = q_ptr + ((row * H + hh) * D)[:, None] + d[None, :]  # q [B, T, H, D]
     tl.store(dq, o1.to(q_ptr.dtype.element_ty), mask=mq)
     tl.store(dq + HALF, o2.to(q_ptr.dtype.element_ty), mask=mq)
     mk = ((hh >= H) & (hh < H + HKV))[:, None]
@@ -67,7 +68,7 @@ def _rope_cache_kernel(
 
 
 def rope_cache(qkv, cos, sin, pos, q_out, k_cache, v_cache, n_heads: int, n_kv: int, t: int) -> None:
-    """Rotate q/k of `qkv` [B*T, (H+2Hkv)*D] at positions pos[b]+t; q -> q_out [B,H,T,D], k/v -> cache slots."""
+    """Rotate q/k of `qkv` [B*T, (H+2Hkv)*D] at positions pos[b]+t; q -> q_out [B,T,H,D], k/v -> cache slots."""
     d = k_cache.shape[-1]
     hp = triton.next_power_of_2(n_heads + 2 * n_kv)
     _rope_cache_kernel[(qkv.shape[0],)](

@@ -123,7 +123,19 @@ def _epilogue(acc, rs, a, s_ptr, offs_n, mask_n, PER_ROW: tl.constexpr, PTX: tl.
     """(int32 X@C^T - rowsum(X)) * (s / a) in float32; acc [BM, BN], rs/a [BM]."""
     if PER_ROW:
         s = tl.load(s_ptr + offs_n, mask=mask_n, other=1.0)
-        f = _div_rn(s[None, :], a[:, None], PTX)
+        if (
+            PTX
+        ):  # s / a correctly rounded without a div.rn per element (MUFU-bound, and its registers cost the
+            # GEMM its second CTA an SM): one reciprocal r = RN(1/a) per row, then two corrections q + (s - a*q) * r
+            # with exact FMA residuals; the second starts within an ulp, so it rounds correctly (Markstein)
+            r = _rcp_rn(a, PTX)[:, None]
+            sb = s[None, :]
+            ab = a[:, None]
+            q = sb * r
+            q = tl.fma(tl.fma(-q, ab, sb), r, q)
+            f = tl.fma(tl.fma(-q, ab, sb), r, q)
+        else:
+            f = s[None, :] / a[:, None]
     else:
         s = tl.load(s_ptr)
         f = _div_rn(s + tl.zeros_like(a), a, PTX)[:, None]
@@ -371,28 +383,65 @@ def _gemm_kernel(
     BKB: tl.constexpr,
     GROUP_M: tl.constexpr,
     SWAP: tl.constexpr = False,
+    PAIR: tl.constexpr = False,
 ):
+    """PAIR (gated only): a tile's BN weight rows are BN/2 gate rows and the BN/2 up rows of the same outputs,
+    one accumulator and one MMA of the full width (two half-width MMAs waste Hopper's wgmma), split in the
+    epilogue."""
     pid = tl.program_id(0)
+    OUT_N: tl.constexpr = BN // 2 if PAIR else BN  # output columns per tile
     num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(N, BN)
+    num_n = tl.cdiv(N, OUT_N)
     group = GROUP_M * num_n
     first_m = (pid // group) * GROUP_M
     gsize = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + (pid % group) % gsize
     pid_n = (pid % group) // gsize
     offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
     mask_m = offs_m < M
-    mask_n = offs_n < N
-    acc, acc2 = _mma_loop(
-        q_ptr, w_ptr, offs_m, offs_n, mask_m, mask_n, N, KP, 0, KP, stride_qm, GATED, PTX, SWAP, BM, BN, BKB
-    )
-    a = tl.load(a_ptr + offs_m, mask=mask_m, other=1.0)
-    rs = tl.load(rs_ptr + offs_m, mask=mask_m, other=0)
-    y = _epilogue(acc, rs, a, s_ptr, offs_n, mask_n, PER_ROW, PTX)
-    if GATED:
-        u = _epilogue(acc2, rs, a, s_ptr, offs_n + N, mask_n, PER_ROW, PTX)
-        y = _activate(y, ACT) * u
+    if PAIR:
+        j = tl.arange(0, BN)
+        offs_o = pid_n * OUT_N + j % OUT_N
+        mask_w = offs_o < N
+        rows = offs_o + tl.where(j >= OUT_N, N, 0)  # gate rows, then the up rows of the same outputs
+        acc, acc2 = _mma_loop(
+            q_ptr, w_ptr, offs_m, rows, mask_m, mask_w, N, KP, 0, KP, stride_qm, False, PTX, SWAP, BM, BN, BKB
+        )
+        a = tl.load(a_ptr + offs_m, mask=mask_m, other=1.0)  # after the K loop: no registers held across it
+        rs = tl.load(rs_ptr + offs_m, mask=mask_m, other=0)
+        yy = _epilogue(acc, rs, a, s_ptr, rows, mask_w, PER_ROW, PTX)  # [BM, BN]
+        g, u = tl.split(tl.permute(tl.reshape(yy, [BM, 2, OUT_N]), (0, 2, 1)))
+        y = _activate(g, ACT) * u
+        offs_n = pid_n * OUT_N + tl.arange(0, OUT_N)
+        mask_n = offs_n < N
+    else:
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        mask_n = offs_n < N
+        acc, acc2 = _mma_loop(
+            q_ptr,
+            w_ptr,
+            offs_m,
+            offs_n,
+            mask_m,
+            mask_n,
+            N,
+            KP,
+            0,
+            KP,
+            stride_qm,
+            GATED,
+            PTX,
+            SWAP,
+            BM,
+            BN,
+            BKB,
+        )
+        a = tl.load(a_ptr + offs_m, mask=mask_m, other=1.0)
+        rs = tl.load(rs_ptr + offs_m, mask=mask_m, other=0)
+        y = _epilogue(acc, rs, a, s_ptr, offs_n, mask_n, PER_ROW, PTX)
+        if GATED:
+            u = _epilogue(acc2, rs, a, s_ptr, offs_n + N, mask_n, PER_ROW, PTX)
+            y = _activate(y, ACT) * u
     mask_y = mask_m[:, None] & mask_n[None, :]
     if HAS_RES:
         y += tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask_y, other=0.0).to(

@@ -1,0 +1,180 @@
+"""The q|k|v projection of the batch-1/2 CUDA-graph decode step with RoPE and the KV-cache write fused in.
+
+`_qkv_rope_kernel` is the row GEMV over pre-quantized activations (`kernels._gemv_row_kernel`, PREQ) whose BN
+weight rows are BN/2 rotation pairs (d, d + D/2) of the heads, so a program rotates its own outputs and writes
+q into the query buffer [B, 1, H, D] and k / v straight into the KV-cache slot pos: no q|k|v round trip and no
+RoPE launch (`attention.rope_cache`). The results equal the unfused launches bit for bit: the outputs are
+rounded to the activation dtype before the rotation, as the stored q|k|v rows are in the unfused step.
+
+(A quantizing tail -- the last program of o / gate|up / down / attention quantizing the whole output row for the
+next projection -- was measured slower than the separate `_quant_kernel` launch on an H100, 1-2 us a
+projection, and is not used.)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from bitnetlm.kernels.triton import kernels as K
+from bitnetlm.kernels.triton.kernels import _div_rn, _pdl_wait, _row_dot
+from bitnetlm.kernels.triton.launch import PTX, _row_candidates, _tune, check_packed, pdl_kw
+from bitnetlm.kernels.triton.layout import packed_row_bytes
+
+
+@triton.jit
+def _qkv_rope_kernel(
+    q_ptr,
+    a_ptr,
+    rs_ptr,
+    w_ptr,
+    s_ptr,
+    qo_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    kc_ptr,
+    vc_ptr,
+    M,
+    N,
+    KW,
+    H,
+    HKV,
+    S,
+    stride_qw,
+    PER_ROW: tl.constexpr,
+    PTX: tl.constexpr,
+    D: tl.constexpr,
+    BN: tl.constexpr,
+    KWP: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    pid = tl.program_id(0)
+    j = tl.arange(0, BN)
+    HALF: tl.constexpr = D // 2
+    P: tl.constexpr = BN // 2
+    pp = pid * P + j % P  # rotation pair of each row: rows d and d + D/2 of a head side by side
+    offs_n = (pp // HALF) * D + pp % HALF + tl.where(j >= P, HALF, 0)
+    mask_n = pp < N // 2
+    offs_w = tl.arange(0, KWP)
+    mw = offs_w < KW
+    wv = tl.load(w_ptr + offs_n[:, None] * KW + offs_w[None, :], mask=mask_n[:, None] & mw[None, :], other=0)
+    if PER_ROW:
+        s = tl.load(s_ptr + offs_n, mask=mask_n, other=1.0)
+    else:
+        s = tl.load(s_ptr) + tl.zeros([BN], tl.float32)
+    _pdl_wait(PDL)  # the weight and scale loads above overlap the previous kernel
+    p1 = pid * P + tl.arange(0, P)
+    mp = p1 < N // 2
+    head = p1 // HALF
+    d = p1 % HALF
+    rot = head < H + HKV
+    mq = mp & (head < H)
+    mk = mp & (head >= H) & (head < H + HKV)
+    mv = mp & (head >= H + HKV)
+    for m in range(M):
+        qrow = q_ptr + m * stride_qw
+        xw0 = tl.load(qrow + offs_w, mask=mw, other=0)
+        xw1 = tl.load(qrow + KW + offs_w, mask=mw, other=0)
+        xw2 = tl.load(qrow + 2 * KW + offs_w, mask=mw, other=0)
+        xw3 = tl.load(qrow + 3 * KW + offs_w, mask=mw, other=0)
+        a = tl.load(a_ptr + m)
+        rs = tl.load(rs_ptr + m)
+        y = (_row_dot(xw0, xw1, xw2, xw3, wv, PTX) - rs).to(tl.float32) * _div_rn(
+            s, a + tl.zeros_like(s), PTX
+        )
+        yq = y.to(kc_ptr.dtype.element_ty).to(tl.float32)  # the q|k|v row as the unfused step stores it
+        f1, f2 = tl.split(tl.permute(tl.reshape(yq, [2, P]), (1, 0)))
+        pos = tl.load(pos_ptr + m)
+        c = tl.load(cos_ptr + pos * HALF + d)
+        sn = tl.load(sin_ptr + pos * HALF + d)
+        o1 = tl.where(rot, f1 * c - f2 * sn, f1).to(kc_ptr.dtype.element_ty)
+        o2 = tl.where(rot, f2 * c + f1 * sn, f2).to(kc_ptr.dtype.element_ty)
+        dq = qo_ptr + (m * H + head) * D + d
+        tl.store(dq, o1, mask=mq)
+        tl.store(dq + HALF, o2, mask=mq)
+        dk = kc_ptr + ((m * HKV + head - H) * S + pos) * D + d
+        tl.store(dk, o1, mask=mk)
+        tl.store(dk + HALF, o2, mask=mk)
+        dv = vc_ptr + ((m * HKV + head - H - HKV) * S + pos) * D + d
+        tl.store(dv, o1, mask=mv)
+        tl.store(dv + HALF, o2, mask=mv)
+
+
+class QuantBuf:
+    """Pre-quantized activation rows for a projection over K inputs: q int8 [B, 4*Kp], a [B], rowsum [B]."""
+
+    def __init__(self, b: int, k: int, device):
+        self.k, self.kpad = k, 4 * packed_row_bytes(k)
+        self.q = torch.zeros((b, self.kpad), dtype=torch.int8, device=device)
+        self.a = torch.ones((b,), dtype=torch.float32, device=device)
+        self.rs = torch.zeros((b,), dtype=torch.int32, device=device)
+
+
+def quantize_into(x: torch.Tensor, norm_weight: torch.Tensor | None, buf: QuantBuf, eps: float) -> None:
+    """rmsnorm? + per-row int8 quantization of x [M, K] into `buf` (rows 0..M-1), as ternary_linear's."""
+    m, k = x.shape
+    nw = norm_weight if norm_weight is not None else buf.a
+    K._quant_kernel[(m,)](
+        x,
+        nw,
+        buf.q,
+        buf.a,
+        buf.rs,
+        k,
+        buf.kpad,
+        x.stride(0),
+        buf.q.stride(0),
+        eps,
+        HAS_NORM=norm_weight is not None,
+        PTX=PTX,
+        BK=triton.next_power_of_2(buf.kpad),
+        num_warps=1 if K.INTERPRET else (8 if k > 4096 else 4),
+        **pdl_kw(),
+    )
+
+
+def qkv_rope(
+    xq: QuantBuf, m: int, packed, scale, q_out, cos, sin, pos, k_cache, v_cache, n_heads, n_kv
+) -> None:
+    """The M quantized rows of `xq` through the q|k|v weights (`packed`, scale [1] or per row), then RoPE at
+    positions pos[b]: q -> q_out [B, 1, H, D], k / v -> cache slot pos[b] (as ternary_linear + rope_cache)."""
+    d, s_len = k_cache.shape[-1], k_cache.shape[2]
+    n = (n_heads + 2 * n_kv) * d
+    check_packed(packed, n, xq.k, "qkv_rope")
+    kw = packed.shape[1] // 4
+    scale = scale.reshape(-1)
+
+    def launch(cfg):
+        _qkv_rope_kernel[(triton.cdiv(n // 2, cfg["BN"] // 2),)](
+            xq.q.view(torch.int32),
+            xq.a,
+            xq.rs,
+            packed.view(torch.int32),
+            scale,
+            q_out,
+            cos,
+            sin,
+            pos,
+            k_cache,
+            v_cache,
+            m,
+            n,
+            kw,
+            n_heads,
+            n_kv,
+            s_len,
+            xq.q.stride(0) // 4,
+            PER_ROW=scale.numel() != 1,
+            PTX=PTX,
+            D=d,
+            BN=cfg["BN"],
+            KWP=triton.next_power_of_2(kw),
+            num_warps=cfg["num_warps"],
+            **pdl_kw(),
+        )
+
+    # tiny K (tests) leaves no row tile in the register window: one default
+    cands = [c for c in _row_candidates(kw, False, "qkv_rope") if c["BN"] >= 2] or [dict(BN=16, num_warps=4)]
+    launch(_tune(("qkv_rope", n, xq.k, m, scale.numel() != 1, d), cands, launch))

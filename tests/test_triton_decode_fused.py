@@ -1,0 +1,102 @@
+"""The fused q|k|v + RoPE decode kernel (decode.py) equals the unfused launches bit for bit.
+
+Without a GPU they run under Triton's interpreter on small shapes; the `gpu` tests use the 2B4T shapes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+    for name in [m for m in sys.modules if m.startswith("bitnetlm.kernels.triton")]:
+        del sys.modules[name]
+
+L = importlib.import_module("bitnetlm.kernels.triton.launch")
+A = importlib.import_module("bitnetlm.kernels.triton.attention")
+F = importlib.import_module("bitnetlm.kernels.triton.decode")
+layout = importlib.import_module("bitnetlm.kernels.triton.layout")
+
+DEV = "cuda" if CUDA else "cpu"
+
+
+def _rand(shape, seed, dev):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(dev)
+
+
+def _tern(n, k, seed, dev):
+    g = torch.Generator().manual_seed(seed)
+    return layout.pack_triton(torch.randint(-1, 2, (n, k), generator=g, dtype=torch.int8)).to(dev)
+
+
+def _check_qkv_rope(m, hidden, nh, nkv, hd, dtype, dev, seed=0, per_row=True):
+    """quantize_into + qkv_rope vs ternary_linear(rowq) + rope_cache: q and both caches bit for bit."""
+    eps = 1e-5
+    x = (_rand((m, hidden), seed, dev) * 3).to(dtype)
+    nin = 1 + 0.1 * _rand((hidden,), seed + 1, dev)
+    nqkv = (nh + 2 * nkv) * hd
+    w = _tern(nqkv, hidden, seed + 3, dev)
+    s = 0.01 + _rand((nqkv,), seed + 4, dev).abs() if per_row else torch.full((1,), 0.03, device=dev)
+    xq = F.QuantBuf(m, hidden, dev)
+    F.quantize_into(x, nin, xq, eps)
+    q_ref, a_ref, rs_ref = L.quantize_rows(x, nin, eps)
+    assert torch.equal(xq.q[:, :hidden], q_ref) and torch.equal(xq.a, a_ref) and torch.equal(xq.rs, rs_ref)
+    s_len = 24
+    pos = torch.tensor([5, 17][:m], dtype=torch.int32, device=dev)
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    fr = torch.arange(s_len, dtype=torch.float32)[:, None] * inv[None, :]
+    cos, sin = fr.cos().contiguous().to(dev), fr.sin().contiguous().to(dev)
+    kc = _rand((m, nkv, s_len, hd), seed + 5, dev).to(dtype)
+    vc = _rand((m, nkv, s_len, hd), seed + 6, dev).to(dtype)
+    kr, vr = kc.clone(), vc.clone()
+    q = torch.zeros((m, 1, nh, hd), dtype=dtype, device=dev)
+    F.qkv_rope(xq, m, w, s, q, cos, sin, pos, kc, vc, nh, nkv)
+    qkv = L.ternary_linear(x, w, s, nqkv, norm_weight=nin, eps=eps, path="rowq")
+    qr = torch.zeros_like(q)
+    A.rope_cache(qkv, cos, sin, pos, qr, kr, vr, nh, nkv, 1)
+    assert torch.equal(q, qr) and torch.equal(kc, kr) and torch.equal(vc, vr)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_qkv_rope_exact(m):
+    # K not a multiple of 16 (padding), GQA group of 2, head_dim 16; per-row and single scales
+    _check_qkv_rope(m, hidden=72, nh=4, nkv=2, hd=16, dtype=torch.float32, dev=DEV, seed=m)
+    _check_qkv_rope(m, hidden=64, nh=2, nkv=1, hd=32, dtype=torch.float32, dev=DEV, seed=m + 7, per_row=False)
+
+
+def test_engine_fused_step_equals_unfused(tiny_model):
+    """The engine's fused decode step gives the unfused step's logits and cache (the unfused q|k|v may take the
+    row GEMV that quantizes inside each program, whose sum order differs: close, not bit-identical)."""
+    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
+
+    for b in (1, 2):
+        eng = CudaEngine.from_model(
+            tiny_model, EngineConfig(max_batch=2, max_seq_len=16, dtype=torch.float32), device=DEV
+        )
+        tok = torch.randint(0, 512, (b, 5), generator=torch.Generator().manual_seed(b)).to(DEV)
+        nxt = torch.randint(0, 512, (b, 1), generator=torch.Generator().manual_seed(9)).to(DEV)
+        with torch.no_grad():
+            eng.forward(tok, torch.zeros(b, dtype=torch.int32, device=DEV))
+            pos = torch.full((b,), 5, dtype=torch.int32, device=DEV)
+            eng.fused = False
+            ref = eng.forward(nxt, pos)
+            kref = [k.clone() for k in eng.k_cache]
+            eng.fused = True
+            got = eng.forward(nxt, pos)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+        for k, r in zip(eng.k_cache, kref):
+            torch.testing.assert_close(k, r, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2])
+def test_gpu_qkv_rope_2b4t_exact(m):
+    for dtype in (torch.bfloat16, torch.float32):
+        _check_qkv_rope(m, hidden=2560, nh=20, nkv=5, hd=128, dtype=dtype, dev="cuda", seed=m)
