@@ -23,6 +23,7 @@ def kernel_table(ms=(1, 8, 16, 64, 512)) -> tuple[str, list[dict]]:
     import triton
 
     from bitnetlm.kernels.triton import launch as L
+    from bitnetlm.kernels.triton import tune as T
     from bitnetlm.kernels.triton.layout import pack_triton
 
     # (name, N out, K in, gated, norm, residual, per-row scale) as the engine calls them
@@ -48,7 +49,7 @@ def kernel_table(ms=(1, 8, 16, 64, 512)) -> tuple[str, list[dict]]:
             t = statistics.median(
                 [triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") for _ in range(3)]
             )
-            cfg = [v for kk, v in L._choice.items() if kk[1] == n and kk[2] == k and kk[4] == gated]
+            cfg = [v for kk, v in T._choice.items() if kk[1] == n and kk[2] == k and kk[4] == gated]
             rows.append(
                 dict(
                     op=name,
@@ -104,9 +105,9 @@ def main() -> int:
         out["engine"] = res
         md += ["", markdown(res)]
         print(markdown(res), flush=True)
-    from bitnetlm.kernels.triton import launch
+    from bitnetlm.kernels.triton import tune
 
-    out["tuned"] = {str(k): v for k, v in launch._choice.items()}
+    out["tuned"] = {str(k): v for k, v in tune._choice.items()}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
         json.dump(out, f, indent=2)

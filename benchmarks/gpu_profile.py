@@ -1,6 +1,6 @@
 """Where a CUDA-graph decode step spends its time (device machine): kernel table of one engine's decode.
 
-    python benchmarks/gpu_profile.py [--batches 1,8] [--weights ternary]
+    python benchmarks/gpu_profile.py [--batches 1,8] [--weights ternary] [--chunks 0,32,64,128]
 
 Random weights of the 2B4T shape; replays the captured decode step under torch.profiler and prints the kernels
 by total time, plus decode ms/step for the attention block-size variants. The decode kernels use programmatic
@@ -24,6 +24,7 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--weights", default="ternary")
     ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--chunks", default="0,32,64,128", help="attention keys per split to time (0 = default)")
     ap.add_argument(
         "--prefill", type=int, default=0, help="also profile one batch-1 prefill of this many tokens"
     )
@@ -38,7 +39,7 @@ def main() -> int:
         EngineConfig(max_batch=max(batches), max_seq_len=args.context + 200, weights=args.weights),
     )
     for b in batches:
-        for blk in (0, 32, 64, 128):  # 0 = the launcher's choice
+        for blk in [int(c) for c in args.chunks.split(",")]:  # 0 = the launcher's choice
             attention.ATTN_CHUNK = blk
             eng._graphs.clear()
             st = eng.decode_state(b)

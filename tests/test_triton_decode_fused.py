@@ -5,25 +5,11 @@ Without a GPU they run under Triton's interpreter on small shapes; the `gpu` tes
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
+from triton_interp import DEV, triton_modules
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-    for name in [m for m in sys.modules if m.startswith("bitnetlm.kernels.triton")]:
-        del sys.modules[name]
-
-L = importlib.import_module("bitnetlm.kernels.triton.launch")
-A = importlib.import_module("bitnetlm.kernels.triton.attention")
-F = importlib.import_module("bitnetlm.kernels.triton.decode")
-layout = importlib.import_module("bitnetlm.kernels.triton.layout")
-
-DEV = "cuda" if CUDA else "cpu"
+L, A, F, layout = triton_modules("launch", "attention", "decode", "layout")
 
 
 def _rand(shape, seed, dev):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from bitnetlm.kernels.triton.kernels import INTERPRET
+from bitnetlm.kernels.triton.common import INTERPRET
 from bitnetlm.kernels.triton.layout import pack_triton, packed_row_bytes, unpack_triton
 from bitnetlm.quant.packing import PackingFormat
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bitnetlm.kernels.triton.kernels import ACT_CODES, INTERPRET, _activate, _pdl_wait
+from bitnetlm.kernels.triton.common import ACT_CODES, INTERPRET, _activate, _pdl_wait, _prefetch_l2
 from bitnetlm.kernels.triton.launch import pdl_kw
 
 
@@ -124,6 +124,17 @@ def _attn_gqa_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
+    base = (b * HKV + kvh) * S * D
+    if PDL:
+        if CHUNK <= 128:  # latency-bound small chunks: this program's K/V rows into L2 while waiting (a hint
+            # only: pos read this early may be stale, the rows past it still being written; the loads come later)
+            LP: tl.constexpr = D // 64 if D >= 64 else 1  # 128-byte lines of a bf16 row
+            pf_s = sp * CHUNK + tl.arange(0, CHUNK)
+            pf_kv = base + pf_s[:, None] * D + (tl.arange(0, LP) * 64)[None, :]
+            pos_early = tl.load(pos_ptr + b, cache_modifier=".cg")  # not into L1: the real load comes later
+            pf_m = tl.broadcast_to((pf_s <= pos_early)[:, None], [CHUNK, LP])
+            _prefetch_l2(k_ptr + pf_kv, pf_m, True)
+            _prefetch_l2(v_ptr + pf_kv, pf_m, True)
     _pdl_wait(PDL)
     n = tl.load(pos_ptr + b) + 1  # keys 0..pos[b] are this row's context
     offs_d = tl.arange(0, D)
@@ -131,7 +142,6 @@ def _attn_gqa_kernel(
     mg = offs_g < G
     heads = b * H + kvh * G + offs_g  # [GP] query rows
     q = tl.load(q_ptr + heads[:, None] * D + offs_d[None, :], mask=mg[:, None], other=0.0)  # [GP, D]
-    base = (b * HKV + kvh) * S * D
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)

@@ -1,6 +1,6 @@
 """The q|k|v projection of the batch-1/2 CUDA-graph decode step with RoPE and the KV-cache write fused in.
 
-`_qkv_rope_kernel` is the row GEMV over pre-quantized activations (`kernels._gemv_row_kernel`, PREQ) whose BN
+`_qkv_rope_kernel` is the row GEMV over pre-quantized activations (`gemv._gemv_row_kernel`, PREQ) whose BN
 weight rows are BN/2 rotation pairs (d, d + D/2) of the heads, so a program rotates its own outputs and writes
 q into the query buffer [B, 1, H, D] and k / v straight into the KV-cache slot pos: no q|k|v round trip and no
 RoPE launch (`attention.rope_cache`). The results equal the unfused launches bit for bit: the outputs are
@@ -17,10 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
-from bitnetlm.kernels.triton import kernels as K
-from bitnetlm.kernels.triton.kernels import _div_rn, _pdl_wait, _row_dot
-from bitnetlm.kernels.triton.launch import PTX, _row_candidates, _tune, check_packed, pdl_kw
+from bitnetlm.kernels.triton.common import _pdl_wait
+from bitnetlm.kernels.triton.gemv import _load_qrow, _row_out
+from bitnetlm.kernels.triton.launch import PTX, check_packed, launch_quant, pdl_kw
 from bitnetlm.kernels.triton.layout import packed_row_bytes
+from bitnetlm.kernels.triton.tune import _row_candidates, _tune
 
 
 @triton.jit
@@ -74,16 +75,8 @@ def _qkv_rope_kernel(
     mk = mp & (head >= H) & (head < H + HKV)
     mv = mp & (head >= H + HKV)
     for m in range(M):
-        qrow = q_ptr + m * stride_qw
-        xw0 = tl.load(qrow + offs_w, mask=mw, other=0)
-        xw1 = tl.load(qrow + KW + offs_w, mask=mw, other=0)
-        xw2 = tl.load(qrow + 2 * KW + offs_w, mask=mw, other=0)
-        xw3 = tl.load(qrow + 3 * KW + offs_w, mask=mw, other=0)
-        a = tl.load(a_ptr + m)
-        rs = tl.load(rs_ptr + m)
-        y = (_row_dot(xw0, xw1, xw2, xw3, wv, PTX) - rs).to(tl.float32) * _div_rn(
-            s, a + tl.zeros_like(s), PTX
-        )
+        xw0, xw1, xw2, xw3, a, rs = _load_qrow(q_ptr + m * stride_qw, a_ptr + m, rs_ptr + m, KW, offs_w, mw)
+        y = _row_out(xw0, xw1, xw2, xw3, wv, rs, a, s, PTX)
         yq = y.to(kc_ptr.dtype.element_ty).to(tl.float32)  # the q|k|v row as the unfused step stores it
         f1, f2 = tl.split(tl.permute(tl.reshape(yq, [2, P]), (1, 0)))
         pos = tl.load(pos_ptr + m)
@@ -114,25 +107,7 @@ class QuantBuf:
 
 def quantize_into(x: torch.Tensor, norm_weight: torch.Tensor | None, buf: QuantBuf, eps: float) -> None:
     """rmsnorm? + per-row int8 quantization of x [M, K] into `buf` (rows 0..M-1), as ternary_linear's."""
-    m, k = x.shape
-    nw = norm_weight if norm_weight is not None else buf.a
-    K._quant_kernel[(m,)](
-        x,
-        nw,
-        buf.q,
-        buf.a,
-        buf.rs,
-        k,
-        buf.kpad,
-        x.stride(0),
-        buf.q.stride(0),
-        eps,
-        HAS_NORM=norm_weight is not None,
-        PTX=PTX,
-        BK=triton.next_power_of_2(buf.kpad),
-        num_warps=1 if K.INTERPRET else (8 if k > 4096 else 4),
-        **pdl_kw(),
-    )
+    launch_quant(x, norm_weight, buf.q, buf.a, buf.rs, eps)
 
 
 def qkv_rope(

@@ -1,0 +1,221 @@
+"""@triton.jit pieces shared by the W2A8 kernels (gemv.py, gemm.py, quant.py, decode.py, attention.py).
+
+- platform: `INTERPRET` (TRITON_INTERPRET=1, the CPU), programmatic dependent launch (`_pdl_wait`), L2 prefetch;
+- exact arithmetic: correctly rounded reciprocal / division, round-half-even, signed `dp4a`, 2-bit code unpack;
+- the float epilogue: (int32 X@C^T - rowsum(X)) * (s / a), the gated activation act(gate) * up, the gate|up
+  paired tile's split, the residual add and the store.
+
+Under TRITON_INTERPRET=1 the PTX pieces (dp4a, cvt.rni, div.rn, the packed shift) fall back to plain Triton ops
+with the same integer results.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton import knobs
+from triton.language.extra import libdevice
+
+try:  # grid dependency control (programmatic dependent launch, sm_90+)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton: kernels run with PDL=False
+    gdc_launch_dependents = gdc_wait = None
+
+INTERPRET = bool(knobs.runtime.interpret)
+HAS_GDC = gdc_wait is not None and not INTERPRET
+ACT_CODES = {"relu2": 0, "silu": 1}
+
+
+@triton.jit
+def _pdl_wait(PDL: tl.constexpr):
+    """Programmatic dependent launch: let the next kernel start its prologue now, then wait until the previous
+    kernel has finished and its writes are visible. Everything a kernel reads that an earlier kernel wrote, and
+    every store, comes after this; only constant data (weights, scales) may be read before it."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+
+
+@triton.jit
+def _prefetch_l2(ptrs, mask, PTX: tl.constexpr):
+    """Hint: fetch the lines holding ptrs (where mask) into L2. No data comes back and nothing waits for it, so it
+    is harmless on data that a running kernel may still write: kernels use it before `_pdl_wait` to pull their
+    weights (or KV-cache rows) in while the previous kernel drains. A no-op in the interpreter."""
+    if PTX:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+            "=r,l,r",
+            [ptrs, mask.to(tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+
+@triton.jit
+def _rcp_rn(x, PTX: tl.constexpr):
+    if PTX:
+        return tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), x)
+    else:
+        return 1.0 / x
+
+
+@triton.jit
+def _div_rn(a, b, PTX: tl.constexpr):
+    if PTX:
+        return tl.math.div_rn(a, b)
+    else:
+        return a / b
+
+
+@triton.jit
+def _add_rn(a, b, PTX: tl.constexpr):
+    """a + b rounded on its own (add.rn): the compiler may not contract it with the multiply that produced a into
+    one FMA. Which kernels it contracted in depended on their layouts, so a residual output differed in the last
+    bit between GEMM variants; now every path rounds (acc * s / a) and then the sum, as torch does."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "add.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return a + b
+
+
+@triton.jit
+def _rne(x, PTX: tl.constexpr):
+    """Round half to even (torch.round), |x| < 2**22."""
+    if PTX:
+        return libdevice.rint(x)
+    else:
+        return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _dp4a(a, b, c, PTX: tl.constexpr):
+    """c + dot(bytes(a), bytes(b)) with signed bytes (PTX dp4a.s32.s32)."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
+        )
+    else:
+        r = c
+        for j in tl.static_range(4):
+            r += ((a << (24 - 8 * j)) >> 24) * ((b << (24 - 8 * j)) >> 24)
+        return r
+
+
+@triton.jit
+def _codes8(wb, I: tl.constexpr, PTX: tl.constexpr):
+    """uint8 tile of packed bytes -> int8 codes (0..2) of slab I; PTX path works on 4 bytes per instruction."""
+    if PTX:
+        if I == 0:
+            return tl.inline_asm_elementwise(
+                "and.b32 $0, $1, 0x03030303;", "=r,r", [wb], dtype=tl.int8, is_pure=True, pack=4
+            )
+        elif I == 1:
+            return tl.inline_asm_elementwise(
+                "{.reg .b32 t; shr.b32 t, $1, 2; and.b32 $0, t, 0x03030303;}",
+                "=r,r",
+                [wb],
+                dtype=tl.int8,
+                is_pure=True,
+                pack=4,
+            )
+        elif I == 2:
+            return tl.inline_asm_elementwise(
+                "{.reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x03030303;}",
+                "=r,r",
+                [wb],
+                dtype=tl.int8,
+                is_pure=True,
+                pack=4,
+            )
+        else:
+            return tl.inline_asm_elementwise(
+                "{.reg .b32 t; shr.b32 t, $1, 6; and.b32 $0, t, 0x03030303;}",
+                "=r,r",
+                [wb],
+                dtype=tl.int8,
+                is_pure=True,
+                pack=4,
+            )
+    else:
+        return ((wb >> (2 * I)) & 3).to(tl.int8)
+
+
+@triton.jit
+def _epilogue(acc, rs, a, s_ptr, offs_n, mask_n, PER_ROW: tl.constexpr, PTX: tl.constexpr):
+    """(int32 X@C^T - rowsum(X)) * (s / a) in float32; acc [BM, BN], rs/a [BM]."""
+    if PER_ROW:
+        s = tl.load(s_ptr + offs_n, mask=mask_n, other=1.0)
+        if (
+            PTX
+        ):  # s / a correctly rounded without a div.rn per element (MUFU-bound, and its registers cost the
+            # GEMM its second CTA an SM): one reciprocal r = RN(1/a) per row, then two corrections q + (s - a*q) * r
+            # with exact FMA residuals; the second starts within an ulp, so it rounds correctly (Markstein)
+            r = _rcp_rn(a, PTX)[:, None]
+            sb = s[None, :]
+            ab = a[:, None]
+            q = sb * r
+            q = tl.fma(tl.fma(-q, ab, sb), r, q)
+            f = tl.fma(tl.fma(-q, ab, sb), r, q)
+        else:
+            f = s[None, :] / a[:, None]
+    else:
+        s = tl.load(s_ptr)
+        f = _div_rn(s + tl.zeros_like(a), a, PTX)[:, None]
+    return (acc - rs[:, None]).to(tl.float32) * f
+
+
+@triton.jit
+def _activate(g, ACT: tl.constexpr):
+    if ACT == 0:
+        r = tl.maximum(g, 0.0)
+        return r * r
+    else:
+        return g / (1.0 + tl.exp(-g))
+
+
+@triton.jit
+def _gated_epilogue(
+    acc,
+    acc2,
+    rs,
+    a,
+    s_ptr,
+    offs_n,
+    mask_n,
+    N,
+    GATED: tl.constexpr,
+    ACT: tl.constexpr,
+    PER_ROW: tl.constexpr,
+    PTX: tl.constexpr,
+):
+    """`_epilogue` of the output columns offs_n; GATED: acc2 holds the up rows (offs_n + N), act(gate) * up."""
+    y = _epilogue(acc, rs, a, s_ptr, offs_n, mask_n, PER_ROW, PTX)
+    if GATED:
+        u = _epilogue(acc2, rs, a, s_ptr, offs_n + N, mask_n, PER_ROW, PTX)
+        y = _activate(y, ACT) * u
+    return y
+
+
+@triton.jit
+def _store_out(
+    y,
+    r_ptr,
+    y_ptr,
+    offs_m,
+    offs_n,
+    mask_m,
+    mask_n,
+    stride_rm,
+    stride_ym,
+    HAS_RES: tl.constexpr,
+    PTX: tl.constexpr,
+):
+    """y [BM, BN] (+ the residual rows) -> the output rows, in the output dtype."""
+    mask_y = mask_m[:, None] & mask_n[None, :]
+    if HAS_RES:
+        r = tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask_y, other=0.0)
+        y = _add_rn(y, r.to(tl.float32), PTX)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask_y)

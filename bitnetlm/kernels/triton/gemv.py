@@ -1,0 +1,247 @@
+"""Decode GEMVs (M <= 16 activation rows) over the triton-2bit-v1 layout: CUDA-core `dp4a` on int32 words.
+
+- `_gemv_kernel`: a K loop over BKW words a trip; each program re-derives the row statistics (absmax, and the
+  RMSNorm rstd when a norm weight is fused) and quantizes on the fly, so no separate quantization launch exists,
+  or (PREQ, the "gemv8" path) reads rows pre-quantized by `quant._quant_kernel` (cheaper when K is large: no
+  program re-derives the statistics);
+- `_gemv_row_kernel`: each program owns BN whole output rows, all its weight words loaded in one shot before
+  anything else (M <= 2; `decode._qkv_rope_kernel` is its q|k|v + RoPE variant).
+Epilogues: the float scale s/a, per-output-row scales, act(gate) * up for concatenated gate|up weights, residual.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from bitnetlm.kernels.triton.common import (
+    _activate,
+    _add_rn,
+    _div_rn,
+    _dp4a,
+    _gated_epilogue,
+    _pdl_wait,
+    _store_out,
+)
+from bitnetlm.kernels.triton.quant import _act_scale, _q8, _quant_words
+
+
+@triton.jit
+def _dp4a_slab(
+    xb, wv, acc, I: tl.constexpr, PTX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr
+):
+    """acc [BM, BN, BKW] += dp4a(activation words xb, the slab-I codes of weight words wv [BN, BKW])."""
+    c = tl.broadcast_to(((wv >> (2 * I)) & 0x03030303)[None, :, :], [BM, BN, BKW])
+    return _dp4a(xb, c, acc, PTX)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# GEMV: M <= 16 rows, a K loop of BKW words a trip; quantization fused (PREQ=False) or from `_quant_kernel` (PREQ)
+# --------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    nw_ptr,
+    q_ptr,
+    a_ptr,
+    rs_ptr,
+    w_ptr,
+    s_ptr,
+    r_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    KW,  # N: output features (per half when GATED); KW: int32 words per packed row
+    stride_xm,
+    stride_qw,
+    stride_rm,
+    stride_ym,
+    eps,
+    PREQ: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    GATED: tl.constexpr,
+    ACT: tl.constexpr,
+    PER_ROW: tl.constexpr,
+    PTX: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BKW: tl.constexpr,
+    SBK: tl.constexpr = 128,
+):
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BM)
+    mask_m = offs_m < M
+    x_rows = x_ptr + offs_m * stride_xm  # [BM]
+    if not PREQ:
+        # pass 1: per-row statistics (sum of squares for the norm, absmax of the normed activations)
+        sumsq = tl.zeros([BM], tl.float32)
+        amax = tl.zeros([BM], tl.float32)
+        for k0 in range(0, K, SBK):
+            offs_k = k0 + tl.arange(0, SBK)
+            mk = offs_k < K
+            x = tl.load(x_rows[:, None] + offs_k[None, :], mask=mask_m[:, None] & mk[None, :], other=0.0).to(
+                tl.float32
+            )
+            if HAS_NORM:
+                g = tl.load(nw_ptr + offs_k, mask=mk, other=0.0).to(tl.float32)
+                sumsq += tl.sum(x * x, axis=1)
+                x = x * g[None, :]
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        rstd = tl.zeros([BM], tl.float32)
+        if HAS_NORM:
+            rstd = 1.0 / tl.sqrt_rn(sumsq / K + eps)
+            amax = amax * rstd
+        a = _act_scale(amax, PTX)  # [BM]
+
+    # pass 2: activation words (quantized on the fly, or loaded) dp4a against the packed weight words
+    offs_n = pid * BN + tl.arange(0, BN)
+    mask_n = offs_n < N
+    offs_j = tl.arange(0, 4)
+    acc = tl.zeros([BM, BN, BKW], tl.int32)
+    acc2 = tl.zeros([BM, BN, BKW], tl.int32)
+    rs = tl.zeros([BM, BKW], tl.int32)
+    for w0 in range(0, KW, BKW):
+        offs_w = w0 + tl.arange(0, BKW)
+        mw = mask_n[:, None] & (offs_w < KW)[None, :]
+        wv = tl.load(w_ptr + offs_n[:, None] * KW + offs_w[None, :], mask=mw, other=0)  # [BN, BKW] int32
+        if GATED:
+            wv2 = tl.load(w_ptr + (offs_n + N)[:, None] * KW + offs_w[None, :], mask=mw, other=0)
+        for i in tl.static_range(4):
+            if PREQ:
+                xw = tl.load(
+                    q_ptr + offs_m[:, None] * stride_qw + (i * KW + offs_w)[None, :],
+                    mask=mask_m[:, None] & (offs_w < KW)[None, :],
+                    other=0,
+                )  # [BM, BKW] four int8 activations per word
+            else:
+                kk = (
+                    i * (4 * KW) + offs_w[:, None] * 4 + offs_j[None, :]
+                )  # [BKW, 4] activation index of slab i
+                mkk = (kk < K) & (offs_w < KW)[:, None]
+                x = tl.load(
+                    x_rows[:, None, None] + kk[None, :, :],
+                    mask=mask_m[:, None, None] & mkk[None, :, :],
+                    other=0.0,
+                )
+                x = x.to(tl.float32)
+                if HAS_NORM:
+                    g = tl.load(nw_ptr + kk, mask=mkk, other=0.0).to(tl.float32)
+                    x = (x * rstd[:, None, None]) * g[None, :, :]
+                q = _q8(x, a[:, None, None], PTX)
+                xw = tl.sum((q & 255) << (offs_j * 8)[None, None, :], axis=2)  # [BM, BKW] four int8 per word
+                rs += tl.sum(q, axis=2)
+            xb = tl.broadcast_to(xw[:, None, :], [BM, BN, BKW])
+            acc = _dp4a_slab(xb, wv, acc, i, PTX, BM, BN, BKW)
+            if GATED:
+                acc2 = _dp4a_slab(xb, wv2, acc2, i, PTX, BM, BN, BKW)
+    if PREQ:
+        a = tl.load(a_ptr + offs_m, mask=mask_m, other=1.0)
+        rsum = tl.load(rs_ptr + offs_m, mask=mask_m, other=0)
+    else:
+        rsum = tl.sum(rs, axis=1)
+    acc1 = tl.sum(acc, axis=2)
+    y = _gated_epilogue(
+        acc1, tl.sum(acc2, axis=2), rsum, a, s_ptr, offs_n, mask_n, N, GATED, ACT, PER_ROW, PTX
+    )
+    _store_out(y, r_ptr, y_ptr, offs_m, offs_n, mask_m, mask_n, stride_rm, stride_ym, HAS_RES, PTX)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Row GEMV (decode, small M): each program owns BN whole output rows. Its packed weight words [BN, KWP] are
+# loaded in one shot before anything else (every load in flight at once, no K loop), then the activation row
+# is quantized into int32 words once per program (PREQ=False: norm + absmax + rounding fused, no extra launch)
+# or read pre-quantized from `_quant_kernel` (PREQ=True), and dp4a runs over the four slabs.
+# --------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _row_dot(xw0, xw1, xw2, xw3, wv, PTX: tl.constexpr):
+    """sum_k x_k * c_k for each of the BN weight rows (codes c = t + 1) -> [BN] int32."""
+    acc = _dp4a(tl.broadcast_to(xw0[None, :], wv.shape), wv & 0x03030303, tl.zeros_like(wv), PTX)
+    acc = _dp4a(tl.broadcast_to(xw1[None, :], wv.shape), (wv >> 2) & 0x03030303, acc, PTX)
+    acc = _dp4a(tl.broadcast_to(xw2[None, :], wv.shape), (wv >> 4) & 0x03030303, acc, PTX)
+    acc = _dp4a(tl.broadcast_to(xw3[None, :], wv.shape), (wv >> 6) & 0x03030303, acc, PTX)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _row_out(xw0, xw1, xw2, xw3, wv, rs, a, s, PTX: tl.constexpr):
+    """Float outputs [BN] of one activation row (words xw*, scale a, rowsum rs) through weight words wv."""
+    return (_row_dot(xw0, xw1, xw2, xw3, wv, PTX) - rs).to(tl.float32) * _div_rn(s, a + tl.zeros_like(s), PTX)
+
+
+@triton.jit
+def _load_qrow(qrow, a_ptr, rs_ptr, KW, offs_w, mw):
+    """One pre-quantized row (`_quant_kernel` output viewed as int32 words): the four slabs' words, a, rowsum."""
+    xw0 = tl.load(qrow + offs_w, mask=mw, other=0)
+    xw1 = tl.load(qrow + KW + offs_w, mask=mw, other=0)
+    xw2 = tl.load(qrow + 2 * KW + offs_w, mask=mw, other=0)
+    xw3 = tl.load(qrow + 3 * KW + offs_w, mask=mw, other=0)
+    return xw0, xw1, xw2, xw3, tl.load(a_ptr), tl.load(rs_ptr)
+
+
+@triton.jit
+def _gemv_row_kernel(
+    x_ptr,
+    nw_ptr,
+    q_ptr,
+    a_ptr,
+    rs_ptr,
+    w_ptr,
+    s_ptr,
+    r_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    KW,  # N: output features (per half when GATED); KW: int32 words per packed row
+    stride_xm,
+    stride_qw,
+    stride_rm,
+    stride_ym,
+    eps,
+    PREQ: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    GATED: tl.constexpr,
+    ACT: tl.constexpr,
+    PER_ROW: tl.constexpr,
+    PTX: tl.constexpr,
+    BN: tl.constexpr,
+    KWP: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    pid = tl.program_id(0)
+    offs_n = pid * BN + tl.arange(0, BN)
+    mask_n = offs_n < N
+    offs_w = tl.arange(0, KWP)
+    mw = offs_w < KW
+    wm = mask_n[:, None] & mw[None, :]
+    wv = tl.load(w_ptr + offs_n[:, None] * KW + offs_w[None, :], mask=wm, other=0)  # [BN, KWP] int32
+    if GATED:
+        wv2 = tl.load(w_ptr + (offs_n + N)[:, None] * KW + offs_w[None, :], mask=wm, other=0)
+    if PER_ROW:
+        s = tl.load(s_ptr + offs_n, mask=mask_n, other=1.0)
+        if GATED:
+            s2 = tl.load(s_ptr + N + offs_n, mask=mask_n, other=1.0)
+    else:
+        s = tl.load(s_ptr) + tl.zeros([BN], tl.float32)
+        s2 = s
+    _pdl_wait(PDL)  # the weight and scale loads above overlap the previous kernel
+    for m in range(M):
+        if PREQ:
+            xw0, xw1, xw2, xw3, a, rs = _load_qrow(
+                q_ptr + m * stride_qw, a_ptr + m, rs_ptr + m, KW, offs_w, mw
+            )
+        else:
+            xw0, xw1, xw2, xw3, a, rs = _quant_words(
+                x_ptr + m * stride_xm, nw_ptr, K, KW, eps, offs_w, mw, HAS_NORM, PTX
+            )
+        y = _row_out(xw0, xw1, xw2, xw3, wv, rs, a, s, PTX)
+        if GATED:
+            y = _activate(y, ACT) * _row_out(xw0, xw1, xw2, xw3, wv2, rs, a, s2, PTX)
+        if HAS_RES:
+            y = _add_rn(
+                y, tl.load(r_ptr + m * stride_rm + offs_n, mask=mask_n, other=0.0).to(tl.float32), PTX
+            )
+        tl.store(y_ptr + m * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)

@@ -1,0 +1,119 @@
+"""Per-token int8 quantization of activation rows (optionally after RMSNorm), as the W2A8 kernels consume them.
+
+Matches `quant.ternary.quantize_activations` bit for bit: a = (1/amax) * 127 (torch evaluates `127 / t` as
+`t.reciprocal() * 127`), q = round-half-even(x * a) clamped to [-128, 127].
+
+- `_quant_kernel`: rows -> int8 [M, 4*Kp] (zero padded), a [M], rowsum [M]: the separate launch in front of the
+  split-K / tiled GEMMs, the pre-quantized GEMVs and the fused q|k|v decode kernel;
+- `_act_scale`, `_q8`: the two steps every quantizing kernel shares;
+- `_quant_words`: one row straight into the int32 words of the four slabs (the fused row GEMV's prologue).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from bitnetlm.kernels.triton.common import _pdl_wait, _rcp_rn, _rne
+
+
+@triton.jit
+def _act_scale(amax, PTX: tl.constexpr):
+    """a = RN(1 / max(amax, 1e-5)) * 127: the per-row activation scale."""
+    return _rcp_rn(tl.maximum(amax, 1e-5), PTX) * 127.0
+
+
+@triton.jit
+def _q8(x, a, PTX: tl.constexpr):
+    """int8 codes (as int32) of x at scale a: round half to even, clamped to [-128, 127]."""
+    q = _rne(x * a, PTX)
+    return tl.minimum(tl.maximum(q, -128.0), 127.0).to(tl.int32)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# quantize rows (optionally RMSNorm first): x [M, K] -> xq int8 [M, 4*Kp] (zero padded), a [M], rowsum [M]
+# --------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _quant_kernel(
+    x_ptr,
+    nw_ptr,
+    q_ptr,
+    a_ptr,
+    rs_ptr,
+    K,
+    KPAD,
+    stride_xm,
+    stride_qm,
+    eps,
+    HAS_NORM: tl.constexpr,
+    PTX: tl.constexpr,
+    BK: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    m = tl.program_id(0)
+    offs = tl.arange(0, BK)
+    mk = offs < K
+    _pdl_wait(PDL)
+    x = tl.load(x_ptr + m * stride_xm + offs, mask=mk, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        g = tl.load(nw_ptr + offs, mask=mk, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / K + eps)
+        amax = tl.max(tl.abs(x * g), axis=0) * rstd
+        x = (x * rstd) * g
+    else:
+        amax = tl.max(tl.abs(x), axis=0)
+    a = _act_scale(amax, PTX)
+    q = tl.where(mk, _q8(x, a, PTX), 0)
+    tl.store(q_ptr + m * stride_qm + offs, q.to(tl.int8), mask=offs < KPAD)
+    tl.store(a_ptr + m, a)
+    tl.store(rs_ptr + m, tl.sum(q, axis=0))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# one row -> int32 words of the four slabs (four int8 codes a word), inside the fused row GEMV
+# --------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _slab_x(xrow, nw_ptr, kk, mk, HAS_NORM: tl.constexpr):
+    x = tl.load(xrow + kk, mask=mk, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        g = tl.load(nw_ptr + kk, mask=mk, other=0.0).to(tl.float32)
+    else:
+        g = x
+    return x, g
+
+
+@triton.jit
+def _slab_q(x, g, rstd, a, offs_j, HAS_NORM: tl.constexpr, PTX: tl.constexpr):
+    if HAS_NORM:
+        x = (x * rstd) * g
+    q = _q8(x, a, PTX)
+    return tl.sum((q & 255) << (offs_j * 8)[None, :], axis=1), tl.sum(tl.sum(q, axis=1), axis=0)
+
+
+@triton.jit
+def _quant_words(xrow, nw_ptr, K, KW, eps, offs_w, mw, HAS_NORM: tl.constexpr, PTX: tl.constexpr):
+    """One activation row -> int8 words of the four slabs ([KWP] int32 each), a, rowsum (as `_quant_kernel`)."""
+    offs_j = tl.arange(0, 4)
+    kk = offs_w[:, None] * 4 + offs_j[None, :]  # [KWP, 4] index in slab 0
+    kp = 4 * KW
+    x0, g0 = _slab_x(xrow, nw_ptr, kk, (kk < K) & mw[:, None], HAS_NORM)
+    x1, g1 = _slab_x(xrow, nw_ptr, kk + kp, (kk + kp < K) & mw[:, None], HAS_NORM)
+    x2, g2 = _slab_x(xrow, nw_ptr, kk + 2 * kp, (kk + 2 * kp < K) & mw[:, None], HAS_NORM)
+    x3, g3 = _slab_x(xrow, nw_ptr, kk + 3 * kp, (kk + 3 * kp < K) & mw[:, None], HAS_NORM)
+    if HAS_NORM:
+        ss = tl.sum(tl.sum(x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3, axis=1), axis=0)
+        am = tl.maximum(
+            tl.maximum(tl.abs(x0 * g0), tl.abs(x1 * g1)), tl.maximum(tl.abs(x2 * g2), tl.abs(x3 * g3))
+        )
+        rstd = 1.0 / tl.sqrt_rn(ss / K + eps)
+        amax = tl.max(tl.max(am, axis=1), axis=0) * rstd
+    else:
+        am = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
+        amax = tl.max(tl.max(am, axis=1), axis=0)
+        rstd = amax
+    a = _act_scale(amax, PTX)
+    w0, r0 = _slab_q(x0, g0, rstd, a, offs_j, HAS_NORM, PTX)
+    w1, r1 = _slab_q(x1, g1, rstd, a, offs_j, HAS_NORM, PTX)
+    w2, r2 = _slab_q(x2, g2, rstd, a, offs_j, HAS_NORM, PTX)
+    w3, r3 = _slab_q(x3, g3, rstd, a, offs_j, HAS_NORM, PTX)
+    return w0, w1, w2, w3, a, r0 + r1 + r2 + r3

@@ -1,0 +1,310 @@
+"""The tuner: candidate block shapes of each kernel path, timed once per (path, shape class) inside CUDA graphs
+with CUDA events; the winner is cached in memory and on disk.
+
+Choices persist across processes (a later load skips the timing): one JSON file per user, keyed by the GPU, the
+Triton version, a hash of this package's sources and the tuning key (an edited kernel is re-tuned); a stored
+choice is used only if it is still a candidate.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+import triton
+
+from bitnetlm.kernels.triton.common import INTERPRET
+
+_choice: dict[tuple, dict] = {}
+# BITNETLM_TRITON_TUNE: 0 = first candidate, no timing (tests); graph (default) = time inside CUDA graphs with L2
+# flushed, as the captured decode step runs them; 1 = triton's do_bench (charges each candidate its Python launch
+# cost, which a CUDA graph does not pay: it favoured single-launch paths that are slower inside the graph)
+TUNE_MODE = os.environ.get("BITNETLM_TRITON_TUNE", "graph")
+TUNE = TUNE_MODE != "0"
+TUNE_VERBOSE = os.environ.get("BITNETLM_TRITON_TUNE_VERBOSE", "") not in ("", "0")  # print every timing
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+_flush: list[torch.Tensor] = []
+
+
+def _graph_time(fn, calls: int = 8, reps: int = 3) -> float:
+    """ms per call as the decode step sees it: inside a CUDA graph (no Python launch cost), L2 flushed before
+    each call (weights come from HBM, as they do when 30 layers take turns), flush time subtracted."""
+    fn()  # compile outside capture
+    if not _flush:
+        _flush.append(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"))
+    buf = _flush[0]
+    torch.cuda.synchronize()
+    g_both, g_flush = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g_both):
+        for _ in range(calls):
+            buf.zero_()
+            fn()
+    with torch.cuda.graph(g_flush):
+        for _ in range(calls):
+            buf.zero_()
+
+    def timed(g):
+        g.replay()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            g.replay()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / (reps * calls)
+
+    return timed(g_both) - timed(g_flush)
+
+
+# the disk cache (BITNETLM_TRITON_TUNE_CACHE=: none)
+TUNE_CACHE = os.environ.get(
+    "BITNETLM_TRITON_TUNE_CACHE",
+    os.path.join(os.path.expanduser("~"), ".cache", "bitnetlm", "triton_tune.json"),
+)
+_disk: dict[str, dict] = {}
+
+
+@functools.cache
+def _source_hash() -> str:
+    """Hash of every module of this package (kernel sources, launchers, candidate lists), in name order."""
+    h = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _disk_key(key: tuple) -> str:
+    return (
+        f"{torch.cuda.get_device_name()}|triton {triton.__version__}|src {_source_hash()}|{TUNE_MODE}|{key}"
+    )
+
+
+def _disk_load() -> None:
+    if _disk or not TUNE_CACHE:
+        return
+    _disk["__loaded__"] = {}
+    try:
+        with open(TUNE_CACHE) as f:
+            _disk.update(json.load(f))
+    except (OSError, ValueError):
+        pass
+
+
+def _disk_store(key: tuple, cfg: dict) -> None:
+    if not TUNE_CACHE:
+        return
+    _disk[_disk_key(key)] = cfg
+    try:
+        os.makedirs(os.path.dirname(TUNE_CACHE) or ".", exist_ok=True)
+        tmp = f"{TUNE_CACHE}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({k: v for k, v in _disk.items() if k != "__loaded__"}, f, indent=1)
+        os.replace(tmp, TUNE_CACHE)
+    except OSError:
+        pass
+
+
+def _tune(key: tuple, candidates: list[dict], launch) -> dict:
+    """The fastest candidate for `key` (first candidate under the interpreter or during capture)."""
+    if key in _choice:
+        return _choice[key]
+    if INTERPRET or len(candidates) == 1 or not TUNE or torch.cuda.is_current_stream_capturing():
+        _choice[key] = candidates[0]
+        return candidates[0]
+    _disk_load()
+    stored = _disk.get(_disk_key(key))
+    if stored in candidates:
+        _choice[key] = stored
+        return stored
+    best, best_t = candidates[0], float("inf")
+    for cfg in candidates:
+        try:
+            if TUNE_MODE == "graph":
+                t = _graph_time(lambda cfg=cfg: launch(cfg))
+            else:
+                t = triton.testing.do_bench(
+                    lambda cfg=cfg: launch(cfg), warmup=5, rep=20, return_mode="median"
+                )
+        except Exception:  # a candidate that does not compile (registers, shared memory) is skipped
+            continue
+        if TUNE_VERBOSE:
+            print(f"tune {key} {cfg}: {t * 1e3:.1f} us", flush=True)
+        if t < best_t:
+            best, best_t = cfg, t
+    _choice[key] = best
+    _disk_store(key, best)
+    return best
+
+
+def _gemv_candidates(bm: int, gated: bool, k: int = 4096) -> list[dict]:
+    if INTERPRET:
+        return [dict(BN=64, BKW=16, SBK=128, num_warps=1)]  # few programs: the interpreter pays per op
+    out = []
+    # decode is latency-bound: few loop trips (wide BKW / SBK) and many small programs keep loads in flight
+    tiles = (
+        (4, 256, 4),
+        (8, 128, 4),
+        (4, 128, 2),
+        (16, 32, 4),
+        (8, 64, 4),
+        (4, 64, 2),
+        (8, 32, 2),
+        (8, 16, 4),
+    )
+    for bn, bkw, nw in tiles:
+        # keep the int32 accumulators at <= 32 registers a thread, the stats tile at <= 64
+        if bm * bn * bkw * (2 if gated else 1) <= 32 * 32 * nw:
+            sbk = max(128, min(triton.next_power_of_2(k), 64 * 32 * nw // bm))
+            out.append(dict(BN=bn, BKW=bkw, SBK=sbk, num_warps=nw))
+    return out[:5]
+
+
+def _gemm_candidates(m: int, gated: bool) -> list[dict]:
+    if INTERPRET:
+        c = dict(BM=32, BN=64, BKB=32, GROUP_M=4, num_warps=1, num_stages=1)
+        return [c, dict(c, SWAP=True)] + ([dict(c, SWAP=True, PAIR=True)] if gated else [])
+    if m <= 64:
+        c = [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 32, 128, 4, 4)]
+    else:  # 128-wide tiles leave SMs idle on the N = 2560 projections at 512 rows: smaller tiles too
+        c = [
+            (128, 128, 64, 8, 3),
+            (128, 64, 128, 4, 3),
+            (64, 128, 128, 4, 3),
+            (64, 64, 128, 4, 3),
+            (128, 64, 64, 4, 4),
+            (64, 64, 256, 4, 3),
+        ]
+    out = []
+    for bm, bn, bkb, nw, ns in c:
+        if gated and bm * bn > 128 * 64:
+            continue
+        out.append(dict(BM=bm, BN=bn, BKB=bkb, GROUP_M=8, num_warps=nw, num_stages=ns))
+    # swapped operands (codes = A from registers, activations = B): weight rows in the MMA's M
+    swapped = (
+        ((128, 128, 64, 8, 3), (64, 128, 128, 4, 3), (128, 64, 128, 4, 3))
+        if m > 64
+        else ((64, 64, 128, 4, 3),)
+    )
+    for bm, bn, bkb, nw, ns in swapped:
+        if not (gated and bm * bn > 128 * 64):
+            out.append(dict(BM=bm, BN=bn, BKB=bkb, GROUP_M=8, num_warps=nw, num_stages=ns, SWAP=True))
+    if gated:  # gate and up rows of the same outputs in one full-width tile (one accumulator, one MMA)
+        # maxnreg 128: two CTAs an SM (the epilogue's per-element s / a otherwise takes ~190 registers); measured
+        # on an H100 at M=512: 55.0 -> 42.9 us (no gain for the ungated shapes)
+        paired = (
+            (
+                (128, 128, 64, 8, 3, 128),
+                (128, 128, 64, 8, 4, 128),
+                (128, 128, 64, 8, 3, 0),
+                (64, 128, 128, 4, 3, 0),
+            )
+            if m > 64
+            else ((64, 128, 128, 4, 3, 0),)
+        )
+        pair = dict(GROUP_M=8, SWAP=True, PAIR=True)
+        out = [
+            dict(pair, BM=bm, BN=bn, BKB=bkb, num_warps=nw, num_stages=ns, **({"maxnreg": mr} if mr else {}))
+            for bm, bn, bkb, nw, ns, mr in paired
+        ] + out
+    return out
+
+
+def _gemv8_candidates(bm: int, gated: bool) -> list[dict]:
+    if INTERPRET:
+        return [dict(path="gemv8", BN=64, BKW=16, num_warps=1)]
+    out = []
+    for bn, bkw, nw in (
+        (8, 128, 4),
+        (4, 256, 4),
+        (16, 64, 4),
+        (4, 128, 2),
+        (8, 64, 4),
+        (4, 64, 2),
+        (16, 32, 4),
+        (4, 32, 4),  # the small tiles keep M = 16 within the register budget
+        (2, 64, 4),
+    ):
+        if bm * bn * bkw * (2 if gated else 1) <= 32 * 32 * nw:
+            out.append(dict(path="gemv8", BN=bn, BKW=bkw, num_warps=nw))
+    return out[:5]
+
+
+def _row_candidates(kw: int, gated: bool, path: str) -> list[dict]:
+    """Row GEMV tiles: BN whole rows of KWP words a program (all its weight loads issued at once)."""
+    if INTERPRET:
+        return [dict(path=path, BN=16, num_warps=1)]
+    kwp = _next_pow2(kw)
+    out = []
+    for bn, nw in ((8, 4), (16, 4), (4, 4), (16, 8), (32, 8), (8, 8), (2, 4)):
+        words = bn * kwp * (2 if gated else 1)
+        if words <= 64 * 32 * nw and words >= 8 * 32 * nw:  # weight registers a thread: 8..64
+            out.append(dict(path=path, BN=bn, num_warps=nw))
+    return out[:5]
+
+
+def _splitk_cfg(m: int, n: int, kp: int, bm: int, bn: int, bkb: int, target: int, nw: int = 4, **kw) -> dict:
+    """A split-K candidate: K split so that about `target` programs run (none empty)."""
+    out_n = bn // 2 if kw.get("PAIR") else bn
+    n_tiles = triton.cdiv(n, out_n) * triton.cdiv(m, bm)
+    chunks = triton.cdiv(kp, bkb)
+    split = max(1, min(chunks, round(target / n_tiles)))
+    per = triton.cdiv(chunks, split)
+    split = triton.cdiv(chunks, per)  # no empty splits
+    return dict(
+        path="splitk",
+        BM=bm,
+        BN=bn,
+        BKB=bkb,
+        SPLIT=split,
+        CPS=per,
+        num_warps=1 if INTERPRET else nw,
+        num_stages=1 if INTERPRET else 3,
+        **kw,
+    )
+
+
+def _splitk_candidates(m: int, n: int, kp: int, gated: bool) -> list[dict]:
+    """Split-K tiles (BN weight rows, BKB bytes a K step, about `target` programs, warps, BM batch rows; 0 = 16
+    rows up to M = 16, else 64): swapped operands first (weight rows fill the MMA's M, the batch its N >= 16),
+    then unswapped; for gate|up weights the gate|up paired tiles (BN/2 outputs a tile, one accumulator) last.
+    Measured on an H100 (graph timing, quantization included): BM 32 tiles (twice the programs, no K split) win
+    for q|k|v and o at M = 64, paired BN 64 tiles for gate|up at M = 8 and 64; BKB 64/32 or 8-warp tiles (no
+    register spills) and a 128-register cap on the paired tile were slower and are not candidates."""
+    bm0 = 16 if m <= 16 else 64
+    if INTERPRET:  # several splits even on small shapes: the atomics path is what CI checks
+        swapped, unswapped, pairs = [(64, 32, 8, 1, 0)], [(64, 32, 8, 1, 0)], [(64, 32, 8, 1, 0)]
+    else:
+        swapped = [(64, 128, 0, 4, 0), (64, 128, 250, 4, 0), (64, 128, 500, 4, 0), (128, 128, 250, 4, 0)]
+        swapped += [(64, 64, 500, 4, 0)]
+        unswapped = [(64, 64, 400, 4, 0), (64, 128, 400, 4, 0), (32, 128, 400, 4, 0), (64, 64, 800, 4, 0)]
+        unswapped += [(32, 64, 800, 4, 0), (32, 128, 1600, 4, 0)]
+        if m <= 16:
+            pairs = [(128, 128, 250, 4, 0), (128, 128, 500, 4, 0), (64, 128, 500, 4, 0)]
+        else:  # no split (no workspace round trip) and few splits: M = 64 tiles already fill the SMs
+            swapped += [(64, 128, 0, 4, 32), (64, 128, 0, 4, 16), (64, 128, 250, 4, 32)]
+            unswapped += [(64, 128, 0, 4, 0), (32, 128, 0, 4, 0), (64, 128, 150, 4, 0), (32, 128, 250, 4, 0)]
+            pairs = [(128, 128, 0, 4, 0), (128, 128, 250, 4, 0), (64, 128, 250, 4, 0)]
+            pairs += [(64, 128, 0, 4, 32), (64, 128, 0, 4, 16), (128, 128, 0, 4, 32)]
+    out = [
+        _splitk_cfg(m, n, kp, bm or bm0, bn, bkb, t, nw, SWAP=swap)
+        for tiles, swap in (
+            ((unswapped, False), (swapped, True)) if INTERPRET else ((swapped, True), (unswapped, False))
+        )
+        for bn, bkb, t, nw, bm in tiles
+        if not (gated and bn > 64)
+    ]
+    if gated:
+        out += [
+            _splitk_cfg(m, n, kp, bm or bm0, bn, bkb, t, nw, SWAP=True, PAIR=True)
+            for bn, bkb, t, nw, bm in pairs
+        ]
+    return out
