@@ -6,7 +6,8 @@
 
 Each round runs one process per tree (baseline first in odd rounds, this tree first in even ones), so both see
 the same stretch of the shared VM's load; each process builds the random model (bench.random_model, real packed
-layout), then times `--pp` prefills and `--tg`-token greedy decodes from an empty cache. The table gives the
+layout), then times `--pp`-token prefills and `--tg`-token greedy decodes from an empty cache with `bitnet
+bench`'s timers. The table gives the
 median over every run of each tree and the ratio this tree / baseline.
 """
 
@@ -18,7 +19,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
@@ -36,22 +36,12 @@ def worker(root: str, shape: str, head: str, pp: int, tg: int, reps: int, thread
     cpu.set_num_threads(threads)
     torch.set_num_threads(1)
     model = bench.random_model(shape, head_dtype=head)
-    ids = torch.randint(0, 1000, (1, pp), generator=torch.Generator().manual_seed(1))
-    out = {"pp": [], "tg": []}
-    with torch.inference_mode():
-        for _ in range(reps):
-            cache = model.new_cache(1, pp)
-            t0 = time.perf_counter()
-            model(ids, cache=cache, last_only=True)
-            out["pp"].append(pp / (time.perf_counter() - t0))
-        for _ in range(reps):
-            cache, tok = model.new_cache(1, tg), torch.tensor([[7]])
-            t0 = time.perf_counter()
-            for pos in range(tg):
-                logits = model(tok, positions=torch.tensor([[pos]]), cache=cache)
-                tok = logits[:, -1].argmax(-1, keepdim=True)
-            out["tg"].append(tg / (time.perf_counter() - t0))
-    return out
+    gen, dev, vocab = torch.Generator().manual_seed(1), torch.device("cpu"), model.config.vocab_size
+    # the same timed prefill / greedy decode as `bitnet bench` (bench.time_prefill / time_decode)
+    return {
+        "pp": [pp / bench.time_prefill(model, pp, dev, vocab, gen) for _ in range(reps)],
+        "tg": [tg / bench.time_decode(model, tg, dev, vocab, gen) for _ in range(reps)],
+    }
 
 
 def main() -> int:
