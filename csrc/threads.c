@@ -56,7 +56,8 @@ static int64_t now_ns(void) {
  * static half each leaves the faster thread waiting at the barrier (measured on the 2-vCPU VM). Chunks are
  * consecutive units, so each thread still streams long runs of contiguous weights. Guided sizes: a grab takes
  * a quarter of its share of what is left, down to P.chunk, so the last grabs are small and the thread that
- * finishes first waits for a small chunk, not an eighth of the job (that wait was ~8% of a decode step). */
+ * finishes first waits for a small chunk, not an eighth of the job (perf, 2B4T int8-head decode: the idle
+ * worker's spin fell from 13% to 1.8% of samples). */
 static void run_part(int part) {
     if (part >= P.parts) return;
     int64_t lo = atomic_load_explicit(&P.next, memory_order_relaxed);

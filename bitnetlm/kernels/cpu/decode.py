@@ -191,7 +191,7 @@ class FusedDecode:
         if t > 1 and not bool((cache_pos[:, 1:] > cache_pos[:, :-1]).all()):
             return False  # a slot written twice in one step: the torch path's scatter_ keeps either token
         if not all(
-            t.is_contiguous() and t.dtype == k.dtype and t.shape == k.shape for t in cache.k + cache.v
+            kv.is_contiguous() and kv.dtype == k.dtype and kv.shape == k.shape for kv in cache.k + cache.v
         ):
             return False
         if self.stale():
@@ -219,8 +219,8 @@ class FusedDecode:
         out = h.reshape(b * t, hidden).clone()
         slot = cache_pos.reshape(b * t).to(torch.int64).contiguous()
         cos, sin = cos.reshape(b * t, -1).contiguous(), sin.reshape(b * t, -1).contiguous()
-        kp = (_vp * self.n_layers)(*[t.data_ptr() for t in cache.k])
-        vp = (_vp * self.n_layers)(*[t.data_ptr() for t in cache.v])
+        kp = (_vp * self.n_layers)(*[kv.data_ptr() for kv in cache.k])
+        vp = (_vp * self.n_layers)(*[kv.data_ptr() for kv in cache.v])
         rc = self.lib.bn_decode_forward_f32(
             ctypes.addressof(c),
             ctypes.addressof(self.layers),

@@ -148,11 +148,10 @@ def _epilogue(acc, rs, a, s_ptr, offs_n, mask_n, PER_ROW: tl.constexpr, PTX: tl.
     """(int32 X@C^T - rowsum(X)) * (s / a) in float32; acc [BM, BN], rs/a [BM]."""
     if PER_ROW:
         s = tl.load(s_ptr + offs_n, mask=mask_n, other=1.0)
-        if (
-            PTX
-        ):  # s / a correctly rounded without a div.rn per element (MUFU-bound, and its registers cost the
-            # GEMM its second CTA an SM): one reciprocal r = RN(1/a) per row, then two corrections q + (s - a*q) * r
-            # with exact FMA residuals; the second starts within an ulp, so it rounds correctly (Markstein)
+        # s / a correctly rounded without a div.rn per element (MUFU-bound, and its registers cost the GEMM its
+        # second CTA an SM): one reciprocal r = RN(1/a) per row, then two corrections q + (s - a*q) * r with exact
+        # FMA residuals; the second starts within an ulp, so it rounds correctly (Markstein)
+        if PTX:
             r = _rcp_rn(a, PTX)[:, None]
             sb = s[None, :]
             ab = a[:, None]
