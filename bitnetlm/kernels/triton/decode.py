@@ -71,9 +71,11 @@ def _qkv_rope_kernel(
     head = p1 // HALF
     d = p1 % HALF
     rot = head < H + HKV
-    mq = mp & (head < H)
-    mk = mp & (head >= H) & (head < H + HKV)
-    mv = mp & (head >= H + HKV)
+    # one store pair for q, k and v alike: heads 0..H-1 are q, then the k heads, then the v heads
+    is_q = head < H
+    is_k = (head >= H) & rot
+    kvh = tl.where(is_k, head - H, head - H - HKV)
+    cache = tl.where(is_k, kc_ptr, vc_ptr)
     for m in range(M):
         xw0, xw1, xw2, xw3, a, rs = _load_qrow(q_ptr + m * stride_qw, a_ptr + m, rs_ptr + m, KW, offs_w, mw)
         y = _row_out(xw0, xw1, xw2, xw3, wv, rs, a, s, PTX)
@@ -84,15 +86,9 @@ def _qkv_rope_kernel(
         sn = tl.load(sin_ptr + pos * HALF + d)
         o1 = tl.where(rot, f1 * c - f2 * sn, f1).to(kc_ptr.dtype.element_ty)
         o2 = tl.where(rot, f2 * c + f1 * sn, f2).to(kc_ptr.dtype.element_ty)
-        dq = qo_ptr + (m * H + head) * D + d
-        tl.store(dq, o1, mask=mq)
-        tl.store(dq + HALF, o2, mask=mq)
-        dk = kc_ptr + ((m * HKV + head - H) * S + pos) * D + d
-        tl.store(dk, o1, mask=mk)
-        tl.store(dk + HALF, o2, mask=mk)
-        dv = vc_ptr + ((m * HKV + head - H - HKV) * S + pos) * D + d
-        tl.store(dv, o1, mask=mv)
-        tl.store(dv + HALF, o2, mask=mv)
+        dst = tl.where(is_q, qo_ptr + (m * H + head) * D + d, cache + ((m * HKV + kvh) * S + pos) * D + d)
+        tl.store(dst, o1, mask=mp)
+        tl.store(dst + HALF, o2, mask=mp)
 
 
 class QuantBuf:
@@ -150,6 +146,5 @@ def qkv_rope(
             **pdl_kw(),
         )
 
-    # tiny K (tests) leaves no row tile in the register window: one default
     cands = [c for c in _row_candidates(kw, False, "qkv_rope") if c["BN"] >= 2] or [dict(BN=16, num_warps=4)]
     launch(_tune(("qkv_rope", n, xq.k, m, scale.numel() != 1, d), cands, launch))

@@ -87,7 +87,7 @@ def _slab_q(x, g, rstd, a, offs_j, HAS_NORM: tl.constexpr, PTX: tl.constexpr):
     if HAS_NORM:
         x = (x * rstd) * g
     q = _q8(x, a, PTX)
-    return tl.sum((q & 255) << (offs_j * 8)[None, :], axis=1), tl.sum(tl.sum(q, axis=1), axis=0)
+    return tl.sum((q & 255) << (offs_j * 8)[None, :], axis=1), tl.sum(q, axis=1)  # words, row sums [KWP]
 
 
 @triton.jit
@@ -116,4 +116,4 @@ def _quant_words(xrow, nw_ptr, K, KW, eps, offs_w, mw, HAS_NORM: tl.constexpr, P
     w1, r1 = _slab_q(x1, g1, rstd, a, offs_j, HAS_NORM, PTX)
     w2, r2 = _slab_q(x2, g2, rstd, a, offs_j, HAS_NORM, PTX)
     w3, r3 = _slab_q(x3, g3, rstd, a, offs_j, HAS_NORM, PTX)
-    return w0, w1, w2, w3, a, r0 + r1 + r2 + r3
+    return w0, w1, w2, w3, a, tl.sum(r0 + r1 + r2 + r3, axis=0)  # one block reduction for the rowsum
