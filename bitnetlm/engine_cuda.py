@@ -134,13 +134,14 @@ class CudaEngine:
         """Engine over a bitnetlm CausalLM (ternary BitLinear projections, or nn.Linear for weights="dense")."""
         from bitnetlm.kernels.triton.layout import pack_triton
         from bitnetlm.quant.bitlinear import BitLinear
+        from bitnetlm.quant.packing import PackingFormat
 
         ecfg = ecfg or EngineConfig()
         cfg = model.config
         dev = torch.device(device)
 
         def tern(mods):
-            ts, ss = [], []
+            ss = []
             for m in mods:
                 if not isinstance(m, BitLinear):
                     raise TypeError(
@@ -148,10 +149,12 @@ class CudaEngine:
                     )
                 if m.bias is not None:
                     raise ValueError("CudaEngine: biased BitLinear layers are not supported")
-                t = m.ternary_weight()
-                ts.append(t)
-                ss.append(m.scale().float().reshape(1).expand(t.shape[0]))
-            return pack_triton(torch.cat(ts).to(dev)), torch.cat(ss).to(dev).contiguous()
+                ss.append(m.scale().float().reshape(1).expand(m.out_features))
+            if all(not m.training_mode and m.layout == PackingFormat.TRITON_2BIT for m in mods):
+                packed = torch.cat([m.packed for m in mods]).to(dev)  # rows already in the kernels' layout
+            else:
+                packed = pack_triton(torch.cat([m.ternary_weight() for m in mods]).to(dev))
+            return packed, torch.cat(ss).to(dev).contiguous()
 
         def dense(mods):
             ws = []

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from bitnetlm.kernels import prepare
+from bitnetlm.kernels import prepare, warm_up_async
 
 
 def resolve_path(name_or_path: str | os.PathLike) -> Path:
@@ -38,16 +38,23 @@ def load_model(
     """
     p = resolve_path(path)
     dtype = dtype or torch.float32
+    config = None
     if p.is_file() and p.suffix == ".gguf":
         from bitnetlm.formats import gguf
 
-        model = gguf.load_gguf_model(p, mode=mode, dtype=dtype)
+        read = lambda: gguf.load_gguf_model(p, mode=mode, dtype=dtype)
     elif p.is_dir():
+        from bitnetlm.formats.hf import read_config
         from bitnetlm.formats.native import load_native  # plain HF dirs too; zero-copy for packed ones
 
-        model = load_native(p, mode=mode, dtype=dtype)
+        if (p / "config.json").is_file():
+            config = read_config(p)
+        read = lambda: load_native(p, mode=mode, dtype=dtype)
     else:
         raise ValueError(f"{p}: not a model directory (config.json + safetensors) or a .gguf file")
+    if mode != "train":  # CUDA context, first kernels, compiler keys: in threads beside the read
+        warm_up_async(device, backend, dtype, config)  # (started after our imports: no import-lock waits)
+    model = read()
     if mode == "train":
         return model.to(device)
     model = prepare(model, device, backend)

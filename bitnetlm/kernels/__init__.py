@@ -10,12 +10,15 @@ per-token int8 activation quantization of quant.ternary (integer part exact).
 
 Backends are imported lazily so `import bitnetlm` never imports Triton or initialises CUDA.
 Force one with the environment variable BITNETLM_BACKEND=reference|cpu|triton.
+A backend may also have `warm_up()`: its one-time host work before the first launch, which loaders run in a thread
+beside the weight load (`warm_up_async`; BITNETLM_WARM_UP=0 turns that off).
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import threading
 from typing import Any
 
 import torch
@@ -73,6 +76,72 @@ def select_backend(device: torch.device | str = "cpu", name: str | None = None) 
     return get_backend(names[0] if names else "reference")
 
 
+_warm_threads: list[threading.Thread] = []
+_warmed: set[tuple] = set()
+
+
+def _warm_up_torch(dev: torch.device, dtype: torch.dtype | None, config) -> None:
+    """The CUDA context, then the torch kernels a decoder's first GPU forward launches (CUDA loads each kernel
+    at its first launch, tens of ms apiece for the embedding gather, cuBLAS and flash attention): run once on
+    small tensors of the model's dtype and row width. Touches no model state."""
+    torch.empty(1, device=dev)
+    if dtype is None or config is None:
+        return
+    import torch.nn.functional as F
+
+    c = config
+    h, nh, nkv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    x = F.embedding(
+        torch.zeros(16, dtype=torch.long, device=dev), torch.zeros(64, h, dtype=dtype, device=dev)
+    )
+    F.linear(x[:1], torch.zeros(256, h, dtype=dtype, device=dev))  # cuBLAS handle and its first GEMM
+    q = torch.zeros(1, nh, 16, hd, dtype=dtype, device=dev)
+    kv = torch.zeros(1, nkv, 16, hd, dtype=dtype, device=dev)
+    F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=nh != nkv)
+    logits = torch.zeros(1, c.vocab_size, dtype=torch.float32, device=dev)
+    vals, idx = logits.view(1, 64, -1).max(dim=-1)
+    idx.gather(1, vals.argmax(dim=-1, keepdim=True))
+    torch.cuda.synchronize(dev)
+
+
+def warm_up_async(
+    device: torch.device | str | None, name: str | None = None, dtype: torch.dtype | None = None, config=None
+) -> list[threading.Thread]:
+    """Start the GPU path's one-time work in daemon threads, so that it overlaps reading the weights: the CUDA
+    context and first torch kernels (`dtype`, shapes from the ModelConfig `config`), and the backend's
+    `warm_up()` (for Triton: its import and compiler keys). `prepare` joins them. Nothing starts for a CPU
+    device, another backend, a second call, or BITNETLM_WARM_UP=0. Best effort: a failure here is silent (the
+    same step then runs, and fails, where it always did)."""
+    dev = torch.device(device or "cpu")
+    name = name or os.environ.get("BITNETLM_BACKEND") or _PREFERENCE.get(dev.type, ["reference"])[0]
+    if dev.type != "cuda" or name != "triton" or os.environ.get("BITNETLM_WARM_UP", "1") == "0":
+        return []
+    if dev.index is None and torch.cuda.is_initialized():  # the caller's current device, not the thread's
+        dev = torch.device("cuda", torch.cuda.current_device())
+    shapes = None if config is None else (config.hidden_size, config.head_dim, config.vocab_size)
+    key = (str(dev), dtype, shapes)
+    if key in _warmed:
+        return []
+    _warmed.add(key)
+
+    def backend_work():
+        get_backend(name).warm_up()
+
+    threads = []
+    for fn in (backend_work, lambda: _warm_up_torch(dev, dtype, config)):
+
+        def run(fn=fn):
+            try:
+                fn()
+            except Exception:  # noqa: S110 - the first real use reports (or redoes) whatever failed here
+                pass
+
+        threads.append(threading.Thread(target=run, name="bitnetlm-warm-up", daemon=True))
+        threads[-1].start()
+    _warm_threads.extend(threads)
+    return threads
+
+
 def backend_for_layout(layout) -> Any:
     """The backend that owns packing layout `layout` (a PackingFormat)."""
     from bitnetlm.quant.packing import PackingFormat
@@ -101,6 +170,8 @@ def prepare(model: torch.nn.Module, device: torch.device | str | None = None, ba
         from bitnetlm.kernels.cpu.decode import attach
 
         attach(model)
+    while _warm_threads:  # the loader's warm-up (warm_up_async): done before the model is used
+        _warm_threads.pop().join()
     return model
 
 

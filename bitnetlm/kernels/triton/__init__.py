@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from bitnetlm.kernels.triton.common import INTERPRET
-from bitnetlm.kernels.triton.layout import pack_triton, packed_row_bytes, unpack_triton
+from bitnetlm.kernels.triton.layout import pack_triton, packed_row_bytes, repack_hf, unpack_triton
 from bitnetlm.quant.packing import PackingFormat
 
 
@@ -28,6 +28,30 @@ class TritonBackend:
 
     def unpack(self, p: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
         return unpack_triton(p, tuple(shape))
+
+    def repack(self, p: torch.Tensor, layout, shape: tuple[int, int]) -> torch.Tensor | None:
+        """Direct HF 2-bit -> triton-2bit-v1 at load (None for other layouts: unpack + pack)."""
+        if PackingFormat(layout) is not PackingFormat.HF_2BIT:
+            return None
+        return repack_hf(p, tuple(shape))
+
+    def warm_up(self) -> None:
+        """The first launch's one-time host work, done ahead (`kernels.warm_up_async` runs it in a thread beside
+        the weight load): Triton's compiler key (a hash of its ~400 MB library that every process computes before
+        its first launch, even when every kernel comes from the on-disk cache), the modules the first launch
+        imports, Triton's CUDA helper module, and our launchers and kernels. No GPU work."""
+        if INTERPRET:
+            return
+        from triton.runtime.cache import triton_key
+        from triton.runtime.driver import driver
+
+        triton_key()  # file reads and sha256 run without the GIL: this overlaps the load fully
+        try:  # imported by the argument specialisation of the first launch (Triton 3.6)
+            import triton.experimental.gluon.nvidia.hopper  # noqa: F401
+        except ImportError:
+            pass
+        driver.active.utils  # noqa: B018 - builds or loads the cached helper module
+        from bitnetlm.kernels.triton import attention, launch  # noqa: F401
 
     def linear(
         self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_features: int

@@ -17,6 +17,7 @@ from bitnetlm.kernels.triton.gemv import _gemv_kernel, _gemv_row_kernel
 from bitnetlm.kernels.triton.layout import packed_row_bytes
 from bitnetlm.kernels.triton.quant import _quant_kernel
 from bitnetlm.kernels.triton.tune import (
+    _choice,
     _gemm_candidates,
     _gemv8_candidates,
     _gemv_candidates,
@@ -215,42 +216,46 @@ def ternary_linear(
         else:
             launch_gemm(cfg)
 
-    gemv = [dict(path="gemv", **c) for c in _gemv_candidates(bm, gated, k)]
-    splitk = (
-        _splitk_candidates(m, out_features, kp, gated)
-        if m <= SPLITK_MAX_M or path in ("splitk", "splitk_t", "splitk_pair")
-        else []
-    )
-    gemm = [dict(path="gemm", **c) for c in _gemm_candidates(m, gated)]
-    gemv8 = _gemv8_candidates(bm, gated)
-    row = _row_candidates(kp // 4, gated, "row")
-    rowq = _row_candidates(kp // 4, gated, "rowq")
-    swapped = [c for c in splitk if c["SWAP"] and not c.get("PAIR")]
-    unswapped = [c for c in splitk if not c["SWAP"]]
-    pair = [c for c in splitk if c.get("PAIR")]
-    if path is None:  # the first candidate is the untuned default
-        if m <= ROW_MAX_M:
-            cands = row + rowq[:3] + swapped[:2] + gemv8[:1]
-        elif m <= GEMV_MAX_M:
-            cands = swapped + unswapped[:1] + pair + rowq[:2] + gemv8[:2] + gemv[:1]
+    def candidates() -> list[dict]:
+        gemv = [dict(path="gemv", **c) for c in _gemv_candidates(bm, gated, k)]
+        splitk = (
+            _splitk_candidates(m, out_features, kp, gated)
+            if m <= SPLITK_MAX_M or path in ("splitk", "splitk_t", "splitk_pair")
+            else []
+        )
+        gemm = [dict(path="gemm", **c) for c in _gemm_candidates(m, gated)]
+        gemv8 = _gemv8_candidates(bm, gated)
+        row = _row_candidates(kp // 4, gated, "row")
+        rowq = _row_candidates(kp // 4, gated, "rowq")
+        swapped = [c for c in splitk if c["SWAP"] and not c.get("PAIR")]
+        unswapped = [c for c in splitk if not c["SWAP"]]
+        pair = [c for c in splitk if c.get("PAIR")]
+        if path is None:  # the first candidate is the untuned default
+            if m <= ROW_MAX_M:
+                cands = row + rowq[:3] + swapped[:2] + gemv8[:1]
+            elif m <= GEMV_MAX_M:
+                cands = swapped + unswapped[:1] + pair + rowq[:2] + gemv8[:2] + gemv[:1]
+            else:
+                cands = splitk if m <= SPLITK_MAX_M else gemm
         else:
-            cands = splitk if m <= SPLITK_MAX_M else gemm
-    else:
-        cands = {
-            "gemv": gemv,
-            "gemv8": gemv8,
-            "splitk": unswapped,
-            "splitk_t": swapped,
-            "splitk_pair": pair,
-            "gemm": [c for c in gemm if not c.get("SWAP")],
-            "gemm_t": [c for c in gemm if c.get("SWAP") and not c.get("PAIR")],
-            "gemm_pair": [c for c in gemm if c.get("PAIR")],
-            "row": row,
-            "rowq": rowq,
-        }[path]
+            cands = {
+                "gemv": gemv,
+                "gemv8": gemv8,
+                "splitk": unswapped,
+                "splitk_t": swapped,
+                "splitk_pair": pair,
+                "gemm": [c for c in gemm if not c.get("SWAP")],
+                "gemm_t": [c for c in gemm if c.get("SWAP") and not c.get("PAIR")],
+                "gemm_pair": [c for c in gemm if c.get("PAIR")],
+                "row": row,
+                "rowq": rowq,
+            }[path]
+        return cands
+
     mb = min(bm, 1024)  # tune per power-of-two bucket of M
     key = (path or "auto", out_features, k, mb, *flags)
-    launch(_tune(key, cands, launch))
+    cfg = _choice.get(key)  # a known key skips building the candidate lists (~0.5 ms a call on the host)
+    launch(cfg if cfg is not None else _tune(key, candidates(), launch))
     return out.reshape(*lead, out_features)
 
 

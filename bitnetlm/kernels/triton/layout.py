@@ -46,3 +46,19 @@ def unpack_triton(p: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=p.device)
     codes = (p[:, None, :] >> shifts[None, :, None]) & 3  # [N, 4, Kp]
     return (codes.reshape(n, 4 * kp)[:, :k].to(torch.int8) - 1).contiguous()
+
+
+def repack_hf(p: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """The transformers offline 2-bit layout (`quant.packing.pack_hf`, uint8 [ceil(N/4), K]) straight to
+    triton-2bit-v1: equal to `pack_triton(unpack_hf(p, N))`, in a few wide ops on the codes (no int8 T)."""
+    n, k = shape
+    r, kp = (n + 3) // 4, packed_row_bytes(k)
+    if p.dtype != torch.uint8 or tuple(p.shape) != (r, k):
+        raise ValueError(
+            f"repack_hf: for shape {(n, k)} expected uint8 [{r}, {k}], found {p.dtype} {tuple(p.shape)}"
+        )
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=p.device)
+    codes = ((p[None] >> shifts[:, None, None]) & 3).view(4 * r, k)[:n]  # [N, K]: t + 1 of row i*R + r
+    if k != 4 * kp:  # pad K with code 1 (t = 0)
+        codes = torch.nn.functional.pad(codes, (0, 4 * kp - k), value=1)
+    return (codes.view(n, 4, kp) << shifts[None, :, None]).sum(dim=1, dtype=torch.uint8)
