@@ -146,5 +146,5 @@ def qkv_rope(
             **pdl_kw(),
         )
 
-    cands = [c for c in _row_candidates(kw, False, "qkv_rope") if c["BN"] >= 2] or [dict(BN=16, num_warps=4)]
-    launch(_tune(("qkv_rope", n, xq.k, m, scale.numel() != 1, d), cands, launch))
+    key = ("qkv_rope", n, xq.k, m, scale.numel() != 1, d)
+    launch(_tune(key, lambda: _row_candidates(kw, False, "qkv_rope"), launch))  # row tiles: BN even, >= 2

@@ -17,7 +17,6 @@ from bitnetlm.kernels.triton.gemv import _gemv_kernel, _gemv_row_kernel
 from bitnetlm.kernels.triton.layout import packed_row_bytes
 from bitnetlm.kernels.triton.quant import _quant_kernel
 from bitnetlm.kernels.triton.tune import (
-    _choice,
     _gemm_candidates,
     _gemv8_candidates,
     _gemv_candidates,
@@ -254,8 +253,7 @@ def ternary_linear(
 
     mb = min(bm, 1024)  # tune per power-of-two bucket of M
     key = (path or "auto", out_features, k, mb, *flags)
-    cfg = _choice.get(key)  # a known key skips building the candidate lists (~0.5 ms a call on the host)
-    launch(cfg if cfg is not None else _tune(key, candidates(), launch))
+    launch(_tune(key, candidates, launch))
     return out.reshape(*lead, out_features)
 
 

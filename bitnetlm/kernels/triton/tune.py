@@ -113,10 +113,12 @@ def _disk_store(key: tuple, cfg: dict) -> None:
         pass
 
 
-def _tune(key: tuple, candidates: list[dict], launch) -> dict:
-    """The fastest candidate for `key` (first candidate under the interpreter or during capture)."""
+def _tune(key: tuple, make_candidates, launch) -> dict:
+    """The fastest of `make_candidates()` for `key` (the first one under the interpreter or during capture). The
+    list is built only for a key not chosen yet: building it costs about 0.5 ms on the host, every call."""
     if key in _choice:
         return _choice[key]
+    candidates = make_candidates()
     if INTERPRET or len(candidates) == 1 or not TUNE or torch.cuda.is_current_stream_capturing():
         _choice[key] = candidates[0]
         return candidates[0]
