@@ -322,11 +322,19 @@ class CudaEngine:
 
         return w8_linear(h, self.head_q, self.head_s)
 
-    def forward(self, tok: torch.Tensor, pos: torch.Tensor, last_only: bool = True) -> torch.Tensor:
-        """tok [B, T] at positions pos[b] + t (T > 1 needs pos == 0) -> float32 logits [B, V] (last token)."""
+    def forward(
+        self, tok: torch.Tensor, pos: torch.Tensor, last_only: bool = True, row0: int = 0
+    ) -> torch.Tensor:
+        """tok [B, T] at positions pos[b] + t (T > 1 needs pos == 0) -> float32 logits [B, V] (last token).
+
+        row0: the first KV-cache row these B rows use (a prompt prefilled into one row of a batch); 0 when
+        decoding (the captured steps always run rows 0..B-1)."""
         from bitnetlm.kernels.triton.attention import attn_decode, rmsnorm, rope_cache
 
         b, t = tok.shape
+        if row0 and t == 1:
+            raise ValueError("CudaEngine.forward: row0 is for prefill (T > 1); decode steps run rows 0..B-1")
+        self._check_batch(row0 + b, t)
         nh, nkv, hd = self.nh, self.nkv, self.hd
         nqkv = (nh + 2 * nkv) * hd
         h = self._embed(tok.reshape(-1))  # [B*T, hidden]
@@ -339,7 +347,7 @@ class CudaEngine:
                 self._bufs[b] = QuantBuf(b, self.cfg.hidden_size, self.device)
             xq = self._bufs[b]
         for li, L in enumerate(self.layers):
-            kc, vc = self.k_cache[li], self.v_cache[li]
+            kc, vc = self.k_cache[li][row0 : row0 + b], self.v_cache[li][row0 : row0 + b]  # contiguous views
             q = torch.empty((b, t, nh, hd), device=h.device, dtype=h.dtype)
             if fused:  # quantize, then q|k|v GEMV + RoPE + KV write in one launch
                 quantize_into(h, L.in_norm, xq, self.eps)
@@ -353,7 +361,7 @@ class CudaEngine:
                 o = o.view(b, nh * hd)
             else:
                 o = F.scaled_dot_product_attention(
-                    q.transpose(1, 2), kc[:b, :, :t], vc[:b, :, :t], is_causal=True, enable_gqa=nh != nkv
+                    q.transpose(1, 2), kc[:, :, :t], vc[:, :, :t], is_causal=True, enable_gqa=nh != nkv
                 )  # [B, H, T, D], in q's memory order [B, T, H, D] where the backend keeps it (no copy below)
                 o = o.transpose(1, 2).reshape(b * t, nh * hd)
             h = self._lin(o, L.o, L.o_scale, h.shape[-1], norm=L.attn_sub_norm, residual=h)
@@ -419,6 +427,28 @@ class CudaEngine:
 
         graph, logits = capture(body, before_capture=pos.zero_)
         st = _DecodeState(graph, tok, pos, step, out, logits)
+        self._graphs[key] = st
+        return st
+
+    def logits_state(self, batch: int) -> _DecodeState:
+        """A captured step without sampling: logits [B, V] of tok [B, 1] at pos [B], then pos += 1. The caller
+        samples (any sampler, on the host's schedule) and writes the next tokens into `tok`. Capture it before
+        prefilling: its eager warm-up runs write KV-cache slots 0-2, which the prefill then overwrites."""
+        key = ("logits", batch)
+        if key in self._graphs:
+            return self._graphs[key]
+        self._check_batch(batch, 1)
+        dev = self.device
+        tok = torch.zeros((batch, 1), dtype=torch.long, device=dev)
+        pos = torch.zeros((batch,), dtype=torch.int32, device=dev)
+
+        def body():
+            logits = self.forward(tok, pos)
+            pos.add_(1)
+            return logits
+
+        graph, logits = capture(body, before_capture=pos.zero_)
+        st = _DecodeState(graph, tok, pos, torch.zeros((1,), dtype=torch.long, device=dev), tok, logits)
         self._graphs[key] = st
         return st
 

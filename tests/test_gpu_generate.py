@@ -24,3 +24,90 @@ def test_greedy_64_tokens_equal_cpu_reference(oracle_dirs, variant):
     )
     got = eng.generate(prompt, 64).cpu()
     assert torch.equal(got, ref), (got != ref).nonzero()[:5]
+
+
+# ---- generate / batch_generate on CUDA through the CUDA-graph engine (bitnetlm/generate/graph.py) -----------
+def _graph_engine_of(model):
+    from bitnetlm.generate.graph import _ATTR
+
+    return model.__dict__.get(_ATTR, (None, None))[0]
+
+
+@pytest.mark.parametrize("variant", ["packed-autobitlinear", "online", "1bitllm", "llama"])
+def test_graph_generate_equals_cpu_reference(oracle_dirs, variant):
+    """Single prompts and a batch of different-length prompts (each prefilled into its own cache row, decoded
+    together at their own positions) give the CPU reference's greedy tokens."""
+    from bitnetlm.generate import SamplingParams, batch_generate, generate
+    from bitnetlm.loading import load_model
+    from bitnetlm.serve.testing import tiny_tokenizer
+
+    ours, _ = oracle_dirs[variant]
+    cpu = load_model(ours, device="cpu", backend="reference").eval()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 11, 8)]
+    ref = [greedy_with_cache(cpu, torch.tensor([p]), 40)[0].tolist() for p in prompts]
+    model = load_model(ours, device="cuda", dtype=torch.float32).eval()
+    tok = tiny_tokenizer()
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    one = [generate(model, tok, p, sp).tokens for p in prompts]
+    assert _graph_engine_of(model) is not None, "generate on CUDA did not take the CUDA-graph path"
+    assert one == ref
+    assert [r.tokens for r in batch_generate(model, tok, prompts, sp)] == ref
+    assert _graph_engine_of(model).ecfg.max_batch == 3
+
+
+def test_graph_generate_stops_lengths_and_stale_weights():
+    """Stop token ids, stop strings and max_tokens end the rows of the graph path where the eager loop ends
+    them; a batch whose rows stop at different steps keeps decoding the others; a weight changed in place
+    after a call rebuilds the engine instead of decoding with stale weights."""
+    from bitnetlm.generate import SamplingParams, batch_generate, generate
+    from bitnetlm.serve.testing import tiny_model_and_tokenizer
+
+    model, tok = tiny_model_and_tokenizer(max_len=256, layers=2, hidden=64)
+    model = model.to("cuda")
+    prompt = "It is a truth universally acknowledged"
+    full = generate(model, tok, prompt, max_tokens=30, temperature=0, ignore_eos=True)
+    eng = _graph_engine_of(model)
+    assert eng is not None and len(full.tokens) == 30 and full.finish_reason == "length"
+    eager = generate(model, tok, prompt, max_tokens=30, temperature=0, ignore_eos=True, enforce_eager=True)
+    assert full.tokens == eager.tokens and str(full) == str(eager)
+    assert full.logprobs == pytest.approx(eager.logprobs, abs=1e-3)
+
+    stop_id = full.tokens[12]
+    cut = full.tokens.index(stop_id) + 1
+    r = generate(model, tok, prompt, max_tokens=30, temperature=0, ignore_eos=True, stop_token_ids=[stop_id])
+    assert r.tokens == full.tokens[:cut] and r.finish_reason == "stop"
+    text = str(full)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    r = generate(model, tok, prompt, max_tokens=30, temperature=0, ignore_eos=True, stop=[stop])
+    assert str(r) == text[: text.index(stop)] and r.finish_reason == "stop"
+    short = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    long = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    rows = batch_generate(model, tok, [prompt, prompt + " that"], [short, long])
+    assert rows[0].tokens == full.tokens[:4] and rows[0].finish_reason == "length"
+    assert rows[1].tokens == generate(model, tok, prompt + " that", long).tokens
+
+    down = model.layers[0].mlp.down_proj  # the engine holds its own copy of the packed projections
+    down.load_ternary(-down.ternary_weight(), down.scale())
+    flipped = generate(model, tok, prompt, max_tokens=30, temperature=0, ignore_eos=True)
+    assert _graph_engine_of(model) is not eng
+    eager = generate(model, tok, prompt, max_tokens=30, temperature=0, ignore_eos=True, enforce_eager=True)
+    assert flipped.tokens == eager.tokens and flipped.tokens != full.tokens
+
+
+def test_graph_generate_sampling_is_seeded():
+    """Sampled rows draw from their own seeded generators, as in the eager loop: same seed, same tokens."""
+    from bitnetlm.generate import SamplingParams, generate
+    from bitnetlm.serve.testing import tiny_model_and_tokenizer
+
+    model, tok = tiny_model_and_tokenizer(max_len=256, layers=2, hidden=64)
+    model = model.to("cuda")
+    p = SamplingParams(max_tokens=24, temperature=0.9, top_k=40, top_p=0.95, seed=5, ignore_eos=True)
+    a, b = generate(model, tok, "Hello", p), generate(model, tok, "Hello", p)
+    assert a.tokens == b.tokens
+    c = generate(model, tok, "Hello", SamplingParams(**{**p.__dict__, "seed": 6}))
+    assert c.tokens != a.tokens
+    greedy = generate(model, tok, "Hello", max_tokens=24, temperature=0, ignore_eos=True)
+    assert (
+        generate(model, tok, "Hello", max_tokens=24, top_k=1, seed=1, ignore_eos=True).tokens == greedy.tokens
+    )

@@ -39,7 +39,8 @@ def test_engine_on_cuda_matches_offline_generate():
         )
         for i in range(32)
     ]
-    refs = [generate(model, tok, p, sp).tokens for p, sp in zip(prompts, params)]
+    # the server runs the eager forward: compare it with offline generate on that same path
+    refs = [generate(model, tok, p, sp, enforce_eager=True).tokens for p, sp in zip(prompts, params)]
     eng = Engine(model, tok, EngineConfig(max_batch=16))
     out = {i: [] for i in range(32)}
     done = threading.Semaphore(0)

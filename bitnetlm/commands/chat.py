@@ -47,6 +47,7 @@ def chat_session(
     verbose: bool = False,
     json_lines: bool = False,
     interactive: bool = False,
+    enforce_eager: bool = False,
 ) -> list[dict]:
     """Run a chat over the user messages in `lines` (an iterable of str); returns the conversation.
 
@@ -98,7 +99,7 @@ def chat_session(
 
         t0 = time.perf_counter()
         chunks = []
-        for c in _engine(model, tokenizer, [ids], [p], ctx_size=ctx):
+        for c in _engine(model, tokenizer, [ids], [p], ctx_size=ctx, enforce_eager=enforce_eager):
             chunks.append(c)
             if not json_lines and c.text:
                 out.write(c.text)
@@ -144,6 +145,7 @@ def run(args) -> int:
         verbose=args.verbose,
         json_lines=args.json,
         interactive=interactive,
+        enforce_eager=args.enforce_eager,
     )
     return 0
 

@@ -96,7 +96,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--dtype",
         default=None,
         choices=["float32", "bfloat16", "float16"],
-        help="activation dtype (default: float32)",
+        help="activation dtype (default: float32 on CPU, bfloat16 on CUDA)",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: run the model's own forward per token instead of the CUDA-graph decode engine",
     )
     p.add_argument(
         "--verbose",
@@ -155,10 +160,11 @@ def load_model_and_tokenizer(
     from bitnetlm.kernels import configure_threads
 
     name = resolve_model_name(model)
+    device = resolve_device(device)
+    if dtype is None and device.startswith("cuda"):
+        dtype = "bfloat16"  # as vLLM and transformers serve BitNet on GPUs; float32 doubles the head's reads
     dt = getattr(torch, dtype) if dtype else None
-    m, tok = bitnetlm.load(
-        name, device=resolve_device(device), dtype=dt, backend=backend, head_dtype=head_dtype
-    )
+    m, tok = bitnetlm.load(name, device=device, dtype=dt, backend=backend, head_dtype=head_dtype)
     configure_threads(m, threads)
     if tok is None:
         raise FileNotFoundError(f"{name}: the model has no tokenizer (tokenizer.json next to config.json)")
@@ -195,6 +201,7 @@ def generate_text(
     stream=None,
     verbose: bool = False,
     err=None,
+    enforce_eager: bool = False,
     **kwargs,
 ):
     """Generate for `prompt`, writing text to `stream` as it arrives (None: silent); returns GenerationResult."""
@@ -207,7 +214,7 @@ def generate_text(
     p = make_params(params, **kwargs)
     ids = prompt_to_ids(tokenizer, prompt, system=system, chat=chat)
     chunks = []
-    for c in _engine(model, tokenizer, [ids], [p], ctx_size=ctx_size):
+    for c in _engine(model, tokenizer, [ids], [p], ctx_size=ctx_size, enforce_eager=enforce_eager):
         chunks.append(c)
         if stream is not None and c.text:
             stream.write(c.text)
@@ -248,6 +255,7 @@ def run(args) -> int:
         ctx_size=args.ctx_size,
         stream=None if args.json else sys.stdout,
         verbose=args.verbose,
+        enforce_eager=args.enforce_eager,
     )
     if args.json:
         out = {

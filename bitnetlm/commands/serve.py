@@ -36,7 +36,13 @@ FLAGS = [
     (("--max-body-bytes",), "max_body_bytes", int, 1 << 20, "largest request body accepted (413 beyond)"),
     (("--graceful-timeout",), "graceful_timeout_s", float, 30.0, "seconds running requests get on shutdown"),
     (("--device",), "device", str, "auto", "cpu, cuda, cuda:N or auto"),
-    (("--dtype",), "dtype", str, None, "activation dtype: float32, bfloat16, float16 (default: float32)"),
+    (
+        ("--dtype",),
+        "dtype",
+        str,
+        None,
+        "activation dtype: float32, bfloat16, float16 (default: float32 on CPU, bfloat16 on CUDA)",
+    ),
     (
         ("--backend",),
         "backend",

@@ -180,15 +180,8 @@ class _Row:
         return text
 
 
-def _engine(
-    model,
-    tok,
-    prompts: Sequence[list[int]],
-    params: Sequence[SamplingParams],
-    ctx_size: int | None = None,
-    prefill_chunk: int = 2048,
-) -> Iterator[GenerationChunk]:
-    t0 = time.perf_counter()
+def _rows(model, tok, prompts, params, ctx_size) -> tuple[list[_Row], torch.device, int]:
+    """Validate the prompts against the context and build one _Row per prompt: (rows, device, context)."""
     device = _device(model)
     ctx = context_length(model, ctx_size)
     cfg = getattr(model, "config", None)
@@ -206,9 +199,57 @@ def _engine(
                 f"(max_position_embeddings or --ctx-size); shorten the prompt or raise --ctx-size"
             )
         rows.append(_Row(i, ids, p, tok, eos_ids, min(p.max_tokens, ctx - len(ids)), device))
+    return rows, device, ctx
+
+
+def _emit(active, out, toks, lps, now, t0, prompt_tps) -> Iterator[GenerationChunk]:
+    """Push one sampled token into each active row and yield its chunk (out: the SampleOutput, for top ids)."""
+    for j, r in enumerate(active):
+        if r.t_first is None:
+            r.t_first = now
+        text = r.push(toks[j])
+        r.logprobs.append(lps[j])
+        top = None
+        if r.params.top_logprobs and out.top_ids is not None:
+            k = r.params.top_logprobs
+            top = list(zip(out.top_ids[j, :k].tolist(), out.top_logprobs[j, :k].tolist(), strict=True))
+        n = len(r.out)
+        yield GenerationChunk(
+            text=text,
+            token=toks[j],
+            logprob=lps[j],
+            finish_reason=r.finish_reason,
+            index=r.index,
+            prompt_tokens=len(r.ids),
+            generation_tokens=n,
+            prompt_tps=prompt_tps,
+            generation_tps=(n - 1) / (now - r.t_first) if n > 1 and now > r.t_first else 0.0,
+            ttft_s=r.t_first - t0,
+            top_logprobs=top,
+        )
+
+
+def _engine(
+    model,
+    tok,
+    prompts: Sequence[list[int]],
+    params: Sequence[SamplingParams],
+    ctx_size: int | None = None,
+    prefill_chunk: int = 2048,
+    enforce_eager: bool = False,
+) -> Iterator[GenerationChunk]:
+    t0 = time.perf_counter()
+    rows, device, ctx = _rows(model, tok, prompts, params, ctx_size)
     rows_todo = [r for r in rows if r.max_new > 0]
     if not rows_todo:
         return
+    if device.type == "cuda" and not enforce_eager:
+        from bitnetlm.generate.graph import graph_engine, run_graph
+
+        eng = graph_engine(model, len(rows), max(len(r.ids) for r in rows) + max(r.max_new for r in rows))
+        if eng is not None:
+            yield from run_graph(eng, rows, t0)
+            return
     b = len(rows)
     lens = torch.tensor([len(r.ids) for r in rows], device=device)  # [B]
     lmax = int(lens.max())
@@ -257,32 +298,7 @@ def _engine(
             )
             toks = out.tokens.tolist()
             lps = out.logprobs.tolist()
-            now = time.perf_counter()
-            for j, r in enumerate(active):
-                if r.t_first is None:
-                    r.t_first = now
-                text = r.push(toks[j])
-                r.logprobs.append(lps[j])
-                top = None
-                if r.params.top_logprobs and out.top_ids is not None:
-                    k = r.params.top_logprobs
-                    top = list(
-                        zip(out.top_ids[j, :k].tolist(), out.top_logprobs[j, :k].tolist(), strict=True)
-                    )
-                n = len(r.out)
-                yield GenerationChunk(
-                    text=text,
-                    token=toks[j],
-                    logprob=lps[j],
-                    finish_reason=r.finish_reason,
-                    index=r.index,
-                    prompt_tokens=len(r.ids),
-                    generation_tokens=n,
-                    prompt_tps=prompt_tps,
-                    generation_tps=(n - 1) / (now - r.t_first) if n > 1 and now > r.t_first else 0.0,
-                    ttft_s=r.t_first - t0,
-                    top_logprobs=top,
-                )
+            yield from _emit(active, out, toks, lps, time.perf_counter(), t0, prompt_tps)
             if all(r.finish_reason is not None for r in rows):
                 return
             # feed the sampled tokens; finished rows feed padding that is never attended to
@@ -315,16 +331,21 @@ def stream_generate(
     chat: bool = False,
     ctx_size: int | None = None,
     prefill_chunk: int = 2048,
+    enforce_eager: bool = False,
     **kwargs,
 ) -> Iterator[GenerationChunk]:
     """Yield one GenerationChunk per generated token; the last one has finish_reason set.
 
     prompt: text (encoded with BOS), chat messages (rendered by the chat template) or token ids.
     kwargs: SamplingParams fields (max_tokens, temperature, top_k, top_p, min_p, seed, stop, ...).
+    On CUDA the decode steps replay a CUDA graph (bitnetlm.engine_cuda); enforce_eager=True runs the model's
+    own forward instead (as vLLM's enforce_eager).
     """
     p = make_params(params, **kwargs)
     ids = prompt_to_ids(tok, prompt, system=system, chat=chat)
-    yield from _engine(model, tok, [ids], [p], ctx_size=ctx_size, prefill_chunk=prefill_chunk)
+    yield from _engine(
+        model, tok, [ids], [p], ctx_size=ctx_size, prefill_chunk=prefill_chunk, enforce_eager=enforce_eager
+    )
 
 
 def _result(chunks: list[GenerationChunk], n_prompt: int, t0: float) -> GenerationResult:
@@ -354,6 +375,7 @@ def generate(
     chat: bool = False,
     ctx_size: int | None = None,
     verbose: bool = False,
+    enforce_eager: bool = False,
     **kwargs,
 ) -> GenerationResult:
     """Generate a completion; returns the text (a str subclass with .tokens, .finish_reason, timings...)."""
@@ -361,7 +383,7 @@ def generate(
     p = make_params(params, **kwargs)
     ids = prompt_to_ids(tok, prompt, system=system, chat=chat)
     chunks = []
-    for c in _engine(model, tok, [ids], [p], ctx_size=ctx_size):
+    for c in _engine(model, tok, [ids], [p], ctx_size=ctx_size, enforce_eager=enforce_eager):
         chunks.append(c)
         if verbose:
             print(c.text, end="", flush=True)
@@ -381,6 +403,7 @@ def batch_generate(
     system: str | None = None,
     chat: bool = False,
     ctx_size: int | None = None,
+    enforce_eager: bool = False,
     **kwargs,
 ) -> list[GenerationResult]:
     """Generate for several prompts at once (left-padded batch); each result equals generating it alone."""
@@ -394,7 +417,7 @@ def batch_generate(
         plist = [make_params(params, **kwargs)] * len(prompts)
     ids = [prompt_to_ids(tok, p, system=system, chat=chat) for p in prompts]
     per_row: list[list[GenerationChunk]] = [[] for _ in prompts]
-    for c in _engine(model, tok, ids, plist, ctx_size=ctx_size):
+    for c in _engine(model, tok, ids, plist, ctx_size=ctx_size, enforce_eager=enforce_eager):
         per_row[c.index].append(c)
     return [_result(ch, len(i), t0) for ch, i in zip(per_row, ids, strict=True)]
 

@@ -84,7 +84,12 @@ class SampleOutput:
 
 
 def _row_tensor(values, device, dtype=torch.float32) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device)
+    """Per-row values on `device`. To a GPU through pinned memory without blocking: a plain host-to-device copy
+    waits for the queued GPU work, which would stall the CUDA-graph decode pipeline (generate/graph.py)."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def apply_penalties(
@@ -138,12 +143,13 @@ def process_logits(
     x = apply_penalties(x, params, prompt_tokens, output_tokens)
     for i, p in enumerate(params):
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=x.device)
-            if int(ids.min()) < 0 or int(ids.max()) >= v:
+            if min(p.logit_bias) < 0 or max(p.logit_bias) >= v:
                 raise ValueError(f"logit_bias token id out of range [0, {v}): {sorted(p.logit_bias)}")
-            x[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=x.dtype, device=x.device)
-    temps = _row_tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], x.device)
-    x = x / temps[:, None]
+            ids = _row_tensor(list(p.logit_bias), x.device, torch.long)
+            x[i, ids] += _row_tensor(list(p.logit_bias.values()), x.device, x.dtype)
+    temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+    if any(t != 1.0 for t in temps):  # a Python scalar when the rows agree (no copy at all)
+        x = x / (temps[0] if len(set(temps)) == 1 else _row_tensor(temps, x.device)[:, None])
     mask = _filter_mask(x, params)
     if mask is None:
         return x
@@ -181,7 +187,7 @@ def _filter_mask_over(x, params, filt, kvals, n):
     k = _row_tensor(kvals, dev, torch.long)
     has_k = k < v
     remove = rank >= k[:, None]
-    rows = torch.tensor(filt, device=dev)
+    rows = _row_tensor(filt, dev, torch.bool)
     if any(f and (p.top_p < 1.0 or p.min_p > 0) for f, p in zip(filt, params, strict=True)):
         masked = sorted_x.masked_fill(remove, float("-inf"))
         # true probabilities over each row's surviving set: its top-k, or the whole vocabulary

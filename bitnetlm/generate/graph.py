@@ -1,0 +1,160 @@
+"""Generation on CUDA through the CUDA-graph engine (`bitnetlm.engine_cuda.CudaEngine`).
+
+`generate`, `stream_generate`, `batch_generate` and the CLI take this path for a model on a CUDA device (unless
+`enforce_eager=True`): the fused Triton layers and one captured graph per decode step, instead of the model's
+eager forward with a Python call per layer.
+
+- The engine is built once from the model's weights and cached on the model. It is rebuilt when a parameter or
+  buffer of the model has changed since (an optimizer step, `load_state_dict`), or when a call needs more rows
+  or positions than it holds.
+- Each prompt is prefilled into its own KV-cache row (one forward for equal-length prompts), so no padding is
+  needed; the captured step then decodes all rows at their own positions.
+- Sampling is `sampling.sample`, the code and per-row generators of the eager loop, so every SamplingParams
+  feature behaves the same.
+- Pipelining: a step's tokens are copied to pinned host memory and fed to the next graph replay before the host
+  reads them, so the GPU computes step s+1 while the host detokenizes step s and checks the stop conditions.
+  When the last row stops, that one speculative step is discarded.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterator
+
+import torch
+
+from bitnetlm.generate.sampling import sample
+
+log = logging.getLogger(__name__)
+
+_ATTR = "_bitnet_graph_engine"  # model.__dict__ entry: (engine or None, fingerprint of the weights it holds)
+SEQ_ROUND = 1024  # positions are allocated in steps of this many (fewer rebuilds as requests grow)
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter (it cannot be modified in place)
+        return -1
+
+
+def _fingerprint(model) -> tuple:
+    """Identity, storage and version of every parameter and buffer: changes when any of them is modified."""
+    return tuple(
+        (id(t), t.data_ptr(), _version(t)) for t in itertools.chain(model.parameters(), model.buffers())
+    )
+
+
+def _weights_kind(model) -> str | None:
+    """ "ternary" when every projection is a BitLinear, "dense" when none is, None otherwise (mixed)."""
+    from bitnetlm.quant.bitlinear import BitLinear
+
+    projs = []
+    for blk in model.layers:
+        at, mlp = blk.self_attn, blk.mlp
+        projs += [at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    n = sum(isinstance(m, BitLinear) for m in projs)
+    return "ternary" if n == len(projs) else "dense" if n == 0 else None
+
+
+def _build(model, batch: int, seq: int, device: torch.device):
+    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
+
+    if not all(hasattr(model, a) for a in ("layers", "embed_tokens", "norm", "inv_freq", "config")):
+        raise TypeError(f"{type(model).__name__} is not a bitnetlm CausalLM")
+    kind = _weights_kind(model)
+    if kind is None:
+        raise TypeError("the projections mix BitLinear and full-precision layers")
+    dtype = model.embed_tokens.weight.dtype
+    ecfg = EngineConfig(max_batch=batch, max_seq_len=seq, dtype=dtype, weights=kind)
+    return CudaEngine.from_model(model, ecfg, device=device)
+
+
+def graph_engine(model, batch: int, seq: int):
+    """The model's CudaEngine with room for `batch` rows of `seq` positions (built or grown as needed), or None
+    when the engine cannot run this model: generation then takes the eager path."""
+    device = next(itertools.chain(model.parameters(), model.buffers())).device
+    fp = _fingerprint(model)
+    eng, fp0 = model.__dict__.get(_ATTR, (None, None))
+    if fp0 == fp:
+        if eng is None:
+            return None  # known unsupported, weights unchanged
+        if eng.ecfg.max_batch >= batch and eng.ecfg.max_seq_len >= seq:
+            return eng
+        batch, seq = max(batch, eng.ecfg.max_batch), max(seq, eng.ecfg.max_seq_len)
+    model.__dict__.pop(_ATTR, None)
+    del eng  # free the old engine's weights and KV cache before allocating the new one
+    seq = -(-seq // SEQ_ROUND) * SEQ_ROUND
+    try:
+        import triton  # noqa: F401  (the engine's kernels)
+
+        new = _build(model, batch, seq, device)
+    except (ImportError, TypeError, ValueError) as e:
+        log.info("CUDA-graph generation unavailable for this model (%s); using the eager forward", e)
+        new = None
+    model.__dict__[_ATTR] = (new, fp)
+    return new
+
+
+@torch.no_grad()
+def run_graph(eng, rows, t0: float) -> Iterator:
+    """The decode loop of `generate._engine` over the engine: yields the same GenerationChunk stream."""
+    from bitnetlm.generate.generate import _emit
+
+    dev = eng.device
+    b = len(rows)
+    st = eng.logits_state(b)  # captured before the prefill: its warm-up writes KV slots 0-2 of every row
+    lens = [len(r.ids) for r in rows]
+    zero = torch.zeros((b,), dtype=torch.int32, device=dev)
+    if len(set(lens)) == 1:
+        logits = eng.forward(torch.tensor([r.ids for r in rows], dtype=torch.long, device=dev), zero)
+    else:  # each prompt into its own cache row, from position 0
+        logits = torch.cat(
+            [
+                eng.forward(torch.tensor([r.ids], dtype=torch.long, device=dev), zero[:1], row0=i)
+                for i, r in enumerate(rows)
+            ]
+        )  # [B, V]
+    st.pos.copy_(torch.tensor(lens, dtype=torch.int32))
+    torch.cuda.synchronize(dev)
+    prompt_tps = sum(lens) / max(time.perf_counter() - t0, 1e-9)
+    for r in rows:
+        if r.max_new <= 0:
+            r.finish_reason = "length"
+    top_n = max(r.params.top_logprobs for r in rows)
+    active = [r for r in rows if r.finish_reason is None]
+    idx = None if len(active) == b else torch.tensor([r.index for r in active], device=dev)
+    tok_h = torch.empty((b,), dtype=torch.long, pin_memory=True)
+    lp_h = torch.empty((b,), dtype=torch.float32, pin_memory=True)
+    ready = torch.cuda.Event()
+    while True:
+        out = sample(
+            logits if idx is None else logits[idx],
+            [r.params for r in active],
+            [r.generator for r in active],
+            prompt_tokens=[r.ids for r in active],
+            output_tokens=[r.out for r in active],
+            num_top_logprobs=top_n,
+        )
+        n = len(active)
+        tok_h[:n].copy_(out.tokens, non_blocking=True)
+        lp_h[:n].copy_(out.logprobs, non_blocking=True)
+        ready.record()
+        if idx is None:
+            st.tok.copy_(out.tokens[:, None])
+        else:  # finished rows keep decoding their last token, unseen (their cache rows are their own)
+            st.tok.index_copy_(0, idx, out.tokens[:, None])
+        st.graph.replay()  # the next step's logits, while the host handles this step's tokens
+        ready.synchronize()
+        yield from _emit(
+            active, out, tok_h[:n].tolist(), lp_h[:n].tolist(), time.perf_counter(), t0, prompt_tps
+        )
+        still = [r for r in active if r.finish_reason is None]
+        if not still:
+            return
+        if len(still) != n:
+            active = still
+            idx = torch.tensor([r.index for r in active], device=dev)
+        logits = st.logits
