@@ -51,6 +51,8 @@ def start_server(model: str, args, env_extra: dict) -> tuple[subprocess.Popen, s
         cmd += ["--backend", args.backend]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    if args.enforce_eager:
+        cmd += ["--enforce-eager"]
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     url = None
     while url is None:
@@ -138,6 +140,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--backend", default=None)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--enforce-eager", action="store_true", help="CUDA: serve with the eager forward")
     ap.add_argument("--json", action="store_true", help="also print the rows as JSON")
     args = ap.parse_args(argv)
 
@@ -179,7 +182,10 @@ def main(argv=None) -> int:
     print(
         f"machine: {machine(args.device)}; device {args.device or 'auto'}; torch threads {args.threads or 'default'}"
     )
-    print(f"server --max-batch {args.max_batch}; {args.requests} streaming requests per row; ", end="")
+    path = "eager forward (--enforce-eager)" if args.enforce_eager else "CUDA graph where the device is CUDA"
+    print(
+        f"server --max-batch {args.max_batch}, {path}; {args.requests} streaming requests per row; ", end=""
+    )
     print(
         f"~{args.prompt_words}-word prompts, {args.max_tokens} completion tokens each (greedy, ignore_eos)\n"
     )

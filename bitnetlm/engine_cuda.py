@@ -27,6 +27,16 @@ import torch.nn.functional as F
 
 from bitnetlm.models.config import ModelConfig
 
+
+def prefill_attention(q, k, v, mask=None, gqa: bool = False) -> torch.Tensor:
+    """SDPA for prefill (causal, or `mask`) on flash / memory-efficient / math attention, never cuDNN's: its
+    backend builds a plan for every new sequence length, 50-65 ms each on an H100 (a serving stall)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+
+
 FUSED_MAX_B = 2  # decode steps of up to this many rows fuse RoPE + KV write into the q|k|v GEMV (decode.py)
 
 
@@ -323,18 +333,17 @@ class CudaEngine:
         return w8_linear(h, self.head_q, self.head_s)
 
     def forward(
-        self, tok: torch.Tensor, pos: torch.Tensor, last_only: bool = True, row0: int = 0
+        self, tok: torch.Tensor, pos: torch.Tensor, last_only: bool = True, row0: int = 0, start: int = 0
     ) -> torch.Tensor:
-        """tok [B, T] at positions pos[b] + t (T > 1 needs pos == 0) -> float32 logits [B, V] (last token).
+        """tok [B, T] at positions pos[b] + t -> float32 logits [B, V] (last token; all T with last_only=False).
 
-        row0: the first KV-cache row these B rows use (a prompt prefilled into one row of a batch); 0 when
-        decoding (the captured steps always run rows 0..B-1)."""
+        T > 1 (prefill): every row starts at position `start`, and pos must hold it; start > 0 continues a
+        prompt whose first `start` tokens are already cached (chunked prefill). row0: the first KV-cache row
+        these B rows use (a prompt prefilled into one row of a batch; the captured steps run rows 0..B-1)."""
         from bitnetlm.kernels.triton.attention import attn_decode, rmsnorm, rope_cache
 
         b, t = tok.shape
-        if row0 and t == 1:
-            raise ValueError("CudaEngine.forward: row0 is for prefill (T > 1); decode steps run rows 0..B-1")
-        self._check_batch(row0 + b, t)
+        self._check_batch(row0 + b, start + t)
         nh, nkv, hd = self.nh, self.nkv, self.hd
         nqkv = (nh + 2 * nkv) * hd
         h = self._embed(tok.reshape(-1))  # [B*T, hidden]
@@ -346,6 +355,10 @@ class CudaEngine:
             if b not in self._bufs:
                 self._bufs[b] = QuantBuf(b, self.cfg.hidden_size, self.device)
             xq = self._bufs[b]
+        mask = None  # prefill from 0: plain causal; from start: query i (position start + i) sees keys 0..start + i
+        if t > 1 and start:
+            keys = torch.arange(start + t, device=h.device)
+            mask = keys[None, :] <= (start + torch.arange(t, device=h.device))[:, None]  # [T, start+T]
         for li, L in enumerate(self.layers):
             kc, vc = self.k_cache[li][row0 : row0 + b], self.v_cache[li][row0 : row0 + b]  # contiguous views
             q = torch.empty((b, t, nh, hd), device=h.device, dtype=h.dtype)
@@ -360,8 +373,8 @@ class CudaEngine:
                 attn_decode(q.view(b, nh, hd), kc, vc, pos, o, scale)
                 o = o.view(b, nh * hd)
             else:
-                o = F.scaled_dot_product_attention(
-                    q.transpose(1, 2), kc[:, :, :t], vc[:, :, :t], is_causal=True, enable_gqa=nh != nkv
+                o = prefill_attention(
+                    q.transpose(1, 2), kc[:, :, : start + t], vc[:, :, : start + t], mask, nh != nkv
                 )  # [B, H, T, D], in q's memory order [B, T, H, D] where the backend keeps it (no copy below)
                 o = o.transpose(1, 2).reshape(b * t, nh * hd)
             h = self._lin(o, L.o, L.o_scale, h.shape[-1], norm=L.attn_sub_norm, residual=h)

@@ -12,6 +12,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 import bitnetlm
 from bitnetlm.commands.serve import FLAGS, env_name
@@ -41,6 +42,18 @@ def test_every_flag_has_an_env_var():
     assert o["host"] == "127.0.0.1"  # safe default
     for _, dest, *_ in FLAGS:
         assert env_name(dest) in p.format_help()
+    # a boolean flag: alone, with a value, from the environment; a bad value names the variable
+    assert cmd.resolve(p.parse_args([]))["enforce_eager"] is False
+    assert cmd.resolve(p.parse_args(["--enforce-eager"]))["enforce_eager"] is True
+    assert cmd.resolve(p.parse_args(["--enforce-eager", "false"]))["enforce_eager"] is False
+    os.environ["BITNET_ENFORCE_EAGER"] = "yes"
+    try:
+        assert cmd.resolve(p.parse_args([]))["enforce_eager"] is True
+        os.environ["BITNET_ENFORCE_EAGER"] = "maybe"
+        with pytest.raises(ValueError, match="BITNET_ENFORCE_EAGER='maybe'"):
+            cmd.resolve(p.parse_args([]))
+    finally:
+        os.environ.pop("BITNET_ENFORCE_EAGER")
 
 
 def test_bitnet_serve_process_health_auth_and_graceful_drain(tmp_path):

@@ -19,7 +19,10 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-def test_engine_on_cuda_matches_offline_generate():
+@pytest.mark.parametrize("eager", [False, True], ids=["cuda-graph", "eager"])
+def test_engine_on_cuda_matches_offline_generate(eager):
+    """The server on its CUDA-graph rows (default; prompts prefilled in 16-token chunks, so most continue at
+    a position > 0) and on the eager forward, each against offline generate on the same path."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")  # deselected in CI by -m "not gpu"
     from bitnetlm.generate import SamplingParams, generate
@@ -39,9 +42,9 @@ def test_engine_on_cuda_matches_offline_generate():
         )
         for i in range(32)
     ]
-    # the server runs the eager forward: compare it with offline generate on that same path
-    refs = [generate(model, tok, p, sp, enforce_eager=True).tokens for p, sp in zip(prompts, params)]
-    eng = Engine(model, tok, EngineConfig(max_batch=16))
+    refs = [generate(model, tok, p, sp, enforce_eager=eager).tokens for p, sp in zip(prompts, params)]
+    eng = Engine(model, tok, EngineConfig(max_batch=16, prefill_chunk=16, enforce_eager=eager))
+    assert (eng.graph is None) == eager
     out = {i: [] for i in range(32)}
     done = threading.Semaphore(0)
     for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -64,3 +67,31 @@ def test_engine_on_cuda_matches_offline_generate():
         )
     assert all(len(out[i]) == len(refs[i]) for i in range(32))
     assert len(bad) <= 3, f"{len(bad)} of 32 requests differ from offline generate"
+
+
+def test_graph_rows_share_a_prompt_between_choices():
+    """n = 2 greedy choices of one request on the CUDA-graph rows: the second row gets the first's prefilled
+    keys and values by copy, and both decode the tokens of offline generate."""
+    from bitnetlm.generate import SamplingParams, generate
+    from bitnetlm.serve.engine import Chunk, Engine, EngineConfig, Finished, GenerationRequest
+    from bitnetlm.serve.testing import tiny_model_and_tokenizer
+
+    model, tok = tiny_model_and_tokenizer(max_len=256, layers=2, hidden=64)
+    model = model.to("cuda")
+    prompt = "It is a truth universally acknowledged, that a single man"
+    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    ref = generate(model, tok, prompt, sp).tokens
+    eng = Engine(model, tok, EngineConfig(max_batch=4, prefill_chunk=8))
+    assert eng.graph is not None
+    out, done = {0: [], 1: []}, threading.Event()
+
+    def sink(e):
+        if isinstance(e, Chunk):
+            out[e.index] += e.token_ids
+        elif isinstance(e, Finished):
+            done.set()
+
+    eng.submit(GenerationRequest(tok.encode(prompt), sp, n=2), sink)
+    assert done.wait(timeout=300)
+    eng.shutdown()
+    assert out[0] == ref and out[1] == ref

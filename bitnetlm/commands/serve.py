@@ -9,6 +9,18 @@ from __future__ import annotations
 import argparse
 import os
 
+
+def _bool(raw: str) -> bool:
+    v = str(raw).strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false), found {raw!r}")
+
+
+_bool.__name__ = "bool"
+
 # (flags, dest, type, default, help); the env var is BITNET_<DEST upper-cased>
 FLAGS = [
     (("-m", "--model"), "model", str, None, "model directory, .gguf file or zoo name"),
@@ -58,6 +70,13 @@ FLAGS = [
         None,
         "CPU: embedding/LM head storage, bf16 or int8 (default: as loaded)",
     ),
+    (
+        ("--enforce-eager",),
+        "enforce_eager",
+        _bool,
+        False,
+        "CUDA: decode with the model's eager forward instead of the CUDA-graph engine",
+    ),
     (("--log-level",), "log_level", str, "info", "uvicorn log level: debug, info, warning, error"),
 ]
 
@@ -81,12 +100,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         shown = {"model": "the zoo's default model", "model_name": "the model's directory name"}.get(
             dest, "off" if default is None else default
         )
+        flag = dict(nargs="?", const=True) if typ is _bool else {}  # `--enforce-eager` alone means true
         p.add_argument(
             *flags,
             dest=dest,
             type=typ,
             default=argparse.SUPPRESS,
             help=f"{text} (env {env_name(dest)}; default: {shown})".replace("%", "%%"),
+            **flag,
         )
 
 

@@ -97,7 +97,9 @@ def _warm_up_torch(dev: torch.device, dtype: torch.dtype | None, config) -> None
     F.linear(x[:1], torch.zeros(256, h, dtype=dtype, device=dev))  # cuBLAS handle and its first GEMM
     q = torch.zeros(1, nh, 16, hd, dtype=dtype, device=dev)
     kv = torch.zeros(1, nkv, 16, hd, dtype=dtype, device=dev)
-    F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=nh != nkv)
+    from bitnetlm.engine_cuda import prefill_attention
+
+    prefill_attention(q, kv, kv, gqa=nh != nkv)
     logits = torch.zeros(1, c.vocab_size, dtype=torch.float32, device=dev)
     vals, idx = logits.view(1, 64, -1).max(dim=-1)
     idx.gather(1, vals.argmax(dim=-1, keepdim=True))

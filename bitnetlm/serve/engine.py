@@ -40,6 +40,9 @@ class EngineConfig:
         None  # prompt + completion tokens; default: the model's max_position_embeddings
     )
     prefill_chunk: int = 512  # prompt tokens prefilled per engine step (bounds decode stalls)
+    enforce_eager: bool = (
+        False  # CUDA: the model's eager forward instead of the CUDA-graph engine (graph_rows.py)
+    )
     retry_after_s: int = 1  # Retry-After sent with 429
 
 
@@ -132,7 +135,12 @@ class Engine:
         if cfg.max_batch < 1:
             raise ValueError(f"EngineConfig.max_batch must be >= 1, found {cfg.max_batch}")
         self.device = next(model.parameters()).device
-        self.cache = model.new_cache(cfg.max_batch, self.max_model_len)
+        self.graph = None  # graph_rows.GraphRows: the CUDA-graph engine's rows (CUDA, unless enforce_eager)
+        if self.device.type == "cuda" and not cfg.enforce_eager:
+            from bitnetlm.serve.graph_rows import GraphRows
+
+            self.graph = GraphRows.create(model, cfg.max_batch, self.max_model_len)
+        self.cache = None if self.graph else model.new_cache(cfg.max_batch, self.max_model_len)
         self.vocab_size = mcfg.vocab_size
         eos = set(mcfg.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", []) or [])
         self.eos_ids = {i for i in eos if i is not None}
@@ -267,7 +275,7 @@ class Engine:
 
     def _release(self, s: _Seq) -> None:
         if s.row is not None:
-            self.cache.reset([s.row])
+            self._reset_row(s.row)
             del self._rows[s.row]
             with self._lock:
                 self._free_rows.append(s.row)
@@ -322,7 +330,7 @@ class Engine:
             for s in g.seqs:
                 s.done = True
                 if s.row is not None:
-                    self.cache.reset([s.row])
+                    self._reset_row(s.row)
                     del self._rows[s.row]
                     self._free_rows.append(s.row)
                     s.row = None
@@ -335,7 +343,7 @@ class Engine:
         while self._waiting and self._free_rows:
             s = self._waiting.popleft()
             s.row = self._free_rows.pop(0)
-            self.cache.reset([s.row])
+            self._reset_row(s.row)
             self._rows[s.row] = s
             out.append(s)
         return out
@@ -351,6 +359,10 @@ class Engine:
                 self._lock.notify_all()
             g.cancelled = True
             self._emit(g, Failed(message))
+
+    def _reset_row(self, row: int) -> None:
+        if self.cache is not None:  # the graph engine attends to slots 0..pos only: nothing to invalidate
+            self.cache.reset([row])
 
     def _view(self, lo: int, hi: int):
         """A KVCache over rows [lo, hi): slices share storage, so writes land in the engine's cache."""
@@ -384,22 +396,27 @@ class Engine:
                 [t.n_prompt for t in batch] + [s.n_prompt]
             ) <= self.config.prefill_chunk:
                 batch.append(s)
-        if len(batch) > 1:
+        if len(batch) > 1 and self.graph is None:
             for s, lg in zip(batch, self._prefill_batch(batch), strict=True):
                 ready.append((s, lg))
                 ready += [(t, lg) for t in self._share_prompt(s)]
-        in_batch = {id(s) for s in batch} if len(batch) > 1 else set()
+        in_batch = {id(s) for s in batch} if len(batch) > 1 and self.graph is None else set()
         for s, c in plan:
             if id(s) in in_batch:
                 continue
-            ids = torch.tensor([s.tokens[s.n_cached : s.n_cached + c]], device=self.device)  # [1, c]
-            pos = torch.arange(s.n_cached, s.n_cached + c, device=self.device)[None]  # [1, c]
-            logits = self.model(ids, positions=pos, cache=self._view(s.row, s.row + 1), last_only=True)
+            chunk = s.tokens[s.n_cached : s.n_cached + c]
+            if self.graph is not None:
+                last = self.graph.prefill(s.row, chunk, s.n_cached)  # [V]
+            else:
+                ids = torch.tensor([chunk], device=self.device)  # [1, c]
+                pos = torch.arange(s.n_cached, s.n_cached + c, device=self.device)[None]  # [1, c]
+                logits = self.model(ids, positions=pos, cache=self._view(s.row, s.row + 1), last_only=True)
+                last = logits[0, -1]
             s.n_cached += c
             self.metrics.inc("prompt_tokens_total", c)
             if s.n_cached == s.n_prompt:
-                ready.append((s, logits[0, -1]))
-                ready += [(t, logits[0, -1]) for t in self._share_prompt(s)]
+                ready.append((s, last))
+                ready += [(t, last) for t in self._share_prompt(s)]
         if ready:
             self._sample_and_emit(ready)
         # decode: every row with exactly one pending (uncached) token
@@ -407,6 +424,12 @@ class Engine:
         if not dec:
             return
         hi = max(s.row for s in dec) + 1
+        if self.graph is not None:
+            logits = self.graph.decode(self._rows, dec, hi)  # [hi, V]
+            for s in dec:
+                s.n_cached += 1
+            self._sample_and_emit([(s, logits[s.row]) for s in dec])
+            return
         ids = torch.zeros(hi, 1, dtype=torch.long)
         pos = torch.zeros(hi, 1, dtype=torch.long)
         mask = torch.zeros(hi, 1, dtype=torch.bool)
@@ -486,6 +509,10 @@ class Engine:
         ]
         n = s.n_prompt
         for t in sibs:
+            if self.graph is not None:
+                self.graph.copy_prompt(s.row, t.row, n)
+                t.n_cached = n
+                continue
             for k in self.cache.k + self.cache.v:
                 k[t.row, :, :n] = k[s.row, :, :n]
             self.cache.valid[t.row, :n] = self.cache.valid[s.row, :n]

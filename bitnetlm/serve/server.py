@@ -17,6 +17,7 @@ def _config(
     max_queue: int = 64,
     max_model_len: int | None = None,
     prefill_chunk: int = 512,
+    enforce_eager: bool = False,
     cors_origins: list[str] | None = None,
     max_body_bytes: int = 1 << 20,
     graceful_timeout_s: float = 30.0,
@@ -32,7 +33,11 @@ def _config(
         graceful_timeout_s=graceful_timeout_s,
         log_level=log_level,
         engine=EngineConfig(
-            max_batch=max_batch, max_queue=max_queue, max_model_len=max_model_len, prefill_chunk=prefill_chunk
+            max_batch=max_batch,
+            max_queue=max_queue,
+            max_model_len=max_model_len,
+            prefill_chunk=prefill_chunk,
+            enforce_eager=enforce_eager,
         ),
     )
 
@@ -61,8 +66,8 @@ def serve(
 ) -> None:
     """Serve `model` (a path or zoo name; None = the zoo default) until SIGINT/SIGTERM, then drain and return.
 
-    Keywords: host, port, api_key, max_batch, max_queue, max_model_len, prefill_chunk, cors_origins,
-    max_body_bytes, graceful_timeout_s, log_level (see `bitnet serve --help`). The port opens at once;
+    Keywords: host, port, api_key, max_batch, max_queue, max_model_len, prefill_chunk, enforce_eager,
+    cors_origins, max_body_bytes, graceful_timeout_s, log_level (see `bitnet serve --help`). The port opens at once;
     /health answers 503 until the model has loaded.
     """
     name = model_name or (os.path.basename(os.path.normpath(os.fspath(model))) if model else "bitnet")

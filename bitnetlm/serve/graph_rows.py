@@ -1,0 +1,74 @@
+"""The serving engine's KV-cache rows on CUDA: the CUDA-graph engine (`bitnetlm.engine_cuda.CudaEngine`) in place
+of the model's eager forward and cache.
+
+The serving engine (engine.py) keeps its scheduling: rows, chunked prefill, prompt sharing between the choices
+of one request, and one decode forward over rows [0, hi). Only the three tensor operations change:
+- prefill: a chunk of one row's prompt, at the position where its cached part ends (`CudaEngine.forward` with
+  row0 / start);
+- copy_prompt: a prefilled prompt's keys and values into a sibling's row;
+- decode: one replay of a captured step over the smallest captured batch that covers rows [0, hi).
+
+Every batch size is captured when the server starts, before any row holds a sequence: a capture's eager
+warm-up runs write KV slots 0-2 of each row. Rows that are free or still prefilling decode a padding token at
+their next free slot, which their own prefill or next token overwrites, as in the eager engine.
+
+The engine is the server's own (not the one `generate` caches on the model), so a `generate` call in another
+thread never shares its KV cache.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger("bitnetlm.serve")
+
+
+class GraphRows:
+    def __init__(self, eng, max_batch: int):
+        self.eng = eng
+        self.device = eng.device
+        self.sizes = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
+        for b in self.sizes:  # capture now, while no row is in use
+            eng.logits_state(b)
+
+    @classmethod
+    def create(cls, model, max_batch: int, max_len: int) -> GraphRows | None:
+        """The rows over a new engine for `model`, or None when the engine cannot run it (eager serving)."""
+        from bitnetlm.generate.graph import _build
+
+        try:
+            import triton  # noqa: F401  (the engine's kernels)
+
+            eng = _build(model, max_batch, max_len, next(model.parameters()).device)
+        except (ImportError, TypeError, ValueError) as e:
+            log.info("serving with the eager forward: the CUDA-graph engine cannot run this model (%s)", e)
+            return None
+        return cls(eng, max_batch)
+
+    def prefill(self, row: int, ids: list[int], start: int) -> torch.Tensor:
+        """Prompt tokens `ids` at positions start.. into `row` -> float32 logits [V] after the last one."""
+        tok = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, T]
+        pos = torch.full((1,), start, dtype=torch.int32, device=self.device)
+        return self.eng.forward(tok, pos, row0=row, start=start)[0]
+
+    def copy_prompt(self, src: int, dst: int, n: int) -> None:
+        for c in self.eng.k_cache + self.eng.v_cache:
+            c[dst, :, :n] = c[src, :, :n]
+
+    def decode(self, rows: dict, dec: list, hi: int) -> torch.Tensor:
+        """One step of rows [0, hi): each sequence of `dec` feeds its last token at its next slot; the other
+        rows (free, prefilling) feed token 0 at their next free slot -> logits [hi, V]."""
+        size = next(s for s in self.sizes if s >= hi)
+        st = self.eng.logits_state(size)
+        toks, at = [0] * size, [0] * size
+        for r, s in rows.items():
+            if r < size:
+                at[r] = min(s.n_cached, self.eng.ecfg.max_seq_len - 1)
+        for s in dec:
+            toks[s.row] = s.tokens[-1]
+        st.tok.copy_(torch.tensor(toks, dtype=torch.long).pin_memory()[:, None], non_blocking=True)
+        st.pos.copy_(torch.tensor(at, dtype=torch.int32).pin_memory(), non_blocking=True)
+        st.graph.replay()
+        return st.logits[:hi]
