@@ -27,14 +27,20 @@ import torch.nn.functional as F
 
 from bitnetlm.models.config import ModelConfig
 
+PREFILL_ALIGN = 128  # prefill attention runs on lengths padded to a multiple of this (see prefill_attention)
+
 
 def prefill_attention(q, k, v, mask=None, gqa: bool = False) -> torch.Tensor:
-    """SDPA for prefill (causal, or `mask`) on flash / memory-efficient / math attention, never cuDNN's: its
-    backend builds a plan for every new sequence length, 50-65 ms each on an H100 (a serving stall)."""
+    """SDPA for prefill. Causal from position 0 (mask None): PyTorch's choice of backend, cuDNN's on an H100,
+    the fastest here but it builds a plan for every new sequence length (50-65 ms each), which is why the
+    engine pads prefill lengths to a multiple of PREFILL_ALIGN. With a mask (a chunk continuing a cached
+    prompt): memory-efficient or math attention, never cuDNN, so no per-length plan either."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 FUSED_MAX_B = 2  # decode steps of up to this many rows fuse RoPE + KV write into the q|k|v GEMV (decode.py)
@@ -356,6 +362,8 @@ class CudaEngine:
                 self._bufs[b] = QuantBuf(b, self.cfg.hidden_size, self.device)
             xq = self._bufs[b]
         mask = None  # prefill from 0: plain causal; from start: query i (position start + i) sees keys 0..start + i
+        tp = -(-t // PREFILL_ALIGN) * PREFILL_ALIGN  # padded length (cache slots t..tp-1 hold finite K/V)
+        tp = tp if tp <= self.ecfg.max_seq_len else t
         if t > 1 and start:
             keys = torch.arange(start + t, device=h.device)
             mask = keys[None, :] <= (start + torch.arange(t, device=h.device))[:, None]  # [T, start+T]
@@ -372,10 +380,17 @@ class CudaEngine:
                 o = torch.empty((b, nh, hd), device=h.device, dtype=h.dtype)
                 attn_decode(q.view(b, nh, hd), kc, vc, pos, o, scale)
                 o = o.view(b, nh * hd)
+            elif mask is None:  # from position 0: queries and keys padded to tp (see PREFILL_ALIGN)
+                qp = q
+                if tp != t:  # real query i sees keys 0..i only: the pad rows never reach the real ones
+                    qp = q.new_zeros((b, tp, nh, hd))
+                    qp[:, :t] = q
+                o = prefill_attention(qp.transpose(1, 2), kc[:, :, :tp], vc[:, :, :tp], gqa=nh != nkv)
+                o = o.transpose(1, 2)[:, :t].reshape(b * t, nh * hd)  # [B*T, H*D]; no copy when tp == t
             else:
                 o = prefill_attention(
                     q.transpose(1, 2), kc[:, :, : start + t], vc[:, :, : start + t], mask, nh != nkv
-                )  # [B, H, T, D], in q's memory order [B, T, H, D] where the backend keeps it (no copy below)
+                )  # [B, H, T, D]
                 o = o.transpose(1, 2).reshape(b * t, nh * hd)
             h = self._lin(o, L.o, L.o_scale, h.shape[-1], norm=L.attn_sub_norm, residual=h)
             g = self._lin(

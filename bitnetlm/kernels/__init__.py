@@ -95,8 +95,8 @@ def _warm_up_torch(dev: torch.device, dtype: torch.dtype | None, config) -> None
         torch.zeros(16, dtype=torch.long, device=dev), torch.zeros(64, h, dtype=dtype, device=dev)
     )
     F.linear(x[:1], torch.zeros(256, h, dtype=dtype, device=dev))  # cuBLAS handle and its first GEMM
-    q = torch.zeros(1, nh, 16, hd, dtype=dtype, device=dev)
-    kv = torch.zeros(1, nkv, 16, hd, dtype=dtype, device=dev)
+    q = torch.zeros(1, nh, 128, hd, dtype=dtype, device=dev)  # the engine's first prefill length bucket
+    kv = torch.zeros(1, nkv, 128, hd, dtype=dtype, device=dev)
     from bitnetlm.engine_cuda import prefill_attention
 
     prefill_attention(q, kv, kv, gqa=nh != nkv)
