@@ -7,8 +7,8 @@ eager forward with a Python call per layer.
 - The engine is built once from the model's weights and cached on the model. It is rebuilt when a parameter or
   buffer of the model has changed since (an optimizer step, `load_state_dict`), or when a call needs more rows
   or positions than it holds.
-- Each prompt is prefilled into its own KV-cache row (one forward for equal-length prompts), so no padding is
-  needed; the captured step then decodes all rows at their own positions.
+- Each prompt is prefilled into its own KV-cache row by a captured prefill (`CudaEngine.prefill`), so rows
+  need no left padding; the captured step then decodes all rows at their own positions.
 - Sampling is `sampling.sample`, the code and per-row generators of the eager loop, so every SamplingParams
   feature behaves the same.
 - Pipelining: a step's tokens are copied to pinned host memory and fed to the next graph replay before the host
@@ -112,16 +112,7 @@ def run_graph(eng, rows, t0: float) -> Iterator:
     b = len(rows)
     st = eng.logits_state(b)  # captured before the prefill: its warm-up writes KV slots 0-2 of every row
     lens = [len(r.ids) for r in rows]
-    zero = torch.zeros((b,), dtype=torch.int32, device=dev)
-    if len(set(lens)) == 1:
-        logits = eng.forward(torch.tensor([r.ids for r in rows], dtype=torch.long, device=dev), zero)
-    else:  # each prompt into its own cache row, from position 0
-        logits = torch.cat(
-            [
-                eng.forward(torch.tensor([r.ids], dtype=torch.long, device=dev), zero[:1], row0=i)
-                for i, r in enumerate(rows)
-            ]
-        )  # [B, V]
+    logits = torch.stack([eng.prefill(r.ids, i) for i, r in enumerate(rows)])  # [B, V], a graph replay each
     st.pos.copy_(torch.tensor(lens, dtype=torch.int32))
     torch.cuda.synchronize(dev)
     prompt_tps = sum(lens) / max(time.perf_counter() - t0, 1e-9)

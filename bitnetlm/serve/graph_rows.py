@@ -3,8 +3,8 @@ of the model's eager forward and cache.
 
 The serving engine (engine.py) keeps its scheduling: rows, chunked prefill, prompt sharing between the choices
 of one request, and one decode forward over rows [0, hi). Only the three tensor operations change:
-- prefill: a chunk of one row's prompt, at the position where its cached part ends (`CudaEngine.forward` with
-  row0 / start);
+- prefill: a chunk of one row's prompt, at the position where its cached part ends: the first chunk through
+  a captured prefill (`CudaEngine.prefill`), later ones through `CudaEngine.forward` with row0 / start;
 - copy_prompt: a prefilled prompt's keys and values into a sibling's row;
 - decode: one replay of a captured step over the smallest captured batch that covers rows [0, hi).
 
@@ -49,6 +49,8 @@ class GraphRows:
 
     def prefill(self, row: int, ids: list[int], start: int) -> torch.Tensor:
         """Prompt tokens `ids` at positions start.. into `row` -> float32 logits [V] after the last one."""
+        if start == 0:  # a captured prefill (one graph per padded length)
+            return self.eng.prefill(ids, row)
         tok = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, T]
         pos = torch.full((1,), start, dtype=torch.int32, device=self.device)
         return self.eng.forward(tok, pos, row0=row, start=start)[0]
