@@ -386,6 +386,8 @@ class Engine:
             if todo <= 0 or (s.n_cached == 0 and self._sibling_prefilling(s, plan)):
                 continue  # done, or a sibling's prefill will be copied into this row
             c = min(todo, budget)
+            if self.graph is not None and c < todo and plan:
+                break  # graph rows split only the step's first prompt, at chunk boundaries (GraphRows.prefill)
             budget -= c
             plan.append((s, c))
         # fresh prompts that fit whole go through one batched forward (left-padded, like batch_generate)

@@ -9,7 +9,10 @@ of one request, and one decode forward over rows [0, hi). Only the three tensor 
 - decode: one replay of a captured step over the smallest captured batch that covers rows [0, hi).
 
 Every batch size is captured when the server starts, before any row holds a sequence: a capture's eager
-warm-up runs write KV slots 0-2 of each row. Rows that are free or still prefilling decode a padding token at
+warm-up runs write KV slots 0-2 of each row. So is the prefill of the shortest prompts: a GEMM shape the tuner
+meets for the first time on a GPU costs seconds of timing, better spent before /health says ready. For the same
+reason the scheduler (engine.py) splits only the first prompt of a step, at `prefill_chunk` boundaries: chunks
+that continue a prompt (the eager `forward` with a start) then come in few shapes. Rows that are free or still prefilling decode a padding token at
 their next free slot, which their own prefill or next token overwrites, as in the eager engine.
 
 The engine is the server's own (not the one `generate` caches on the model), so a `generate` call in another
@@ -22,6 +25,8 @@ import logging
 
 import torch
 
+from bitnetlm.engine_cuda import PREFILL_ALIGN
+
 log = logging.getLogger("bitnetlm.serve")
 
 
@@ -32,6 +37,7 @@ class GraphRows:
         self.sizes = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
         for b in self.sizes:  # capture now, while no row is in use
             eng.logits_state(b)
+        eng.prefill_state(PREFILL_ALIGN)  # and the shortest prompts' prefill (tuning its GEMMs on a new GPU)
 
     @classmethod
     def create(cls, model, max_batch: int, max_len: int) -> GraphRows | None:
