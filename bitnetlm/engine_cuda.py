@@ -445,9 +445,12 @@ class CudaEngine:
         if t > self.ecfg.max_seq_len:
             raise ValueError(f"CudaEngine: {t} positions exceed max_seq_len {self.ecfg.max_seq_len}")
 
-    def decode_state(self, batch: int, temperature: float = 0.0, top_k: int = 0) -> _DecodeState:
-        """The captured decode step for this batch size and sampler (captured on first use)."""
-        key = (batch, float(temperature), int(top_k))
+    def decode_state(
+        self, batch: int, temperature: float = 0.0, top_k: int = 0, sample: bool = True
+    ) -> _DecodeState:
+        """The captured decode step for this batch size and sampler (captured on first use); sample=False:
+        see logits_state."""
+        key = (batch, float(temperature), int(top_k), sample)
         if key in self._graphs:
             return self._graphs[key]
         self._check_batch(batch, 1)
@@ -459,11 +462,12 @@ class CudaEngine:
 
         def body():
             logits = self.forward(tok, pos)
-            nxt = self.sample(logits, temperature, top_k)  # [B]
-            out.index_copy_(1, step, nxt[:, None])
-            tok.copy_(nxt[:, None])
+            if sample:
+                nxt = self.sample(logits, temperature, top_k)  # [B]
+                out.index_copy_(1, step, nxt[:, None])
+                tok.copy_(nxt[:, None])
+                step.add_(1)
             pos.add_(1)
-            step.add_(1)
             return logits
 
         graph, logits = capture(body, before_capture=pos.zero_)
@@ -524,23 +528,7 @@ class CudaEngine:
         """A captured step without sampling: logits [B, V] of tok [B, 1] at pos [B], then pos += 1. The caller
         samples (any sampler, on the host's schedule) and writes the next tokens into `tok`. Capture it before
         prefilling: its eager warm-up runs write KV-cache slots 0-2, which the prefill then overwrites."""
-        key = ("logits", batch)
-        if key in self._graphs:
-            return self._graphs[key]
-        self._check_batch(batch, 1)
-        dev = self.device
-        tok = torch.zeros((batch, 1), dtype=torch.long, device=dev)
-        pos = torch.zeros((batch,), dtype=torch.int32, device=dev)
-
-        def body():
-            logits = self.forward(tok, pos)
-            pos.add_(1)
-            return logits
-
-        graph, logits = capture(body, before_capture=pos.zero_)
-        st = _DecodeState(graph, tok, pos, torch.zeros((1,), dtype=torch.long, device=dev), tok, logits)
-        self._graphs[key] = st
-        return st
+        return self.decode_state(batch, sample=False)
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0):
