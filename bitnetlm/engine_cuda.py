@@ -32,7 +32,7 @@ PREFILL_ALIGN = 128  # prefill attention runs on lengths padded to a multiple of
 
 def prefill_attention(q, k, v, mask=None, gqa: bool = False) -> torch.Tensor:
     """SDPA for prefill. Causal from position 0 (mask None): PyTorch's choice of backend, cuDNN's on an H100,
-    the fastest here but it builds a plan for every new sequence length (50-65 ms each), which is why the
+    the fastest here but it builds a plan for every new sequence length (tens of ms each), which is why the
     engine pads prefill lengths to a multiple of PREFILL_ALIGN. With a mask (a chunk continuing a cached
     prompt): memory-efficient or math attention, never cuDNN, so no per-length plan either."""
     if mask is None:
@@ -480,7 +480,7 @@ class CudaEngine:
 
         Through a captured graph of the prompt padded to a multiple of PREFILL_ALIGN (the pad tokens' keys and
         values land past the prompt, where the decode steps overwrite them before any query reaches them):
-        one replay instead of some 300 launches from Python, 15-30 ms of host time for a 2B4T model."""
+        one replay instead of some 300 launches from Python for a 2B4T model."""
         t = len(ids)
         tp = -(-t // PREFILL_ALIGN) * PREFILL_ALIGN
         if tp > self.ecfg.max_seq_len:

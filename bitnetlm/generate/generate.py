@@ -243,6 +243,9 @@ def _engine(
     rows_todo = [r for r in rows if r.max_new > 0]
     if not rows_todo:
         return
+    for r in rows:
+        if r.max_new <= 0:
+            r.finish_reason = "length"
     if device.type == "cuda" and not enforce_eager:
         from bitnetlm.generate.graph import graph_engine, run_graph
 
@@ -282,9 +285,6 @@ def _engine(
         t_prefill = time.perf_counter()
         prompt_tps = n_prompt / max(t_prefill - t0, 1e-9)
         step = 0
-        for r in rows:
-            if r.max_new <= 0:
-                r.finish_reason = "length"
         while True:
             active = [r for r in rows if r.finish_reason is None]
             idx = torch.tensor([r.index for r in active], device=device)

@@ -40,9 +40,7 @@ class EngineConfig:
         None  # prompt + completion tokens; default: the model's max_position_embeddings
     )
     prefill_chunk: int = 512  # prompt tokens prefilled per engine step (bounds decode stalls)
-    enforce_eager: bool = (
-        False  # CUDA: the model's eager forward instead of the CUDA-graph engine (graph_rows.py)
-    )
+    enforce_eager: bool = False  # CUDA: the model's eager forward, not the graph engine (graph_rows.py)
     retry_after_s: int = 1  # Retry-After sent with 429
 
 
@@ -391,18 +389,19 @@ class Engine:
             budget -= c
             plan.append((s, c))
         # fresh prompts that fit whole go through one batched forward (left-padded, like batch_generate)
-        whole = [s for s, c in plan if s.n_cached == 0 and c == s.n_prompt]
+        # (graph rows prefill each prompt in one replay of its own)
+        whole = [s for s, c in plan if s.n_cached == 0 and c == s.n_prompt] if self.graph is None else []
         batch: list[_Seq] = []
         for s in whole:
             if (len(batch) + 1) * max(
                 [t.n_prompt for t in batch] + [s.n_prompt]
             ) <= self.config.prefill_chunk:
                 batch.append(s)
-        if len(batch) > 1 and self.graph is None:
+        if len(batch) > 1:
             for s, lg in zip(batch, self._prefill_batch(batch), strict=True):
                 ready.append((s, lg))
                 ready += [(t, lg) for t in self._share_prompt(s)]
-        in_batch = {id(s) for s in batch} if len(batch) > 1 and self.graph is None else set()
+        in_batch = {id(s) for s in batch} if len(batch) > 1 else set()
         for s, c in plan:
             if id(s) in in_batch:
                 continue

@@ -12,8 +12,10 @@ Every batch size is captured when the server starts, before any row holds a sequ
 warm-up runs write KV slots 0-2 of each row. So is the prefill of the shortest prompts: a GEMM shape the tuner
 meets for the first time on a GPU costs seconds of timing, better spent before /health says ready. For the same
 reason the scheduler (engine.py) splits only the first prompt of a step, at `prefill_chunk` boundaries: chunks
-that continue a prompt (the eager `forward` with a start) then come in few shapes. Rows that are free or still prefilling decode a padding token at
-their next free slot, which their own prefill or next token overwrites, as in the eager engine.
+that continue a prompt (the eager `forward` with a start) then come in few shapes.
+
+Rows that are free or still prefilling decode a padding token at their next free slot, which their own prefill
+or next token overwrites, as in the eager engine.
 
 The engine is the server's own (not the one `generate` caches on the model), so a `generate` call in another
 thread never shares its KV cache.
@@ -21,13 +23,9 @@ thread never shares its KV cache.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from bitnetlm.engine_cuda import PREFILL_ALIGN
-
-log = logging.getLogger("bitnetlm.serve")
 
 
 class GraphRows:
@@ -42,16 +40,10 @@ class GraphRows:
     @classmethod
     def create(cls, model, max_batch: int, max_len: int) -> GraphRows | None:
         """The rows over a new engine for `model`, or None when the engine cannot run it (eager serving)."""
-        from bitnetlm.generate.graph import _build
+        from bitnetlm.generate.graph import build_engine
 
-        try:
-            import triton  # noqa: F401  (the engine's kernels)
-
-            eng = _build(model, max_batch, max_len, next(model.parameters()).device)
-        except (ImportError, TypeError, ValueError) as e:
-            log.info("serving with the eager forward: the CUDA-graph engine cannot run this model (%s)", e)
-            return None
-        return cls(eng, max_batch)
+        eng = build_engine(model, max_batch, max_len, next(model.parameters()).device)
+        return None if eng is None else cls(eng, max_batch)
 
     def prefill(self, row: int, ids: list[int], start: int) -> torch.Tensor:
         """Prompt tokens `ids` at positions start.. into `row` -> float32 logits [V] after the last one."""
