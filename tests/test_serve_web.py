@@ -53,16 +53,20 @@ def test_web_chat_streams_a_reply(tmp_path):
             )
             page.fill("#temperature", "0")
             page.fill("#max_tokens", "24")
-            # count how often the reply bubble changes while it streams
+            # count how often the reply bubble changes while it streams, and record the bubble's states:
+            # "streaming" can last less than playwright's polling interval, so waiting for it could miss it
             page.evaluate(
-                """() => { window.__updates = 0; new MutationObserver(() => window.__updates++)
+                """() => { window.__updates = 0; window.__states = [];
+                   new MutationObserver((ms) => {
+                       for (const m of ms) if (m.type === 'attributes') window.__states.push(m.target.dataset.state);
+                       if (ms.some((m) => m.type !== 'attributes')) window.__updates++; })
                    .observe(document.getElementById('messages'), {subtree: true, childList: true,
-                                                                  characterData: true}); }"""
+                            characterData: true, attributes: true, attributeFilter: ['data-state']}); }"""
             )
             page.fill("#input", msg)
             page.click("#send")
-            page.wait_for_selector(".msg.assistant[data-state=streaming]", timeout=30_000)
             page.wait_for_selector(".msg.assistant[data-state=done]", timeout=60_000)
+            assert page.evaluate("window.__states") == ["streaming", "done"]
             reply = page.eval_on_selector(
                 ".msg.assistant", "e => e.firstChild ? e.firstChild.textContent : ''"
             )
