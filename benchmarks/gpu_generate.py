@@ -49,6 +49,21 @@ def run(model, tok, prompts, n_new, sampler, eager) -> tuple[float, float, float
     return res[0].generation_tps, sum(r.generation_tokens for r in res) / dt, res[0].ttft_s * 1e3
 
 
+def weight_gb(model) -> float:
+    """GB of GPU memory holding weights: the model's parameters and buffers and its CUDA-graph engine's weights
+    (generate/graph.py caches the engine on the model), each storage counted once."""
+    from bitnetlm.generate.graph import _ATTR
+
+    ts = list(model.parameters()) + list(model.buffers())
+    eng = model.__dict__.get(_ATTR, (None,))[0]
+    if eng is not None:
+        ts += [t for L in eng.layers for t in vars(L).values() if isinstance(t, torch.Tensor)]
+        extra = ("embed", "head", "embed_q", "embed_s", "head_q", "head_s", "final_norm")
+        ts += [t for t in (getattr(eng, n, None) for n in extra) if isinstance(t, torch.Tensor)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts if t.is_cuda}
+    return sum(storages.values()) / 1e9
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=os.path.join(ROOT, ".assets", "bench-2b4t"))
@@ -72,10 +87,13 @@ def main() -> int:
     single = [ids(a.prompt)]
     batch = [ids(a.prompt - 8 * i) for i in range(a.batch)]  # different lengths
     rows = []
+    mem = {"after load": weight_gb(model)}
     for eager in (False, True):
         n_new = a.eager_tokens if eager else a.tokens
         run(model, tok, single, 4, "greedy", eager)  # warm-up: compilation, tuning, graph capture
         run(model, tok, batch, 4, "greedy", eager)
+        if not eager:
+            mem["after the first CUDA-graph generate (model + engine)"] = weight_gb(model)
         for sampler in SAMPLERS:
             for name, prompts in (("1 prompt", single), (f"{a.batch} prompts", batch)):
                 tps, total, ttft = run(model, tok, prompts, n_new, sampler, eager)
@@ -92,6 +110,9 @@ def main() -> int:
     print("|---|---|---|---:|---:|---:|---:|")
     for path, name, sampler, n, ttft, tps, total in rows:
         print(f"| {path} | {name} | {sampler} | {n} | {ttft:.1f} | {tps:,.1f} | {total:,.1f} |")
+    print("\n| GPU memory holding weights | GB |\n|---|---:|")
+    for what, gb in mem.items():
+        print(f"| {what} | {gb:.3f} |")
     return 0
 
 

@@ -148,8 +148,14 @@ class CudaEngine:
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
-    def from_model(cls, model, ecfg: EngineConfig | None = None, device="cuda") -> CudaEngine:
-        """Engine over a bitnetlm CausalLM (ternary BitLinear projections, or nn.Linear for weights="dense")."""
+    def from_model(
+        cls, model, ecfg: EngineConfig | None = None, device="cuda", share: bool = False
+    ) -> CudaEngine:
+        """Engine over a bitnetlm CausalLM (ternary BitLinear projections, or nn.Linear for weights="dense").
+
+        share: where the projections already hold the kernels' layout on `device`, the model's BitLinears are
+        pointed at row slices of the engine's fused q|k|v and gate|up tensors (o and down are used as they
+        are), so the model and the engine hold one copy of the packed weights, not two (0.52 GB for 2B4T)."""
         from bitnetlm.kernels.triton.layout import pack_triton
         from bitnetlm.quant.bitlinear import BitLinear
         from bitnetlm.quant.packing import PackingFormat
@@ -169,7 +175,15 @@ class CudaEngine:
                     raise ValueError("CudaEngine: biased BitLinear layers are not supported")
                 ss.append(m.scale().float().reshape(1).expand(m.out_features))
             if all(not m.training_mode and m.layout == PackingFormat.TRITON_2BIT for m in mods):
-                packed = torch.cat([m.packed for m in mods]).to(dev)  # rows already in the kernels' layout
+                if share and all(m.packed.device == dev for m in mods):
+                    packed = mods[0].packed if len(mods) == 1 else torch.cat([m.packed for m in mods])
+                    r = 0
+                    for m in mods:  # rows r..r+n-1 of the fused tensor: contiguous views, no copy
+                        n = m.packed.shape[0]
+                        m.packed = packed[r : r + n]
+                        r += n
+                else:  # rows already in the kernels' layout
+                    packed = torch.cat([m.packed for m in mods]).to(dev)
             else:
                 packed = pack_triton(torch.cat([m.ternary_weight() for m in mods]).to(dev))
             return packed, torch.cat(ss).to(dev).contiguous()

@@ -53,7 +53,14 @@ def test_graph_generate_equals_cpu_reference(oracle_dirs, variant):
     assert _graph_engine_of(model) is not None, "generate on CUDA did not take the CUDA-graph path"
     assert one == ref
     assert [r.tokens for r in batch_generate(model, tok, prompts, sp)] == ref
-    assert _graph_engine_of(model).ecfg.max_batch == 3
+    eng = _graph_engine_of(model)
+    assert eng.ecfg.max_batch == 3
+    if eng.ecfg.weights == "ternary":  # one copy of the packed weights: the projections read engine rows
+        for blk, L in zip(model.layers, eng.layers):
+            v, up = blk.self_attn.v_proj.packed, blk.mlp.up_proj.packed
+            assert v.untyped_storage().data_ptr() == L.qkv.untyped_storage().data_ptr()
+            assert up.untyped_storage().data_ptr() == L.gate_up.untyped_storage().data_ptr()
+            assert blk.mlp.down_proj.packed.data_ptr() == L.down.data_ptr()
 
 
 def test_graph_generate_stops_lengths_and_stale_weights():

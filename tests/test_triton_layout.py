@@ -52,3 +52,46 @@ def test_engine_takes_rows_already_in_the_triton_layout(tiny_model):
     pos = torch.zeros(1, dtype=torch.int32, device=DEV)
     with torch.no_grad():
         assert torch.equal(a.forward(tok, pos), b.forward(tok, pos))
+
+
+def test_engine_shares_the_models_packed_weights(tiny_model):
+    """share=True (what generate and serve use) points the model's projections at rows of the engine's fused
+    tensors: one copy of the packed weights on the GPU, the same bytes, the same logits from both paths."""
+    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
+    from bitnetlm.kernels import prepare
+
+    tri = prepare(copy.deepcopy(tiny_model), DEV, "triton")
+    projs = lambda blk: (  # noqa: E731
+        blk.self_attn.q_proj,
+        blk.self_attn.k_proj,
+        blk.self_attn.v_proj,
+        blk.self_attn.o_proj,
+        blk.mlp.gate_proj,
+        blk.mlp.up_proj,
+        blk.mlp.down_proj,
+    )
+    weights = [m.ternary_weight().clone() for blk in tri.layers for m in projs(blk)]
+    tok = torch.randint(0, 512, (1, 6), generator=torch.Generator().manual_seed(0)).to(DEV)
+    with torch.no_grad():
+        eager = tri(tok)
+    ecfg = EngineConfig(max_batch=1, max_seq_len=16, dtype=torch.float32)
+    ptrs = [m.packed.data_ptr() for blk in tri.layers for m in projs(blk)]
+    copied = CudaEngine.from_model(tri, ecfg, device=DEV)
+    assert [m.packed.data_ptr() for blk in tri.layers for m in projs(blk)] == ptrs  # share=False: untouched
+    eng = CudaEngine.from_model(tri, ecfg, device=DEV, share=True)
+    for blk, L in zip(tri.layers, eng.layers):
+        q, k, v, o, g, u, d = projs(blk)
+        nq, nk = q.packed.shape[0], k.packed.shape[0]
+        assert q.packed.data_ptr() == L.qkv.data_ptr()
+        assert k.packed.data_ptr() == L.qkv[nq].data_ptr()
+        assert v.packed.data_ptr() == L.qkv[nq + nk].data_ptr()
+        assert g.packed.data_ptr() == L.gate_up.data_ptr()
+        assert u.packed.data_ptr() == L.gate_up[g.packed.shape[0]].data_ptr()
+        assert o.packed.data_ptr() == L.o.data_ptr() and d.packed.data_ptr() == L.down.data_ptr()
+        assert all(m.packed.is_contiguous() for m in (q, k, v, g, u))
+    for w, m in zip(weights, (m for blk in tri.layers for m in projs(blk))):
+        assert torch.equal(m.ternary_weight(), w)
+    pos = torch.zeros(1, dtype=torch.int32, device=DEV)
+    with torch.no_grad():
+        assert torch.equal(eng.forward(tok, pos), copied.forward(tok, pos))
+        assert torch.equal(tri(tok), eager)

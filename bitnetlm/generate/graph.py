@@ -77,7 +77,7 @@ def build_engine(model, batch: int, seq: int, device: torch.device):
             raise TypeError("the projections mix BitLinear and full-precision layers")
         dtype = model.embed_tokens.weight.dtype
         ecfg = EngineConfig(max_batch=batch, max_seq_len=seq, dtype=dtype, weights=kind)
-        return CudaEngine.from_model(model, ecfg, device=device)
+        return CudaEngine.from_model(model, ecfg, device=device, share=True)
     except (ImportError, TypeError, ValueError) as e:
         log.info("the CUDA-graph engine cannot run this model (%s); using the eager forward", e)
         return None
@@ -98,10 +98,9 @@ def graph_engine(model, batch: int, seq: int):
     model.__dict__.pop(_ATTR, None)
     del eng  # free the old engine's weights and KV cache before allocating the new one
     mods = list(model.modules())
-    fp = _fingerprint(mods)
     seq = -(-seq // SEQ_ROUND) * SEQ_ROUND
     new = build_engine(model, batch, seq, device)
-    model.__dict__[_ATTR] = (new, fp, mods)
+    model.__dict__[_ATTR] = (new, _fingerprint(mods), mods)  # after the build: it re-points the projections
     return new
 
 
