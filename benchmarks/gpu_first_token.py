@@ -2,7 +2,17 @@
 real offline-packed format, written by benchmarks/make_checkpoint.py if absent) -> load_model on CUDA ->
 CudaEngine -> prefill of a prompt -> first token on the host.
 
-    python benchmarks/gpu_first_token.py [--dir DIR] [--prompt 16] [--runs 2]
+    python benchmarks/gpu_first_token.py [--dir DIR] [--prompt 16] [--runs 2] [--via engine|generate]
+        [--compile-bytecode]
+
+--via engine (default): load_model, CudaEngine.from_model, one eager forward of `--prompt` random token ids,
+greedy token. --via generate: what `bitnet generate` does, as a user of the library sees it: the CLI's own
+load_model_and_tokenizer (bitnetlm.load: model on CUDA in bfloat16, backend chosen, tokenizer) then
+bitnetlm.generate.stream_generate of a short text prompt with the CLI's default sampling flags, timed to its
+first yielded token. Its engine column is build_engine (CudaEngine.from_model, KV cache for the CLI's default
+256 new tokens), captures is the decode-step and prefill graph captures, the rest is tokenizing, the prefill
+replay, sampling and detokenizing. That needs a tokenizer in --dir: copied from --tokenizer (default
+.assets/llama3-tokenizer) when --dir has none.
 
 Each run is a fresh process timed from before `python` starts to the first token on the host (wall clock,
 `time.time()` in both processes); the process's exit after it (freeing the GPU memory and the CUDA context) is
@@ -20,6 +30,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+PROMPT_TEXT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 
 
 def child(path: str, prompt: int) -> None:
@@ -63,22 +76,135 @@ def child(path: str, prompt: int) -> None:
     )
 
 
+def child_generate(path: str) -> None:
+    """stream_generate as `bitnet generate -m PATH PROMPT` runs it, to the first yielded token."""
+    t0_wall = time.time()
+    t0 = time.perf_counter()
+    import torch
+
+    sys.path.insert(0, ROOT)
+    import bitnetlm.loading
+    from bitnetlm.commands.generate import DEFAULTS, load_model_and_tokenizer
+    from bitnetlm.engine_cuda import CudaEngine
+    from bitnetlm.generate import graph, stream_generate
+
+    t_import = time.perf_counter()
+    spent = dict(tokenizer_s=0.0, engine_s=0.0, captures_s=0.0)
+
+    def timed(key, fn, sync=False):
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if sync:
+                    torch.cuda.synchronize()
+                spent[key] += time.perf_counter() - t
+
+        return wrapper
+
+    # the library's own functions, timed in place (each module looks them up as a global at call time)
+    bitnetlm.loading.load_tokenizer = timed("tokenizer_s", bitnetlm.loading.load_tokenizer)
+    graph.build_engine = timed("engine_s", graph.build_engine, sync=True)
+    CudaEngine.decode_state = timed("captures_s", CudaEngine.decode_state, sync=True)
+    CudaEngine.prefill_state = timed("captures_s", CudaEngine.prefill_state, sync=True)
+
+    model, tok = load_model_and_tokenizer(path, device="cuda")
+    torch.cuda.synchronize()
+    t_load = time.perf_counter()
+    first = None
+    n_ids = None
+    for chunk in stream_generate(model, tok, PROMPT_TEXT, seed=0, **DEFAULTS):
+        first = chunk.token  # a host int: the GPU work behind it is done
+        n_ids = chunk.prompt_tokens
+        break
+    t_first = time.perf_counter()
+    t_first_wall = time.time()
+    eng = model.__dict__.get(graph._ATTR, (None,))[0]  # the engine generate built and cached, if any
+    print(
+        json.dumps(
+            dict(
+                import_s=t_import - t0,
+                load_s=t_load - t_import - spent["tokenizer_s"],
+                tokenizer_s=spent["tokenizer_s"],
+                engine_s=spent["engine_s"],
+                captures_s=spent["captures_s"],
+                first_token_s=t_first - t_load - spent["engine_s"] - spent["captures_s"],
+                in_process_s=t_first - t0,
+                t0_wall=t0_wall,
+                first_wall=t_first_wall,
+                token=first,
+                prompt_tokens=n_ids,
+                backend=getattr(model.layers[0].mlp.up_proj._backend, "name", "?"),
+                graph=eng is not None,
+                weight_gib=sum(eng.weight_bytes().values()) / 2**30 if eng is not None else float("nan"),
+                gpu=torch.cuda.get_device_name(),
+            )
+        )
+    )
+
+
+def compile_bytecode() -> None:
+    """compileall over the imported packages. Python reads .pyc files even under PYTHONDONTWRITEBYTECODE=1 (which
+    only stops it writing them): an image built that way compiles torch's Python from source in every process."""
+    import importlib.util
+
+    t = time.perf_counter()
+    for name in ("torch", "triton", "numpy", "tokenizers", "safetensors", "jinja2", "bitnetlm"):
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        for d in spec.submodule_search_locations:
+            subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", d], check=False)
+    print(f"bytecode compiled in {time.perf_counter() - t:.1f} s", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=os.path.join(ROOT, ".assets", "bench-2b4t"))
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument(
+        "--via",
+        choices=["engine", "generate"],
+        default="engine",
+        help="engine: CudaEngine directly; generate: bitnetlm.load + stream_generate as the CLI (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--tokenizer",
+        default=os.path.join(ROOT, ".assets", "llama3-tokenizer"),
+        help="--via generate: tokenizer files copied into --dir when it has no tokenizer.json",
+    )
+    ap.add_argument(
+        "--compile-bytecode",
+        action="store_true",
+        help="first write the bytecode of the packages the runs import (torch, triton, numpy, tokenizers, "
+        "safetensors, jinja2, bitnetlm), as `pip install` does by default; for images that ship without it",
+    )
     ap.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a._child:
-        child(a.dir, a.prompt)
+        if a.via == "generate":
+            child_generate(a.dir)
+        else:
+            child(a.dir, a.prompt)
         return 0
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from make_checkpoint import write_checkpoint
 
+    if a.compile_bytecode:
+        compile_bytecode()
     t = time.perf_counter()
     write_checkpoint(a.dir, "2b4t")
-    size = sum(os.path.getsize(os.path.join(a.dir, f)) for f in os.listdir(a.dir))
+    if a.via == "generate" and not os.path.isfile(os.path.join(a.dir, "tokenizer.json")):
+        import shutil
+
+        for f in os.listdir(a.tokenizer):
+            shutil.copy(os.path.join(a.tokenizer, f), a.dir)
+        print(f"tokenizer copied from {a.tokenizer}", flush=True)
+    size = sum(
+        os.path.getsize(os.path.join(a.dir, f)) for f in os.listdir(a.dir) if f.endswith(".safetensors")
+    )
     print(
         f"checkpoint {a.dir}: {size / 2**30:.2f} GiB ({time.perf_counter() - t:.1f} s to write)", flush=True
     )
@@ -86,11 +212,13 @@ def main() -> int:
     for i in range(a.runs):
         spawn = time.time()
         out = subprocess.run(
-            [sys.executable, __file__, "--_child", "--dir", a.dir, "--prompt", str(a.prompt)],
-            check=True,
+            [sys.executable, __file__, "--_child", "--dir", a.dir, "--prompt", str(a.prompt), "--via", a.via],
             capture_output=True,
             text=True,
         )
+        if out.returncode:
+            sys.stderr.write(out.stdout + out.stderr)
+            raise SystemExit(f"run {i + 1}: the child process exited with {out.returncode}")
         wall = time.time() - spawn  # to the child's exit
         r = json.loads(out.stdout.strip().splitlines()[-1])
         r["wall_s"] = r.pop("first_wall") - spawn  # python starting -> first token
@@ -99,19 +227,26 @@ def main() -> int:
         r["run"] = i + 1
         rows.append(r)
         print(json.dumps(r), flush=True)
-    print(
-        f"\nGPU: {rows[0]['gpu']}; 2B4T-shaped packed checkpoint ({size / 2**30:.2f} GiB), prompt {a.prompt} tokens"
+    what = (
+        f"prompt {a.prompt} random token ids, CudaEngine.from_model + eager forward, greedy"
+        if a.via == "engine"
+        else f"--via generate: bitnetlm.load + stream_generate, text prompt of {rows[0]['prompt_tokens']} tokens, "
+        f"CLI default sampling, backend {rows[0]['backend']}, graph engine {'yes' if rows[0]['graph'] else 'NO'}"
     )
+    print(f"\nGPU: {rows[0]['gpu']}; 2B4T-shaped packed checkpoint ({size / 2**30:.2f} GiB); {what}")
     print(
-        "\n| run | wall s (process start -> first token) | start s | import s | load s | engine s "
-        "| prefill + first token s | exit s (not counted) |"
+        "\n| run | wall s (process start -> first token) | start s | import s | load s | tokenizer s | engine s "
+        "| captures s | prefill + first token s | exit s (not counted) |"
     )
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+
+    def f(r, k):
+        return f"{r[k]:.2f}" if k in r else "-"
+
     for r in rows:
-        print(
-            f"| {r['run']} | {r['wall_s']:.2f} | {r['startup_s']:.2f} | {r['import_s']:.2f} | {r['load_s']:.2f} "
-            f"| {r['engine_s']:.2f} | {r['first_token_s']:.2f} | {r['exit_s']:.2f} |"
-        )
+        cols = ["wall_s", "startup_s", "import_s", "load_s", "tokenizer_s", "engine_s", "captures_s"]
+        cols += ["first_token_s", "exit_s"]
+        print(f"| {r['run']} | " + " | ".join(f(r, k) for k in cols) + " |")
     return 0
 
 

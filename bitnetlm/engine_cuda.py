@@ -103,6 +103,13 @@ def capture(fn, before_capture=None, warmup: int = 2, pool=None):
     return graph, out
 
 
+def _on(t: torch.Tensor, dev: torch.device) -> bool:
+    """t is on dev ("cuda" meaning the current CUDA device, as .to("cuda") reads it)."""
+    if dev.type == "cuda" and dev.index is None:
+        return t.is_cuda and t.device.index == torch.cuda.current_device()
+    return t.device == dev
+
+
 def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row symmetric int8: w ~= q * s[:, None]."""
     s = w.float().abs().amax(dim=1).clamp(min=1e-8) / 127.0
@@ -175,7 +182,7 @@ class CudaEngine:
                     raise ValueError("CudaEngine: biased BitLinear layers are not supported")
                 ss.append(m.scale().float().reshape(1).expand(m.out_features))
             if all(not m.training_mode and m.layout == PackingFormat.TRITON_2BIT for m in mods):
-                if share and all(m.packed.device == dev for m in mods):
+                if share and all(_on(m.packed, dev) for m in mods):
                     packed = mods[0].packed if len(mods) == 1 else torch.cat([m.packed for m in mods])
                     r = 0
                     for m in mods:  # rows r..r+n-1 of the fused tensor: contiguous views, no copy

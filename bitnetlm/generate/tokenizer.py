@@ -125,7 +125,6 @@ class Tokenizer:
         self.backend = backend  # tokenizers.Tokenizer
         self.config = dict(config or {})
         self.source = source
-        vocab = backend.get_vocab(with_added_tokens=True)
         self._special: dict[str, str] = {}
         for name in SPECIAL_NAMES:
             s = _token_str(self.config.get(name))
@@ -138,8 +137,9 @@ class Tokenizer:
         )
         ids: list[int] = []
         eos = self._special.get("eos_token")
-        if eos is not None and eos in vocab:
-            ids.append(vocab[eos])
+        eos_id = backend.token_to_id(eos) if eos is not None else None  # (get_vocab builds a 128k-entry dict)
+        if eos_id is not None:
+            ids.append(eos_id)
         for i in _as_id_list(eos_token_ids):
             if i not in ids:
                 ids.append(i)
