@@ -83,6 +83,7 @@ def main() -> int:
     ap.add_argument("--n-gen", type=int, default=128)
     ap.add_argument("--heads", default="fp,int8", help="ternary head options to run (fp = bf16)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--kv", default="auto", help="KV-cache types of the ternary rows: auto (bf16), fp8")
     args = ap.parse_args()
     from bitnetlm.kernels.triton.bench import bench_cuda, gpu_name, markdown
 
@@ -101,6 +102,7 @@ def main() -> int:
             args.n_gen,
             heads=tuple(args.heads.split(",")),
             reps=args.reps,
+            kv=tuple(args.kv.split(",")),
         )
         out["engine"] = res
         md += ["", markdown(res)]

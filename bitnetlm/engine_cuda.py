@@ -53,6 +53,7 @@ class EngineConfig:
     dtype: torch.dtype = torch.bfloat16  # activations, KV cache, embedding/head (bf16 head by default)
     weights: str = "ternary"  # "ternary" (Triton W2A8) or "dense" (cuBLAS, the baseline)
     head: str = "fp"  # "fp" (embedding dtype) or "int8" (per-row scaled int8 embedding + LM head)
+    kv_dtype: torch.dtype | None = None  # KV cache: None = dtype, or torch.float8_e4m3fn (unscaled)
 
 
 @dataclass
@@ -146,8 +147,13 @@ class CudaEngine:
         self.cos, self.sin = freqs.cos().contiguous(), freqs.sin().contiguous()
         self.scratch = ecfg.max_batch  # one more cache row: where the captured prefills run (prefill_state)
         shape = (ecfg.max_batch + 1, self.nkv, ecfg.max_seq_len, self.hd)
-        self.k_cache = [torch.zeros(shape, device=dev, dtype=ecfg.dtype) for _ in layers]
-        self.v_cache = [torch.zeros(shape, device=dev, dtype=ecfg.dtype) for _ in layers]
+        kv = ecfg.kv_dtype or ecfg.dtype
+        if kv not in (ecfg.dtype, torch.float8_e4m3fn):
+            raise ValueError(
+                f"CudaEngine: KV-cache dtype {kv} not supported ({ecfg.dtype} or torch.float8_e4m3fn)"
+            )
+        self.k_cache = [torch.zeros(shape, device=dev, dtype=kv) for _ in layers]
+        self.v_cache = [torch.zeros(shape, device=dev, dtype=kv) for _ in layers]
         self._graphs: dict[tuple, _DecodeState] = {}
         self._bufs: dict = {}  # decode.QuantBuf per batch size (fused q|k|v + RoPE input)
         self._prefill_pool = None  # the memory pool the prefill graphs share (prefill_state)
@@ -417,12 +423,12 @@ class CudaEngine:
                 if tp != t:  # real query i sees keys 0..i only: the pad rows never reach the real ones
                     qp = q.new_zeros((b, tp, nh, hd))
                     qp[:, :t] = q
-                o = prefill_attention(qp.transpose(1, 2), kc[:, :, :tp], vc[:, :, :tp], gqa=nh != nkv)
+                kp, vp = kc[:, :, :tp].to(q.dtype), vc[:, :, :tp].to(q.dtype)  # (a float8 cache: upcast)
+                o = prefill_attention(qp.transpose(1, 2), kp, vp, gqa=nh != nkv)
                 o = o.transpose(1, 2)[:, :t].reshape(b * t, nh * hd)  # [B*T, H*D]; no copy when tp == t
             else:
-                o = prefill_attention(
-                    q.transpose(1, 2), kc[:, :, : start + t], vc[:, :, : start + t], mask, nh != nkv
-                )  # [B, H, T, D]
+                kp, vp = kc[:, :, : start + t].to(q.dtype), vc[:, :, : start + t].to(q.dtype)
+                o = prefill_attention(q.transpose(1, 2), kp, vp, mask, nh != nkv)  # [B, H, T, D]
                 o = o.transpose(1, 2).reshape(b * t, nh * hd)
             h = self._lin(o, L.o, L.o_scale, h.shape[-1], norm=L.attn_sub_norm, residual=h)
             g = self._lin(
@@ -535,6 +541,7 @@ class CudaEngine:
         def body():
             logits = self.forward(tok, pos, row0=sc, last_at=last)
             for c in self.k_cache + self.v_cache:
+                c = c.view(torch.uint8) if c.element_size() == 1 else c  # (no float8 index_copy kernel)
                 c[:, :, :tp].index_copy_(0, row, c[sc : sc + 1, :, :tp])
             return logits
 

@@ -128,7 +128,7 @@ def chat_session(
 
 def run(args) -> int:
     model, tok = load_model_and_tokenizer(
-        args.model, args.device, args.backend, args.dtype, args.threads, args.head_dtype
+        args.model, args.device, args.backend, args.dtype, args.threads, args.head_dtype, args.kv_cache_dtype
     )
     if not tok.chat_template:
         raise ValueError(f"{args.model}: the tokenizer has no chat_template; use `bitnet generate` instead")

@@ -104,6 +104,13 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         help="CUDA: run the model's own forward per token instead of the CUDA-graph decode engine",
     )
     p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8"],
+        help="KV-cache elements: auto (the activation dtype) or fp8 (e4m3, unscaled; half the cache's memory "
+        "and decode-attention reads) (default: %(default)s)",
+    )
+    p.add_argument(
         "--verbose",
         "-v",
         action="store_true",
@@ -150,10 +157,28 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
+def kv_cache_dtype(name: str | None):
+    """A --kv-cache-dtype value -> the torch dtype of the model's `kv_cache_dtype` (None: the activations')."""
+    import torch
+
+    if name in (None, "", "auto"):
+        return None
+    if name in ("fp8", "fp8_e4m3", "float8_e4m3fn"):
+        return torch.float8_e4m3fn
+    raise ValueError(f"--kv-cache-dtype {name!r}: expected auto or fp8")
+
+
 def load_model_and_tokenizer(
-    model: str | None, device="auto", backend=None, dtype=None, threads=None, head_dtype=None
+    model: str | None,
+    device="auto",
+    backend=None,
+    dtype=None,
+    threads=None,
+    head_dtype=None,
+    kv_cache: str | None = None,
 ):
-    """(model, tokenizer) for the CLI: zoo default if `model` is None, threads set, clear error if no tokenizer."""
+    """(model, tokenizer) for the CLI: zoo default if `model` is None, threads set, KV-cache dtype (`kv_cache`, a
+    --kv-cache-dtype value), clear error if no tokenizer."""
     import torch
 
     import bitnetlm
@@ -166,6 +191,7 @@ def load_model_and_tokenizer(
     dt = getattr(torch, dtype) if dtype else None
     m, tok = bitnetlm.load(name, device=device, dtype=dt, backend=backend, head_dtype=head_dtype)
     configure_threads(m, threads)
+    m.kv_cache_dtype = kv_cache_dtype(kv_cache)
     if tok is None:
         raise FileNotFoundError(f"{name}: the model has no tokenizer (tokenizer.json next to config.json)")
     return m.eval(), tok
@@ -243,7 +269,7 @@ def _read_prompt(args) -> str:
 def run(args) -> int:
     prompt = _read_prompt(args)
     model, tok = load_model_and_tokenizer(
-        args.model, args.device, args.backend, args.dtype, args.threads, args.head_dtype
+        args.model, args.device, args.backend, args.dtype, args.threads, args.head_dtype, args.kv_cache_dtype
     )
     res = generate_text(
         model,

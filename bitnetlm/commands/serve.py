@@ -77,6 +77,13 @@ FLAGS = [
         False,
         "CUDA: decode with the model's eager forward instead of the CUDA-graph engine",
     ),
+    (
+        ("--kv-cache-dtype",),
+        "kv_cache_dtype",
+        str,
+        "auto",
+        "KV-cache elements: auto (the activation dtype) or fp8 (e4m3, unscaled; half the cache's memory)",
+    ),
     (("--log-level",), "log_level", str, "info", "uvicorn log level: debug, info, warning, error"),
 ]
 

@@ -76,7 +76,8 @@ def build_engine(model, batch: int, seq: int, device: torch.device):
         if kind is None:
             raise TypeError("the projections mix BitLinear and full-precision layers")
         dtype = model.embed_tokens.weight.dtype
-        ecfg = EngineConfig(max_batch=batch, max_seq_len=seq, dtype=dtype, weights=kind)
+        kv = getattr(model, "kv_cache_dtype", None)
+        ecfg = EngineConfig(max_batch=batch, max_seq_len=seq, dtype=dtype, weights=kind, kv_dtype=kv)
         return CudaEngine.from_model(model, ecfg, device=device, share=True)
     except (ImportError, TypeError, ValueError) as e:
         log.info("the CUDA-graph engine cannot run this model (%s); using the eager forward", e)
@@ -88,7 +89,8 @@ def graph_engine(model, batch: int, seq: int):
     when the engine cannot run this model: generation then takes the eager path."""
     device = next(itertools.chain(model.parameters(), model.buffers())).device
     eng, fp0, mods = model.__dict__.get(_ATTR, (None, None, None))
-    fp = _fingerprint(mods) if mods is not None else None
+    kv = getattr(model, "kv_cache_dtype", None)
+    fp = (_fingerprint(mods), kv) if mods is not None else None
     if fp is not None and fp0 == fp:
         if eng is None:
             return None  # known unsupported, weights unchanged
@@ -100,7 +102,7 @@ def graph_engine(model, batch: int, seq: int):
     mods = list(model.modules())
     seq = -(-seq // SEQ_ROUND) * SEQ_ROUND
     new = build_engine(model, batch, seq, device)
-    model.__dict__[_ATTR] = (new, _fingerprint(mods), mods)  # after the build: it re-points the projections
+    model.__dict__[_ATTR] = (new, (_fingerprint(mods), kv), mods)  # after the build: it re-points the weights
     return new
 
 

@@ -101,8 +101,13 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         if cache is not None:
             idx = cache_pos[:, None, :, None].expand(b, self.n_kv, t, self.head_dim)  # [B, Hkv, T, D]
-            cache.k[layer].scatter_(2, idx, k.to(cache.k[layer].dtype))
-            cache.v[layer].scatter_(2, idx, v.to(cache.v[layer].dtype))
+            ck, cv = cache.k[layer], cache.v[layer]
+            if ck.element_size() == 1:  # float8: no scatter kernel for it, so scatter its bytes
+                ck.view(torch.uint8).scatter_(2, idx, k.to(ck.dtype).view(torch.uint8))
+                cv.view(torch.uint8).scatter_(2, idx, v.to(cv.dtype).view(torch.uint8))
+            else:
+                ck.scatter_(2, idx, k.to(ck.dtype))
+                cv.scatter_(2, idx, v.to(cv.dtype))
             k, v = cache.k[layer], cache.v[layer]
             if k.device.type == "cpu" and not torch.compiler.is_compiling():
                 # CPU decode: attend over the slots written so far only (later ones are masked out anyway)
@@ -192,6 +197,9 @@ class CausalLM(nn.Module):
         self.compact_head = None
         # optional fused decode / prefill step on the C kernels: kernels.cpu.decode.attach
         self.cpu_decode = None
+        # KV-cache element type of new_cache and of the CUDA-graph engine (generate/graph.py); None: the
+        # activations' dtype. torch.float8_e4m3fn halves the cache's memory and the reads of decode attention.
+        self.kv_cache_dtype: torch.dtype | None = None
 
     # ---- parts ----------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -226,7 +234,7 @@ class CausalLM(nn.Module):
             max_seq_len or cfg.max_position_embeddings,
             cfg.head_dim,
             device=device or p.device,
-            dtype=dtype or p.dtype,
+            dtype=dtype or self.kv_cache_dtype or p.dtype,
         )
 
     # ---- forward --------------------------------------------------------------------------

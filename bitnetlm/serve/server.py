@@ -42,12 +42,18 @@ def _config(
     )
 
 
-def _loader(model, device, dtype, backend, threads=None, head_dtype=None):
+def _loader(model, device, dtype, backend, threads=None, head_dtype=None, kv_cache_dtype=None):
     def load():
         from bitnetlm.commands.generate import load_model_and_tokenizer
 
         return load_model_and_tokenizer(
-            model, device=device, backend=backend, dtype=dtype, threads=threads, head_dtype=head_dtype
+            model,
+            device=device,
+            backend=backend,
+            dtype=dtype,
+            threads=threads,
+            head_dtype=head_dtype,
+            kv_cache=kv_cache_dtype,
         )
 
     return load
@@ -62,17 +68,19 @@ def serve(
     backend: str | None = None,
     threads: int | None = None,
     head_dtype: str | None = None,
+    kv_cache_dtype: str | None = None,
     **server_kw,
 ) -> None:
     """Serve `model` (a path or zoo name; None = the zoo default) until SIGINT/SIGTERM, then drain and return.
 
     Keywords: host, port, api_key, max_batch, max_queue, max_model_len, prefill_chunk, enforce_eager,
+    kv_cache_dtype ('auto' or 'fp8'),
     cors_origins, max_body_bytes, graceful_timeout_s, log_level (see `bitnet serve --help`). The port opens at once;
     /health answers 503 until the model has loaded.
     """
     name = model_name or (os.path.basename(os.path.normpath(os.fspath(model))) if model else "bitnet")
     cfg = _config(name, **server_kw)
-    run_server(cfg, loader=_loader(model, device, dtype, backend, threads, head_dtype))
+    run_server(cfg, loader=_loader(model, device, dtype, backend, threads, head_dtype, kv_cache_dtype))
 
 
 def start(

@@ -152,6 +152,8 @@ def _attn_gqa_kernel(
         ms = offs_s < hi
         k = tl.load(k_ptr + base + offs_s[:, None] * D + offs_d[None, :], mask=ms[:, None], other=0.0)
         v = tl.load(v_ptr + base + offs_s[:, None] * D + offs_d[None, :], mask=ms[:, None], other=0.0)
+        k = k.to(q_ptr.dtype.element_ty)  # a float8 cache: upcast (a no-op otherwise)
+        v = v.to(q_ptr.dtype.element_ty)
         if IEEE:
             sc = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:

@@ -85,20 +85,25 @@ def bench_cuda(
     heads=("fp",),
     baseline: bool = True,
     reps: int = 5,
+    kv=("auto",),
 ) -> dict:
-    """Ternary engine (each head option) and the bf16 baseline on the same shape; returns rows + ratios."""
+    """Ternary engine (each head option x KV-cache type: "auto" = bf16, "fp8") and the bf16 baseline on the same
+    shape; returns rows + ratios."""
     from bitnetlm.engine_cuda import CudaEngine, EngineConfig
     from bitnetlm.models import ModelConfig
 
     cfg = ModelConfig(**(shape or {}))
     seq = n_prompt + n_gen + 1
     rows = []
-    kinds = [("ternary", h) for h in heads] + ([("dense", "fp")] if baseline else [])
-    for weights, head in kinds:
-        ecfg = EngineConfig(max_batch=max(batches), max_seq_len=seq, weights=weights, head=head)
+    kinds = [("ternary", h, c) for h in heads for c in kv] + ([("dense", "fp", "auto")] if baseline else [])
+    for weights, head, cache in kinds:
+        kv_dtype = torch.float8_e4m3fn if cache == "fp8" else None
+        ecfg = EngineConfig(
+            max_batch=max(batches), max_seq_len=seq, weights=weights, head=head, kv_dtype=kv_dtype
+        )
         torch.cuda.reset_peak_memory_stats()
         eng = CudaEngine.random(cfg, ecfg)
-        rows += bench_engine(eng, batches, n_prompt, n_gen, reps)
+        rows += [dict(r, kv=cache) for r in bench_engine(eng, batches, n_prompt, n_gen, reps)]
         del eng
         gc.collect()
         torch.cuda.empty_cache()
@@ -111,6 +116,7 @@ def bench_cuda(
             ratios.append(
                 dict(
                     head=r["head"],
+                    kv=r["kv"],
                     batch=r["batch"],
                     decode_speedup=r["decode_tok_s"] / base[0]["decode_tok_s"],
                     prefill_speedup=r["prefill_tok_s"] / base[0]["prefill_tok_s"],
@@ -124,15 +130,21 @@ def markdown(res: dict) -> str:
         f"GPU: {res['gpu']}; prompt {res['config']['n_prompt']} tokens, decode {res['config']['n_gen']} steps "
         "after it; random weights of the shape",
         "",
-        "| weights | head | batch | prefill ms | prefill tok/s | decode ms/step | decode tok/s | weights GB/s | vs bf16 (decode) |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| weights | head | KV cache | batch | prefill ms | prefill tok/s | decode ms/step | decode tok/s | weights GB/s "
+        "| vs bf16 (decode) |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in res["results"]:
-        sp = [x for x in res["ratios"] if x["batch"] == r["batch"] and x["head"] == r["head"]]
+        sp = [
+            x
+            for x in res["ratios"]
+            if x["batch"] == r["batch"] and x["head"] == r["head"] and x["kv"] == r["kv"]
+        ]
         ratio = f"{sp[0]['decode_speedup']:.2f}x" if r["weights"] == "ternary" and sp else "-"
         name = "ternary (Triton W2A8)" if r["weights"] == "ternary" else "bf16 (cuBLAS)"
         out.append(
-            f"| {name} | {'bf16' if r['head'] == 'fp' else r['head']} | {r['batch']} | {r['prefill_ms']:.2f} | "
+            f"| {name} | {'bf16' if r['head'] == 'fp' else r['head']} | {'fp8' if r['kv'] == 'fp8' else 'bf16'} "
+            f"| {r['batch']} | {r['prefill_ms']:.2f} | "
             f"{r['prefill_tok_s']:,.0f} | {r['decode_ms_per_step']:.3f} | {r['decode_tok_s']:,.0f} | "
             f"{r['decode_weight_gb_s']:,.0f} | {ratio} |"
         )

@@ -50,6 +50,7 @@ def _qkv_rope_kernel(
     BN: tl.constexpr,
     KWP: tl.constexpr,
     PDL: tl.constexpr = False,
+    KV_SAME: tl.constexpr = True,
 ):
     pid = tl.program_id(0)
     j = tl.arange(0, BN)
@@ -79,16 +80,24 @@ def _qkv_rope_kernel(
     for m in range(M):
         xw0, xw1, xw2, xw3, a, rs = _load_qrow(q_ptr + m * stride_qw, a_ptr + m, rs_ptr + m, KW, offs_w, mw)
         y = _row_out(xw0, xw1, xw2, xw3, wv, rs, a, s, PTX)
-        yq = y.to(kc_ptr.dtype.element_ty).to(tl.float32)  # the q|k|v row as the unfused step stores it
+        yq = y.to(qo_ptr.dtype.element_ty).to(tl.float32)  # the q|k|v row as the unfused step stores it
         f1, f2 = tl.split(tl.permute(tl.reshape(yq, [2, P]), (1, 0)))
         pos = tl.load(pos_ptr + m)
         c = tl.load(cos_ptr + pos * HALF + d)
         sn = tl.load(sin_ptr + pos * HALF + d)
-        o1 = tl.where(rot, f1 * c - f2 * sn, f1).to(kc_ptr.dtype.element_ty)
-        o2 = tl.where(rot, f2 * c + f1 * sn, f2).to(kc_ptr.dtype.element_ty)
-        dst = tl.where(is_q, qo_ptr + (m * H + head) * D + d, cache + ((m * HKV + kvh) * S + pos) * D + d)
-        tl.store(dst, o1, mask=mp)
-        tl.store(dst + HALF, o2, mask=mp)
+        o1 = tl.where(rot, f1 * c - f2 * sn, f1)
+        o2 = tl.where(rot, f2 * c + f1 * sn, f2)
+        dq = qo_ptr + (m * H + head) * D + d
+        dc = cache + ((m * HKV + kvh) * S + pos) * D + d
+        if KV_SAME:  # one store pair for q, k and v alike
+            dst = tl.where(is_q, dq, dc)
+            tl.store(dst, o1.to(kc_ptr.dtype.element_ty), mask=mp)
+            tl.store(dst + HALF, o2.to(kc_ptr.dtype.element_ty), mask=mp)
+        else:  # a float8 cache: q in the activations' dtype, k and v in the cache's
+            tl.store(dq, o1.to(qo_ptr.dtype.element_ty), mask=mp & is_q)
+            tl.store(dq + HALF, o2.to(qo_ptr.dtype.element_ty), mask=mp & is_q)
+            tl.store(dc, o1.to(kc_ptr.dtype.element_ty), mask=mp & ~is_q)
+            tl.store(dc + HALF, o2.to(kc_ptr.dtype.element_ty), mask=mp & ~is_q)
 
 
 class QuantBuf:
@@ -143,8 +152,9 @@ def qkv_rope(
             BN=cfg["BN"],
             KWP=triton.next_power_of_2(kw),
             num_warps=cfg["num_warps"],
+            KV_SAME=k_cache.dtype == q_out.dtype,
             **pdl_kw(),
         )
 
-    key = ("qkv_rope", n, xq.k, m, scale.numel() != 1, d)
+    key = ("qkv_rope", n, xq.k, m, scale.numel() != 1, d, k_cache.dtype)
     launch(_tune(key, lambda: _row_candidates(kw, False, "qkv_rope"), launch))  # row tiles: BN even, >= 2
