@@ -116,6 +116,7 @@ def _attn_gqa_kernel(
     NS2: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr = False,
+    KV8: tl.constexpr = False,
 ):
     """Flash-decoding over a GQA group: program (b, kv head, split) loads each K/V block of its CHUNK keys once
     for all G query heads sharing it (scores and P@V on tensor cores, the G rows padded to GP >= 16); the last
@@ -142,6 +143,8 @@ def _attn_gqa_kernel(
     mg = offs_g < G
     heads = b * H + kvh * G + offs_g  # [GP] query rows
     q = tl.load(q_ptr + heads[:, None] * D + offs_d[None, :], mask=mg[:, None], other=0.0)  # [GP, D]
+    if KV8 and not IEEE:  # a float8 cache: float16 operands (float8 -> float16 is one conversion per 2 values)
+        q = q.to(tl.float16)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
@@ -152,8 +155,9 @@ def _attn_gqa_kernel(
         ms = offs_s < hi
         k = tl.load(k_ptr + base + offs_s[:, None] * D + offs_d[None, :], mask=ms[:, None], other=0.0)
         v = tl.load(v_ptr + base + offs_s[:, None] * D + offs_d[None, :], mask=ms[:, None], other=0.0)
-        k = k.to(q_ptr.dtype.element_ty)  # a float8 cache: upcast (a no-op otherwise)
-        v = v.to(q_ptr.dtype.element_ty)
+        if KV8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if IEEE:
             sc = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -257,6 +261,7 @@ def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float) -> None:
         BS=min(chunk, 16 if INTERPRET else 64),
         NS2=triton.next_power_of_2(nsplit),
         IEEE=q.dtype == torch.float32,
+        KV8=k_cache.element_size() == 1,
         num_warps=1 if INTERPRET else 4,
         **pdl_kw(),
     )
