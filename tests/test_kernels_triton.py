@@ -312,16 +312,18 @@ def test_decode_attention_split_merge(h, hkv):
 
 
 @pytest.mark.gpu
-def test_gpu_decode_attention_2b4t_bf16():
-    """The tensor-core (bf16) attention path at the 2B4T head shape, batch 1 and 64, against float64 softmax."""
+@pytest.mark.parametrize("kv", [torch.bfloat16, torch.float8_e4m3fn])
+def test_gpu_decode_attention_2b4t_bf16(kv):
+    """The tensor-core attention path with bf16 queries at the 2B4T head shape, batch 1 and 64, against float64
+    softmax over the cache's values: a bf16 cache, and a float8 one (float16 operands)."""
     from bitnetlm.kernels.triton.attention import attn_decode
 
     h, hkv, s, d = 20, 5, 700, 128
     for b in (1, 64):
         g = torch.Generator(device="cuda").manual_seed(b)
         q = torch.randn(b, h, d, device="cuda", generator=g).bfloat16()
-        kc = torch.randn(b, hkv, s, d, device="cuda", generator=g).bfloat16()
-        vc = torch.randn(b, hkv, s, d, device="cuda", generator=g).bfloat16()
+        kc = torch.randn(b, hkv, s, d, device="cuda", generator=g).to(kv)
+        vc = torch.randn(b, hkv, s, d, device="cuda", generator=g).to(kv)
         pos = torch.randint(0, s, (b,), device="cuda", generator=g, dtype=torch.int32)
         pos[0] = s - 1
         for _ in range(2):

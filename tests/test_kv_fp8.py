@@ -1,6 +1,6 @@
 """The float8 (e4m3) KV cache: the reference forward stores exactly k.to(float8) and v.to(float8) and attends over
 them; the CUDA engine (Triton kernels, captured prefill, graph generate) stores the same bytes and gives the
-reference's greedy tokens. CLI flag --kv-cache-dtype."""
+reference's greedy tokens. CLI flag --kv-cache-dtype. (The attention kernel over a float8 cache: test_kernels_triton.py.)"""
 
 from __future__ import annotations
 
@@ -109,28 +109,3 @@ def test_graph_generate_float8_cache_equals_reference(oracle_dirs, variant):
     model.kv_cache_dtype = None  # a different cache type rebuilds the engine
     generate(model, tok, prompts[0], sp)
     assert model.__dict__[_ATTR][0].k_cache[0].dtype == torch.float32
-
-
-@pytest.mark.gpu
-def test_gpu_decode_attention_bf16_queries_float8_cache():
-    """Decode attention with bf16 queries over a float8 cache (float16 tensor-core operands) at the 2B4T head
-    shape, batch 1 and 64, against float64 softmax over the cache's float8 values."""
-    from bitnetlm.kernels.triton.attention import attn_decode
-
-    h, hkv, s, d = 20, 5, 700, 128
-    for b in (1, 64):
-        g = torch.Generator(device="cuda").manual_seed(b)
-        q = torch.randn(b, h, d, device="cuda", generator=g).bfloat16()
-        kc = torch.randn(b, hkv, s, d, device="cuda", generator=g).to(FP8)
-        vc = torch.randn(b, hkv, s, d, device="cuda", generator=g).to(FP8)
-        pos = torch.randint(0, s, (b,), device="cuda", generator=g, dtype=torch.int32)
-        pos[0] = s - 1
-        out = torch.full((b, h, d), float("nan"), device="cuda", dtype=torch.bfloat16)
-        attn_decode(q, kc, vc, pos, out, d**-0.5)
-        for i in range(b):
-            n = int(pos[i]) + 1
-            k = kc[i, :, :n].double().repeat_interleave(h // hkv, 0)
-            v = vc[i, :, :n].double().repeat_interleave(h // hkv, 0)
-            w = torch.softmax((k @ q[i].double()[:, :, None]).squeeze(-1) * d**-0.5, dim=-1)
-            ref = (w[:, None, :] @ v).squeeze(1)
-            assert (out[i].double() - ref).norm() / ref.norm() < 1e-2, (b, i)
