@@ -75,6 +75,9 @@ def main() -> int:
     ap.add_argument("--pp", default="128", help="prompt lengths (default 128)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=4096, help="KV cache length for the resident-memory row")
+    ap.add_argument(
+        "--kv", default="auto", choices=["auto", "bf16"], help="KV-cache dtype (--kv-cache-dtype)"
+    )
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     threads = [int(t) for t in a.threads.split(",")] if a.threads else [cpu.physical_cores()]
@@ -84,6 +87,7 @@ def main() -> int:
     out = {
         "machine": bench.machine_name(),
         "isa": cpu.get_isa(),
+        "kv": a.kv,
         "loadavg_start": os.getloadavg(),
         "rows": [],
     }
@@ -91,6 +95,7 @@ def main() -> int:
     for shape in a.shapes.split(","):
         t0 = time.perf_counter()
         model = bench.random_model(shape, head_dtype=heads[0])
+        model.kv_cache_dtype = torch.bfloat16 if a.kv == "bf16" else None
         build_s = time.perf_counter() - t0
         table = model.compact_embed.weight if heads[0] == "bf16" else None
         untied = model.compact_head is not model.compact_embed
@@ -131,7 +136,9 @@ def main() -> int:
         print(json.dumps(out, indent=2))
         return 0
     la = ", ".join(f"{x:.1f}" for x in out["loadavg_start"])
-    print(f"machine: {out['machine']}; kernels: {out['isa']}; load average at start: {la}\n")
+    print(
+        f"machine: {out['machine']}; kernels: {out['isa']}; KV cache: {a.kv}; load average at start: {la}\n"
+    )
     print("| threads | copy GB/s (read+write) |\n| ---: | ---: |")
     for t, g in out["copy_gbps"].items():
         print(f"| {t} | {g:.1f} |")

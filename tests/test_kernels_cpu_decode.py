@@ -105,11 +105,16 @@ def test_fused_long_context_threaded_attention(oracle_dirs, one_torch_thread, is
 
 
 @pytest.mark.parametrize("variant", ["packed-autobitlinear", "packed-bitlinear", "1bitllm"])
-def test_fused_greedy_equals_reference_backend(oracle_dirs, one_torch_thread, variant):
+@pytest.mark.parametrize("kv", [None, torch.bfloat16])
+def test_fused_greedy_equals_reference_backend(oracle_dirs, one_torch_thread, variant, kv):
+    """Greedy tokens of the fused C steps equal the reference backend's, with the model's default cache and with
+    model.kv_cache_dtype = bfloat16 (`--kv-cache-dtype bf16`: a bf16 cache for both)."""
     ours, _ = oracle_dirs[variant]
     ref = load_model(ours, backend="reference").eval()
     fast = load_model(ours, backend="cpu").eval()
+    ref.kv_cache_dtype = fast.kv_cache_dtype = kv
     assert ref.cpu_decode is None and fast.cpu_decode is not None
+    assert fast.new_cache(1, 8).k[0].dtype == (kv or torch.float32)
     prompt = torch.randint(3, ref.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(11))
     got = greedy_with_cache(fast, prompt, 40)
     assert fast.cpu_decode.calls == 40  # the prefill and every step after it

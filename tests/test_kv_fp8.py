@@ -40,8 +40,8 @@ def test_cli_kv_cache_dtype_values():
     from bitnetlm.commands.generate import kv_cache_dtype
 
     assert kv_cache_dtype("auto") is None and kv_cache_dtype(None) is None
-    assert kv_cache_dtype("fp8") is FP8
-    with pytest.raises(ValueError, match="--kv-cache-dtype 'int4': expected auto or fp8"):
+    assert kv_cache_dtype("fp8") is FP8 and kv_cache_dtype("bf16") is torch.bfloat16
+    with pytest.raises(ValueError, match="--kv-cache-dtype 'int4': expected auto, bf16 or fp8"):
         kv_cache_dtype("int4")
 
 

@@ -106,9 +106,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "fp8"],
-        help="KV-cache elements: auto (the activation dtype) or fp8 (e4m3, unscaled; half the cache's memory "
-        "and decode-attention reads) (default: %(default)s)",
+        choices=["auto", "bf16", "fp8"],
+        help="KV-cache elements: auto (the activation dtype), bf16 (CPU: half a float32 cache) or fp8 (CUDA: e4m3, "
+        "unscaled; half a bf16 cache's memory and decode-attention reads) (default: %(default)s)",
     )
     p.add_argument(
         "--verbose",
@@ -163,9 +163,11 @@ def kv_cache_dtype(name: str | None):
 
     if name in (None, "", "auto"):
         return None
+    if name in ("bf16", "bfloat16"):
+        return torch.bfloat16
     if name in ("fp8", "fp8_e4m3", "float8_e4m3fn"):
         return torch.float8_e4m3fn
-    raise ValueError(f"--kv-cache-dtype {name!r}: expected auto or fp8")
+    raise ValueError(f"--kv-cache-dtype {name!r}: expected auto, bf16 or fp8")
 
 
 def load_model_and_tokenizer(

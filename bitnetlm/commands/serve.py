@@ -82,7 +82,7 @@ FLAGS = [
         "kv_cache_dtype",
         str,
         "auto",
-        "KV-cache elements: auto (the activation dtype) or fp8 (e4m3, unscaled; half the cache's memory)",
+        "KV-cache elements: auto (the activation dtype), bf16 or fp8 (CUDA; e4m3, unscaled)",
     ),
     (("--log-level",), "log_level", str, "info", "uvicorn log level: debug, info, warning, error"),
 ]

@@ -74,7 +74,7 @@ def serve(
     """Serve `model` (a path or zoo name; None = the zoo default) until SIGINT/SIGTERM, then drain and return.
 
     Keywords: host, port, api_key, max_batch, max_queue, max_model_len, prefill_chunk, enforce_eager,
-    kv_cache_dtype ('auto' or 'fp8'),
+    kv_cache_dtype ('auto', 'bf16' or 'fp8'),
     cors_origins, max_body_bytes, graceful_timeout_s, log_level (see `bitnet serve --help`). The port opens at once;
     /health answers 503 until the model has loaded.
     """
