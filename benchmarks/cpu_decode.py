@@ -29,6 +29,7 @@ import torch  # noqa: E402
 from bitnetlm import bench  # noqa: E402
 from bitnetlm.kernels import cpu  # noqa: E402
 from bitnetlm.kernels.cpu.head import CompactHead  # noqa: E402
+from bitnetlm.models.cache import parse_kv_cache_dtype  # noqa: E402
 from bitnetlm.quant.bitlinear import BitLinear  # noqa: E402
 
 
@@ -95,7 +96,7 @@ def main() -> int:
     for shape in a.shapes.split(","):
         t0 = time.perf_counter()
         model = bench.random_model(shape, head_dtype=heads[0])
-        model.kv_cache_dtype = torch.bfloat16 if a.kv == "bf16" else None
+        model.kv_cache_dtype = parse_kv_cache_dtype(a.kv)
         build_s = time.perf_counter() - t0
         table = model.compact_embed.weight if heads[0] == "bf16" else None
         untied = model.compact_head is not model.compact_embed

@@ -37,12 +37,12 @@ def test_reference_cache_holds_the_float8_of_what_it_would_store(tiny_model):
 
 
 def test_cli_kv_cache_dtype_values():
-    from bitnetlm.commands.generate import kv_cache_dtype
+    from bitnetlm.models.cache import parse_kv_cache_dtype
 
-    assert kv_cache_dtype("auto") is None and kv_cache_dtype(None) is None
-    assert kv_cache_dtype("fp8") is FP8 and kv_cache_dtype("bf16") is torch.bfloat16
+    assert parse_kv_cache_dtype("auto") is None and parse_kv_cache_dtype(None) is None
+    assert parse_kv_cache_dtype("fp8") is FP8 and parse_kv_cache_dtype("bf16") is torch.bfloat16
     with pytest.raises(ValueError, match="--kv-cache-dtype 'int4': expected auto, bf16 or fp8"):
-        kv_cache_dtype("int4")
+        parse_kv_cache_dtype("int4")
 
 
 @pytest.mark.gpu  # Triton's interpreter rounds float32 -> float8 wrongly when the mantissa carries (0.489 -> 0.25)

@@ -157,19 +157,6 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
-def kv_cache_dtype(name: str | None):
-    """A --kv-cache-dtype value -> the torch dtype of the model's `kv_cache_dtype` (None: the activations')."""
-    import torch
-
-    if name in (None, "", "auto"):
-        return None
-    if name in ("bf16", "bfloat16"):
-        return torch.bfloat16
-    if name in ("fp8", "fp8_e4m3", "float8_e4m3fn"):
-        return torch.float8_e4m3fn
-    raise ValueError(f"--kv-cache-dtype {name!r}: expected auto, bf16 or fp8")
-
-
 def load_model_and_tokenizer(
     model: str | None,
     device="auto",
@@ -177,14 +164,15 @@ def load_model_and_tokenizer(
     dtype=None,
     threads=None,
     head_dtype=None,
-    kv_cache: str | None = None,
+    kv_cache_dtype: str | None = None,
 ):
-    """(model, tokenizer) for the CLI: zoo default if `model` is None, threads set, KV-cache dtype (`kv_cache`, a
+    """(model, tokenizer) for the CLI: zoo default if `model` is None, threads set, KV-cache dtype (a
     --kv-cache-dtype value), clear error if no tokenizer."""
     import torch
 
     import bitnetlm
     from bitnetlm.kernels import configure_threads
+    from bitnetlm.models.cache import parse_kv_cache_dtype
 
     name = resolve_model_name(model)
     device = resolve_device(device)
@@ -193,7 +181,7 @@ def load_model_and_tokenizer(
     dt = getattr(torch, dtype) if dtype else None
     m, tok = bitnetlm.load(name, device=device, dtype=dt, backend=backend, head_dtype=head_dtype)
     configure_threads(m, threads)
-    m.kv_cache_dtype = kv_cache_dtype(kv_cache)
+    m.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype)
     if tok is None:
         raise FileNotFoundError(f"{name}: the model has no tokenizer (tokenizer.json next to config.json)")
     return m.eval(), tok

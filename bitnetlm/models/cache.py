@@ -5,6 +5,18 @@ from __future__ import annotations
 import torch
 
 
+def parse_kv_cache_dtype(name: str | None) -> torch.dtype | None:
+    """A --kv-cache-dtype value -> a model's `kv_cache_dtype`: None (auto: the activations' dtype), bfloat16 or
+    float8_e4m3fn."""
+    if name in (None, "", "auto"):
+        return None
+    if name in ("bf16", "bfloat16"):
+        return torch.bfloat16
+    if name in ("fp8", "fp8_e4m3", "float8_e4m3fn"):
+        return torch.float8_e4m3fn
+    raise ValueError(f"--kv-cache-dtype {name!r}: expected auto, bf16 or fp8")
+
+
 class KVCache:
     """k[layer], v[layer]: [B, H_kv, S, D]; valid: [B, S] bool (slot holds a real, attendable token)."""
 

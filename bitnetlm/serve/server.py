@@ -53,7 +53,7 @@ def _loader(model, device, dtype, backend, threads=None, head_dtype=None, kv_cac
             dtype=dtype,
             threads=threads,
             head_dtype=head_dtype,
-            kv_cache=kv_cache_dtype,
+            kv_cache_dtype=kv_cache_dtype,
         )
 
     return load

@@ -91,13 +91,14 @@ def bench_cuda(
     shape; returns rows + ratios."""
     from bitnetlm.engine_cuda import CudaEngine, EngineConfig
     from bitnetlm.models import ModelConfig
+    from bitnetlm.models.cache import parse_kv_cache_dtype
 
     cfg = ModelConfig(**(shape or {}))
     seq = n_prompt + n_gen + 1
     rows = []
     kinds = [("ternary", h, c) for h in heads for c in kv] + ([("dense", "fp", "auto")] if baseline else [])
     for weights, head, cache in kinds:
-        kv_dtype = torch.float8_e4m3fn if cache == "fp8" else None
+        kv_dtype = parse_kv_cache_dtype(cache)
         ecfg = EngineConfig(
             max_batch=max(batches), max_seq_len=seq, weights=weights, head=head, kv_dtype=kv_dtype
         )
