@@ -81,6 +81,12 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8,64", help="decode batch sizes")
     ap.add_argument("--n-prompt", type=int, default=512)
     ap.add_argument("--n-gen", type=int, default=128)
+    ap.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=0,
+        help="KV-cache positions (default prompt + decode + 1; a server's: 4096)",
+    )
     ap.add_argument("--heads", default="fp,int8", help="ternary head options to run (fp = bf16)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--kv", default="auto", help="KV-cache types of the ternary rows: auto (bf16), fp8")
@@ -103,6 +109,7 @@ def main() -> int:
             heads=tuple(args.heads.split(",")),
             reps=args.reps,
             kv=tuple(args.kv.split(",")),
+            max_seq_len=args.max_seq_len or None,
         )
         out["engine"] = res
         md += ["", markdown(res)]

@@ -1,9 +1,9 @@
 """Where a CUDA-graph decode step spends its time (device machine): kernel table of one engine's decode.
 
-    python benchmarks/gpu_profile.py [--batches 1,8] [--weights ternary] [--chunks 0,32,64,128]
+    python benchmarks/gpu_profile.py [--batches 1,8] [--weights ternary] [--splits 0,8,16,32] [--max-seq-len N]
 
 Random weights of the 2B4T shape; replays the captured decode step under torch.profiler and prints the kernels
-by total time, plus decode ms/step for the attention block-size variants. The decode kernels use programmatic
+by total time, plus decode ms/step for attention split counts (programs per row and kv head). The decode kernels use programmatic
 dependent launch: a kernel starts early and waits for its predecessor, so its profiled duration includes that
 wait. For per-kernel durations run with BITNETLM_TRITON_PDL=0 (and BITNETLM_TRITON_TUNE_CACHE= for a fresh tune).
 """
@@ -24,7 +24,15 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--weights", default="ternary")
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--chunks", default="0,32,64,128", help="attention keys per split to time (0 = default)")
+    ap.add_argument(
+        "--splits", default="0", help="attention splits per row and kv head to time (0 = default)"
+    )
+    ap.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=0,
+        help="KV-cache positions (default context + 200; a server's is 4096)",
+    )
     ap.add_argument(
         "--prefill", type=int, default=0, help="also profile one batch-1 prefill of this many tokens"
     )
@@ -36,11 +44,13 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     eng = CudaEngine.random(
         ModelConfig(),
-        EngineConfig(max_batch=max(batches), max_seq_len=args.context + 200, weights=args.weights),
+        EngineConfig(
+            max_batch=max(batches), max_seq_len=args.max_seq_len or args.context + 200, weights=args.weights
+        ),
     )
     for b in batches:
-        for blk in [int(c) for c in args.chunks.split(",")]:  # 0 = the launcher's choice
-            attention.ATTN_CHUNK = blk
+        for blk in [int(c) for c in args.splits.split(",")]:  # 0 = the launcher's choice
+            attention.ATTN_SPLITS = blk
             eng._graphs.clear()
             st = eng.decode_state(b)
             st.pos.fill_(args.context)
@@ -55,8 +65,8 @@ def main() -> int:
                 st.graph.replay()
             e.record()
             e.synchronize()
-            print(f"batch {b} attn chunk {blk}: {a.elapsed_time(e) / 100:.3f} ms/step", flush=True)
-        attention.ATTN_CHUNK = 0
+            print(f"batch {b} attn splits {blk or 'auto'}: {a.elapsed_time(e) / 100:.3f} ms/step", flush=True)
+        attention.ATTN_SPLITS = 0
         eng._graphs.clear()
         st = eng.decode_state(b)
         st.pos.fill_(args.context)

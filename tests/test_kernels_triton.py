@@ -290,16 +290,17 @@ def test_gpu_gated_2b4t_and_int8_head():
 
 @pytest.mark.parametrize("h,hkv", [(4, 2), (3, 3), (6, 2)])
 def test_decode_attention_split_merge(h, hkv):
-    """Split-KV decode attention (several splits merged by the last program) vs softmax attention; GQA groups
-    of 2, 1 (MHA) and 3 (not a power of two) query heads per KV head."""
+    """Split-KV decode attention (the live context cut into spans, merged by the last program holding keys) vs
+    softmax attention; GQA groups of 2, 1 (MHA) and 3 (not a power of two) query heads per KV head. Contexts of
+    1 key, a few keys (one split busy), a span boundary and the whole cache (every split busy)."""
     from bitnetlm.kernels.triton.attention import attn_decode
 
     g = torch.Generator().manual_seed(3)
-    b, s, d = 2, 50, 16
+    b, s, d = 5, 64, 16
     q = torch.randn(b, h, d, generator=g).to(DEV)
     kc = torch.randn(b, hkv, s, d, generator=g).to(DEV)
     vc = torch.randn(b, hkv, s, d, generator=g).to(DEV)
-    pos = torch.tensor([37, 4], dtype=torch.int32, device=DEV)
+    pos = torch.tensor([37, 4, 0, 47, 63], dtype=torch.int32, device=DEV)
     for _ in range(2):  # twice: the split counters must be reset by the first call
         out = torch.full((b, h, d), float("nan"), device=DEV)
         attn_decode(q, kc, vc, pos, out, d**-0.5)

@@ -111,115 +111,122 @@ def _attn_gqa_kernel(
     GP: tl.constexpr,
     GM: tl.constexpr,
     D: tl.constexpr,
-    CHUNK: tl.constexpr,
     BS: tl.constexpr,
     NS2: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr = False,
     KV8: tl.constexpr = False,
 ):
-    """Flash-decoding over a GQA group: program (b, kv head, split) loads each K/V block of its CHUNK keys once
-    for all G query heads sharing it (scores and P@V on tensor cores, the G rows padded to GP >= 16); the last
-    split of (b, kv head) to finish (an atomic counter) merges the partial (max, sum, acc) of all splits and
-    resets the counter for the next call (CUDA-graph replays need no memset)."""
+    """Flash-decoding over a GQA group: program (b, kv head, split) loads each K/V block of its keys once for
+    all G query heads sharing it (scores and P@V on tensor cores, the G rows padded to GP >= 16). The row's live
+    context 0..pos[b] (not the cache's capacity S) is cut into NSPLIT spans of a multiple of 16 keys, so a
+    short context in a long cache still spreads over every split; the last split of (b, kv head) holding keys
+    to finish (an atomic counter) merges the partial (max, sum, acc) and resets the counter for the next call
+    (CUDA-graph replays need no memset)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     base = (b * HKV + kvh) * S * D
-    if PDL:
-        if CHUNK <= 128:  # latency-bound small chunks: this program's K/V rows into L2 while waiting (a hint
-            # only: pos read this early may be stale, the rows past it still being written; the loads come later)
-            LP: tl.constexpr = D // 64 if D >= 64 else 1  # 128-byte lines of a bf16 row
-            pf_s = sp * CHUNK + tl.arange(0, CHUNK)
-            pf_kv = base + pf_s[:, None] * D + (tl.arange(0, LP) * 64)[None, :]
-            pos_early = tl.load(pos_ptr + b, cache_modifier=".cg")  # not into L1: the real load comes later
-            pf_m = tl.broadcast_to((pf_s <= pos_early)[:, None], [CHUNK, LP])
-            _prefetch_l2(k_ptr + pf_kv, pf_m, True)
-            _prefetch_l2(v_ptr + pf_kv, pf_m, True)
+    if PDL:  # this program's first K/V block into L2 while waiting (a hint only: pos read this early may be
+        # stale, the rows past it still being written; the real loads come later)
+        LP: tl.constexpr = D // 64 if D >= 64 else 1  # 128-byte lines of a bf16 row
+        pos_early = tl.load(pos_ptr + b, cache_modifier=".cg")  # not into L1: the real load comes later
+        span_e = tl.cdiv(tl.cdiv(pos_early + 1, NSPLIT), 16) * 16
+        pf_s = sp * span_e + tl.arange(0, BS)
+        pf_kv = base + pf_s[:, None] * D + (tl.arange(0, LP) * 64)[None, :]
+        pf_m = tl.broadcast_to(((pf_s <= pos_early) & (pf_s < (sp + 1) * span_e))[:, None], [BS, LP])
+        _prefetch_l2(k_ptr + pf_kv, pf_m, True)
+        _prefetch_l2(v_ptr + pf_kv, pf_m, True)
     _pdl_wait(PDL)
     n = tl.load(pos_ptr + b) + 1  # keys 0..pos[b] are this row's context
-    offs_d = tl.arange(0, D)
-    offs_g = tl.arange(0, GP)
-    mg = offs_g < G
-    heads = b * H + kvh * G + offs_g  # [GP] query rows
-    q = tl.load(q_ptr + heads[:, None] * D + offs_d[None, :], mask=mg[:, None], other=0.0)  # [GP, D]
-    if KV8 and not IEEE:  # a float8 cache: float16 operands (float8 -> float16: one conversion per 2 values)
-        q = q.to(tl.float16)
-    m_i = tl.full([GP], float("-inf"), tl.float32)
-    l_i = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
-    lo = sp * CHUNK
-    hi = tl.minimum(lo + CHUNK, n)
-    for s0 in range(lo, hi, BS):
-        offs_s = s0 + tl.arange(0, BS)
-        ms = offs_s < hi
-        k = tl.load(k_ptr + base + offs_s[:, None] * D + offs_d[None, :], mask=ms[:, None], other=0.0)
-        v = tl.load(v_ptr + base + offs_s[:, None] * D + offs_d[None, :], mask=ms[:, None], other=0.0)
-        if KV8:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        if IEEE:
-            sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            sc = tl.dot(q, tl.trans(k))
-        sc = tl.where(ms[None, :], sc * sm_scale, float("-inf"))  # [GP, BS]
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        p = tl.exp(sc - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        if IEEE:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
-    row = (b * HKV + kvh) * NSPLIT + sp
-    pr = row * GP + offs_g  # partial rows [GP] (rows >= G are never read)
-    tl.store(pacc_ptr + pr[:, None] * D + offs_d[None, :], acc)
-    tl.store(pml_ptr + pr * 2, m_i)
-    tl.store(pml_ptr + pr * 2 + 1, l_i)
-    tl.debug_barrier()
-    done = tl.atomic_add(cnt_ptr + b * HKV + kvh, 1, sem="acq_rel")
-    if done == NSPLIT - 1:
+    span = tl.cdiv(tl.cdiv(n, NSPLIT), 16) * 16  # keys per split
+    nact = tl.cdiv(n, span)  # splits holding keys; the rest have nothing to do
+    lo = sp * span
+    if lo < n:
+        offs_d = tl.arange(0, D)
+        offs_g = tl.arange(0, GP)
+        mg = offs_g < G
+        heads = b * H + kvh * G + offs_g  # [GP] query rows
+        q = tl.load(q_ptr + heads[:, None] * D + offs_d[None, :], mask=mg[:, None], other=0.0)  # [GP, D]
+        if (
+            KV8 and not IEEE
+        ):  # a float8 cache: float16 operands (float8 -> float16: one conversion per 2 values)
+            q = q.to(tl.float16)
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        hi = tl.minimum(lo + span, n)
+        for s0 in range(lo, hi, BS):
+            offs_s = s0 + tl.arange(0, BS)
+            ms = offs_s < hi
+            k = tl.load(k_ptr + base + offs_s[:, None] * D + offs_d[None, :], mask=ms[:, None], other=0.0)
+            v = tl.load(v_ptr + base + offs_s[:, None] * D + offs_d[None, :], mask=ms[:, None], other=0.0)
+            if KV8:
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+            if IEEE:
+                sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                sc = tl.dot(q, tl.trans(k))
+            sc = tl.where(ms[None, :], sc * sm_scale, float("-inf"))  # [GP, BS]
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            p = tl.exp(sc - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            if IEEE:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        row = (b * HKV + kvh) * NSPLIT + sp
+        pr = row * GP + offs_g  # partial rows [GP] (rows >= G are never read)
+        tl.store(pacc_ptr + pr[:, None] * D + offs_d[None, :], acc)
+        tl.store(pml_ptr + pr * 2, m_i)
+        tl.store(pml_ptr + pr * 2 + 1, l_i)
         tl.debug_barrier()
-        tl.atomic_xchg(cnt_ptr + b * HKV + kvh, 0, sem="relaxed")
-        offs_p = tl.arange(0, NS2)
-        offs_h = tl.arange(0, GM)
-        mp = (offs_p < NSPLIT)[:, None] & (offs_h < G)[None, :]  # [NS2, GM]
-        rows = ((b * HKV + kvh) * NSPLIT + offs_p)[:, None] * GP + offs_h[None, :]
-        # .cg: read the other programs' partials from L2, never from a stale L1 line of an earlier replay
-        m_all = tl.load(pml_ptr + rows * 2, mask=mp, other=float("-inf"), cache_modifier=".cg")
-        l_all = tl.load(pml_ptr + rows * 2 + 1, mask=mp, other=0.0, cache_modifier=".cg")
-        pa = tl.load(
-            pacc_ptr + rows[:, :, None] * D + offs_d[None, None, :],
-            mask=mp[:, :, None],
-            other=0.0,
-            cache_modifier=".cg",
-        )  # [NS2, GM, D]
-        mx = tl.max(m_all, axis=0)  # [GM]
-        w = tl.where(m_all == float("-inf"), 0.0, tl.exp(m_all - mx[None, :]))
-        o = tl.sum(pa * w[:, :, None], axis=0) / tl.sum(l_all * w, axis=0)[:, None]  # [GM, D]
-        oh = b * H + kvh * G + offs_h
-        tl.store(
-            o_ptr + oh[:, None] * D + offs_d[None, :],
-            o.to(o_ptr.dtype.element_ty),
-            mask=(offs_h < G)[:, None],
-        )
+        done = tl.atomic_add(cnt_ptr + b * HKV + kvh, 1, sem="acq_rel")
+        if done == nact - 1:
+            tl.debug_barrier()
+            tl.atomic_xchg(cnt_ptr + b * HKV + kvh, 0, sem="relaxed")
+            offs_p = tl.arange(0, NS2)
+            offs_h = tl.arange(0, GM)
+            mp = (offs_p < nact)[:, None] & (offs_h < G)[None, :]  # [NS2, GM]
+            rows = ((b * HKV + kvh) * NSPLIT + offs_p)[:, None] * GP + offs_h[None, :]
+            # .cg: read the other programs' partials from L2, never from a stale L1 line of an earlier replay
+            m_all = tl.load(pml_ptr + rows * 2, mask=mp, other=float("-inf"), cache_modifier=".cg")
+            l_all = tl.load(pml_ptr + rows * 2 + 1, mask=mp, other=0.0, cache_modifier=".cg")
+            pa = tl.load(
+                pacc_ptr + rows[:, :, None] * D + offs_d[None, None, :],
+                mask=mp[:, :, None],
+                other=0.0,
+                cache_modifier=".cg",
+            )  # [NS2, GM, D]
+            mx = tl.max(m_all, axis=0)  # [GM]
+            w = tl.where(m_all == float("-inf"), 0.0, tl.exp(m_all - mx[None, :]))
+            o = tl.sum(pa * w[:, :, None], axis=0) / tl.sum(l_all * w, axis=0)[:, None]  # [GM, D]
+            oh = b * H + kvh * G + offs_h
+            tl.store(
+                o_ptr + oh[:, None] * D + offs_d[None, :],
+                o.to(o_ptr.dtype.element_ty),
+                mask=(offs_h < G)[:, None],
+            )
 
 
-ATTN_CHUNK = 0  # keys per split; 0 = chosen from the batch (about 4 programs per SM, at most 32 splits)
+ATTN_SPLITS = (
+    0  # splits of each row's context; 0 = chosen from the batch (about 4 programs per SM, at most 32)
+)
 ATTN_PROGRAMS = 528
 _attn_ws: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
-def _attn_chunk(b: int, hkv: int, s: int) -> int:
+def _attn_splits(b: int, hkv: int, s: int) -> int:
+    """Programs per (row, kv head): fixed by the batch when the step is captured, while the context they share
+    grows step by step (each takes a 1/NSPLIT span of it, a multiple of 16 keys)."""
     if INTERPRET:
-        return 16
-    if ATTN_CHUNK:
-        return ATTN_CHUNK
-    want = max(1, ATTN_PROGRAMS // (b * hkv))  # splits per (b, kv head)
-    chunk = triton.next_power_of_2(triton.cdiv(s, want))
-    return max(32, chunk, triton.next_power_of_2(triton.cdiv(s, 32)))
+        return 4
+    want = ATTN_SPLITS or max(1, ATTN_PROGRAMS // (b * hkv))
+    return max(1, min(want, 32, triton.cdiv(s, 16)))
 
 
 def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float) -> None:
@@ -229,8 +236,7 @@ def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float) -> None:
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     g = h // hkv
     gp = max(16, triton.next_power_of_2(g))  # tl.dot needs >= 16 rows
-    chunk = _attn_chunk(b, hkv, s)
-    nsplit = triton.cdiv(s, chunk)
+    nsplit = _attn_splits(b, hkv, s)
     key = (str(q.device), b, hkv, nsplit, gp, d)
     if key not in _attn_ws:  # partials + zeroed counters, allocated before any graph capture (warm-up call)
         _attn_ws[key] = (
@@ -257,8 +263,7 @@ def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float) -> None:
         GP=gp,
         GM=triton.next_power_of_2(g),
         D=d,
-        CHUNK=chunk,
-        BS=min(chunk, 16 if INTERPRET else 64),
+        BS=16 if INTERPRET else 64,
         NS2=triton.next_power_of_2(nsplit),
         IEEE=q.dtype == torch.float32,
         KV8=k_cache.element_size() == 1,

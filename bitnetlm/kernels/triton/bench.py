@@ -86,6 +86,7 @@ def bench_cuda(
     baseline: bool = True,
     reps: int = 5,
     kv=("auto",),
+    max_seq_len: int | None = None,
 ) -> dict:
     """Ternary engine (each head option x KV-cache type: "auto" = bf16, "fp8") and the bf16 baseline on the same
     shape; returns rows + ratios."""
@@ -94,7 +95,9 @@ def bench_cuda(
     from bitnetlm.models.cache import parse_kv_cache_dtype
 
     cfg = ModelConfig(**(shape or {}))
-    seq = n_prompt + n_gen + 1
+    seq = max_seq_len or n_prompt + n_gen + 1  # KV-cache positions (a server allocates its whole context)
+    if seq < n_prompt + n_gen + 1:
+        raise ValueError(f"max_seq_len {seq} is shorter than prompt + decode ({n_prompt} + {n_gen} + 1)")
     rows = []
     kinds = [("ternary", h, c) for h in heads for c in kv] + ([("dense", "fp", "auto")] if baseline else [])
     for weights, head, cache in kinds:
@@ -123,13 +126,14 @@ def bench_cuda(
                     prefill_speedup=r["prefill_tok_s"] / base[0]["prefill_tok_s"],
                 )
             )
-    return dict(gpu=gpu_name(), config=dict(n_prompt=n_prompt, n_gen=n_gen), results=rows, ratios=ratios)
+    config = dict(n_prompt=n_prompt, n_gen=n_gen, max_seq_len=seq)
+    return dict(gpu=gpu_name(), config=config, results=rows, ratios=ratios)
 
 
 def markdown(res: dict) -> str:
     out = [
         f"GPU: {res['gpu']}; prompt {res['config']['n_prompt']} tokens, decode {res['config']['n_gen']} steps "
-        "after it; random weights of the shape",
+        f"after it; KV cache of {res['config'].get('max_seq_len', '?')} positions; random weights of the shape",
         "",
         "| weights | head | KV cache | batch | prefill ms | prefill tok/s | decode ms/step | decode tok/s | weights GB/s "
         "| vs bf16 (decode) |",
