@@ -4,6 +4,7 @@
 Builds BitNet b1.58 2B4T (and the 0.7B 1bitLLM "large" shape) directly in the CPU packed layout
 (random weights: the real checkpoints are not reachable offline), then measures
   - STREAM-like copy bandwidth (bytes read + written per second, the library's own threads),
+  - read-only bandwidth around each decode row, and the tokens/s it allows (weights read per token),
   - decode tokens/s (tgN from an empty cache) with a bf16 and an int8 embedding/LM head,
   - prefill tokens/s (ppN, last position's logits only),
   - weight bytes read per decoded token and the GB/s that implies,
@@ -45,6 +46,20 @@ def copy_bandwidth(threads: int, mib: int = 512, reps: int = 5) -> float:
         lib.bn_parallel_copy(dst.data_ptr(), src.data_ptr(), src.numel())
         best = min(best, time.perf_counter() - t0)
     return 2 * src.numel() / best / 1e9
+
+
+def read_bandwidth(threads: int, mib: int = 512, reps: int = 5) -> float:
+    """Best-of-`reps` GB/s of a parallel read-only sweep (the sum of 64-bit words): decode's own access pattern,
+    so its ceiling. Measured again before each decode row: this VM's bandwidth drifts by tens of percent."""
+    cpu.set_num_threads(threads)
+    src = torch.ones(mib << 20, dtype=torch.uint8)
+    lib = cpu._lib.load()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        lib.bn_parallel_read(src.data_ptr(), src.numel())
+        best = min(best, time.perf_counter() - t0)
+    return src.numel() / best / 1e9
 
 
 def rss_bytes() -> int:
@@ -110,12 +125,16 @@ def main() -> int:
                     table = head_w = None
             tern, headb = weight_bytes_per_token(model)
             for nt in threads:
+                read_before = read_bandwidth(nt)
                 rows = bench.bench(model, pps, [a.tg], [nt], a.reps, "cpu", f"{shape} (random)")
+                read_gbps = (read_before + read_bandwidth(nt)) / 2  # around the runs
                 for r in rows:
                     r.update(head=hd, build_s=build_s, copy_gbps=out["copy_gbps"][nt])
                     if r["test"].startswith("tg"):
                         r["weight_bytes_per_token"] = tern + headb
                         r["weights_gbps"] = (tern + headb) * r["tokens_per_s"] / 1e9
+                        r["read_gbps"] = read_gbps
+                        r["ceiling_tokens_per_s"] = read_gbps * 1e9 / (tern + headb)
                 out["rows"].extend(rows)
             cache = model.new_cache(1, a.ctx)
             kv = cache.nbytes()
@@ -143,13 +162,21 @@ def main() -> int:
     print("| threads | copy GB/s (read+write) |\n| ---: | ---: |")
     for t, g in out["copy_gbps"].items():
         print(f"| {t} | {g:.1f} |")
-    print("\n| model | head | threads | test | t/s | weights read/token | weight GB/s |")
-    print("| --- | --- | ---: | --- | ---: | ---: | ---: |")
+    print(
+        "\n| model | head | threads | test | t/s | weights read/token | weight GB/s | read GB/s around the row "
+        "| ceiling t/s (read GB/s / weights) | of ceiling |"
+    )
+    print("| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in out["rows"]:
         if r["test"] == "memory":
             continue
         wb = r.get("weight_bytes_per_token")
-        extra = f"{wb / 1e6:.0f} MB | {r['weights_gbps']:.1f}" if wb else " | "
+        extra = (
+            f"{wb / 1e6:.0f} MB | {r['weights_gbps']:.1f} | {r['read_gbps']:.1f} | "
+            f"{r['ceiling_tokens_per_s']:.2f} | {r['tokens_per_s'] / r['ceiling_tokens_per_s']:.0%}"
+            if wb
+            else " | | | |"
+        )
         print(
             f"| {r['model']} | {r['head']} | {r['threads']} | {r['test']} | "
             f"{r['tokens_per_s']:.2f} ± {r['std']:.2f} | {extra} |"

@@ -1,11 +1,11 @@
 """Where a CUDA-graph decode step spends its time (device machine): kernel table of one engine's decode.
 
-    python benchmarks/gpu_profile.py [--batches 1,8] [--weights ternary] [--splits 0,8,16,32] [--max-seq-len N]
+    python benchmarks/gpu_profile.py [--batches 1,8] [--weights ternary] [--attn 0,13/32/1] [--max-seq-len N]
 
 Random weights of the 2B4T shape; replays the captured decode step under torch.profiler and prints the kernels
-by total time, plus decode ms/step for attention split counts (programs per row and kv head). The decode kernels use programmatic
-dependent launch: a kernel starts early and waits for its predecessor, so its profiled duration includes that
-wait. For per-kernel durations run with BITNETLM_TRITON_PDL=0 (and BITNETLM_TRITON_TUNE_CACHE= for a fresh tune).
+by total time, plus decode ms/step for attention variants (splits per row and kv head / keys per block / pipeline
+stages / warps). The decode kernels use programmatic dependent launch: a kernel starts early and waits for its
+predecessor, so its profiled duration includes that wait. For per-kernel durations run with BITNETLM_TRITON_PDL=0 (and BITNETLM_TRITON_TUNE_CACHE= for a fresh tune).
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ def main() -> int:
     ap.add_argument("--weights", default="ternary")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument(
-        "--splits", default="0", help="attention splits per row and kv head to time (0 = default)"
+        "--attn",
+        default="0",
+        help="attention variants to time: comma-separated SPLITS[/BS[/STAGES[/WARPS]]] (0 = the default)",
     )
     ap.add_argument(
         "--max-seq-len",
@@ -49,8 +51,9 @@ def main() -> int:
         ),
     )
     for b in batches:
-        for blk in [int(c) for c in args.splits.split(",")]:  # 0 = the launcher's choice
-            attention.ATTN_SPLITS = blk
+        for spec in args.attn.split(","):  # 0 = the launcher's choice
+            vals = [int(v) for v in spec.split("/")] + [0, 0, 0]
+            attention.ATTN_SPLITS, attention.ATTN_BS, attention.ATTN_STAGES, attention.ATTN_WARPS = vals[:4]
             eng._graphs.clear()
             st = eng.decode_state(b)
             st.pos.fill_(args.context)
@@ -65,8 +68,8 @@ def main() -> int:
                 st.graph.replay()
             e.record()
             e.synchronize()
-            print(f"batch {b} attn splits {blk or 'auto'}: {a.elapsed_time(e) / 100:.3f} ms/step", flush=True)
-        attention.ATTN_SPLITS = 0
+            print(f"batch {b} attn {spec}: {a.elapsed_time(e) / 100:.3f} ms/step", flush=True)
+        attention.ATTN_SPLITS = attention.ATTN_BS = attention.ATTN_STAGES = attention.ATTN_WARPS = 0
         eng._graphs.clear()
         st = eng.decode_state(b)
         st.pos.fill_(args.context)

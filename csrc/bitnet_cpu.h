@@ -76,6 +76,9 @@ int bn_gemm_i8row(const float *x, int64_t m, int64_t k, const int8_t *w, const f
 
 /* STREAM-like copy bandwidth helper: copies src to dst with the library's threads (bytes) */
 void bn_parallel_copy(void *dst, const void *src, int64_t bytes);
+/* Read-only bandwidth helper: the sum of src's 64-bit words (bytes / 8 of them), read with the library's threads.
+ * Decode only reads its weights, so this, not the copy, is its ceiling. */
+uint64_t bn_parallel_read(const void *src, int64_t bytes);
 
 #ifdef __cplusplus
 }

@@ -157,6 +157,30 @@ def test_thread_counts_agree():
     assert cpuk.set_num_threads(None) == cpuk.physical_cores()
 
 
+def test_bandwidth_helpers_touch_every_byte():
+    """The benchmarks' bandwidth helpers (benchmarks/cpu_decode.py): the parallel copy reproduces the source and
+    the parallel read's word sum equals torch's, for sizes that are not a multiple of the 1 MiB thread chunk or
+    of the 8-byte word (the tail bytes past the last word are not read), at 1 and 3 threads."""
+    lib = cpuk._lib.load()
+    prev = cpuk.get_num_threads()
+    try:
+        for nt in (1, 3):
+            cpuk.set_num_threads(nt)
+            for nbytes in (8, 1000, (3 << 20) + 4100):
+                src = torch.randint(
+                    0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes)
+                )
+                dst = torch.zeros_like(src)
+                lib.bn_parallel_copy(dst.data_ptr(), src.data_ptr(), nbytes)
+                assert torch.equal(dst, src)
+                words = src[: nbytes // 8 * 8].view(torch.int64)
+                # the C sum wraps modulo 2**64: compare as uint64 through Python ints
+                want = sum(int(w) & (2**64 - 1) for w in words.tolist()) % 2**64
+                assert lib.bn_parallel_read(src.data_ptr(), nbytes) == want
+    finally:
+        cpuk.set_num_threads(prev)
+
+
 def test_linear_multi_equals_single():
     gen = torch.Generator().manual_seed(6)
     sizes = [256, 64, 64, 3]

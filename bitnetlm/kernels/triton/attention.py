@@ -213,9 +213,11 @@ def _attn_gqa_kernel(
             )
 
 
-ATTN_SPLITS = (
-    0  # splits of each row's context; 0 = chosen from the batch (about 4 programs per SM, at most 32)
-)
+# Overrides for benchmarks/gpu_profile.py --attn (0 = the launcher's choice):
+ATTN_SPLITS = 0  # splits of each row's context (default: about 4 programs per SM, at most 32)
+ATTN_BS = 0  # keys per K/V block (default 64)
+ATTN_STAGES = 0  # software-pipeline stages of the block loop (default: Triton's)
+ATTN_WARPS = 0  # default 4
 ATTN_PROGRAMS = 528
 _attn_ws: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -263,11 +265,12 @@ def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float) -> None:
         GP=gp,
         GM=triton.next_power_of_2(g),
         D=d,
-        BS=16 if INTERPRET else 64,
+        BS=16 if INTERPRET else ATTN_BS or 64,
         NS2=triton.next_power_of_2(nsplit),
         IEEE=q.dtype == torch.float32,
         KV8=k_cache.element_size() == 1,
-        num_warps=1 if INTERPRET else 4,
+        num_warps=1 if INTERPRET else ATTN_WARPS or 4,
+        **({"num_stages": ATTN_STAGES} if ATTN_STAGES else {}),
         **pdl_kw(),
     )
 
