@@ -278,6 +278,13 @@ def test_steps_that_do_not_qualify_run_the_torch_layers(oracle_dirs, one_torch_t
         )  # slot twice
         model(ids)  # no cache
         model(ids, cache=model.new_cache(1, 8, dtype=torch.float16))  # fp16 cache
+        # one layer's tensors unlike the first's: the C step would index them with layer 0's shape
+        odd = model.new_cache(1, 8)
+        odd.v[-1] = odd.v[-1].transpose(2, 3).contiguous().transpose(2, 3)  # same shape, not contiguous
+        model(ids, cache=odd)
+        odd = model.new_cache(1, 8)
+        odd.k[1] = model.new_cache(1, 9).k[1][:, :, :8].contiguous().double()  # another dtype
+        model(ids, cache=odd)
     model(ids, cache=model.new_cache(1, 8))  # autograd on: the torch layers build the graph
     assert fused.calls == 1
     # repacked weights: the step follows the new tensors (here the same values in a fresh buffer)
