@@ -5,7 +5,8 @@
 Random weights of the 2B4T shape; replays the captured decode step under torch.profiler and prints the kernels
 by total time, plus decode ms/step for attention variants (splits per row and kv head / keys per block / pipeline
 stages / warps). The decode kernels use programmatic dependent launch: a kernel starts early and waits for its
-predecessor, so its profiled duration includes that wait. For per-kernel durations run with BITNETLM_TRITON_PDL=0 (and BITNETLM_TRITON_TUNE_CACHE= for a fresh tune).
+predecessor, so its profiled duration includes that wait. For per-kernel durations run with
+BITNETLM_TRITON_PDL=0 (and BITNETLM_TRITON_TUNE_CACHE= for a fresh tune).
 """
 
 from __future__ import annotations
