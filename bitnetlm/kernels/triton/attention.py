@@ -148,10 +148,8 @@ def _attn_gqa_kernel(
         mg = offs_g < G
         heads = b * H + kvh * G + offs_g  # [GP] query rows
         q = tl.load(q_ptr + heads[:, None] * D + offs_d[None, :], mask=mg[:, None], other=0.0)  # [GP, D]
-        if (
-            KV8 and not IEEE
-        ):  # a float8 cache: float16 operands (float8 -> float16: one conversion per 2 values)
-            q = q.to(tl.float16)
+        if KV8 and not IEEE:
+            q = q.to(tl.float16)  # a float8 cache: float16 operands (float8 -> float16: one conversion per 2)
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
