@@ -34,18 +34,23 @@ from bitnetlm.models.cache import parse_kv_cache_dtype  # noqa: E402
 from bitnetlm.quant.bitlinear import BitLinear  # noqa: E402
 
 
+def _best_seconds(fn, reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def copy_bandwidth(threads: int, mib: int = 512, reps: int = 5) -> float:
     """Best-of-`reps` GB/s of a parallel memcpy, counting bytes read and written (STREAM 'copy' convention)."""
     cpu.set_num_threads(threads)
     src = torch.ones(mib << 20, dtype=torch.uint8)
     dst = torch.empty_like(src)
     lib = cpu._lib.load()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        lib.bn_parallel_copy(dst.data_ptr(), src.data_ptr(), src.numel())
-        best = min(best, time.perf_counter() - t0)
-    return 2 * src.numel() / best / 1e9
+    t = _best_seconds(lambda: lib.bn_parallel_copy(dst.data_ptr(), src.data_ptr(), src.numel()), reps)
+    return 2 * src.numel() / t / 1e9
 
 
 def read_bandwidth(threads: int, mib: int = 512, reps: int = 5) -> float:
@@ -54,12 +59,8 @@ def read_bandwidth(threads: int, mib: int = 512, reps: int = 5) -> float:
     cpu.set_num_threads(threads)
     src = torch.ones(mib << 20, dtype=torch.uint8)
     lib = cpu._lib.load()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        lib.bn_parallel_read(src.data_ptr(), src.numel())
-        best = min(best, time.perf_counter() - t0)
-    return src.numel() / best / 1e9
+    t = _best_seconds(lambda: lib.bn_parallel_read(src.data_ptr(), src.numel()), reps)
+    return src.numel() / t / 1e9
 
 
 def rss_bytes() -> int:

@@ -93,6 +93,12 @@ def rope_cache(qkv, cos, sin, pos, q_out, k_cache, v_cache, n_heads: int, n_kv: 
 
 
 @triton.jit
+def _span(n, NSPLIT):
+    """Keys per split of an n-key context: 1/NSPLIT of it, rounded up to a multiple of 16."""
+    return tl.cdiv(tl.cdiv(n, NSPLIT), 16) * 16
+
+
+@triton.jit
 def _attn_gqa_kernel(
     q_ptr,
     k_ptr,
@@ -131,7 +137,7 @@ def _attn_gqa_kernel(
         # stale, the rows past it still being written; the real loads come later)
         LP: tl.constexpr = D // 64 if D >= 64 else 1  # 128-byte lines of a bf16 row
         pos_early = tl.load(pos_ptr + b, cache_modifier=".cg")  # not into L1: the real load comes later
-        span_e = tl.cdiv(tl.cdiv(pos_early + 1, NSPLIT), 16) * 16
+        span_e = _span(pos_early + 1, NSPLIT)
         pf_s = sp * span_e + tl.arange(0, BS)
         pf_kv = base + pf_s[:, None] * D + (tl.arange(0, LP) * 64)[None, :]
         pf_m = tl.broadcast_to(((pf_s <= pos_early) & (pf_s < (sp + 1) * span_e))[:, None], [BS, LP])
@@ -139,7 +145,7 @@ def _attn_gqa_kernel(
         _prefetch_l2(v_ptr + pf_kv, pf_m, True)
     _pdl_wait(PDL)
     n = tl.load(pos_ptr + b) + 1  # keys 0..pos[b] are this row's context
-    span = tl.cdiv(tl.cdiv(n, NSPLIT), 16) * 16  # keys per split
+    span = _span(n, NSPLIT)
     nact = tl.cdiv(n, span)  # splits holding keys; the rest have nothing to do
     lo = sp * span
     if lo < n:

@@ -133,7 +133,7 @@ def bench_cuda(
 def markdown(res: dict) -> str:
     out = [
         f"GPU: {res['gpu']}; prompt {res['config']['n_prompt']} tokens, decode {res['config']['n_gen']} steps "
-        f"after it; KV cache of {res['config'].get('max_seq_len', '?')} positions; random weights of the shape",
+        f"after it; KV cache of {res['config']['max_seq_len']} positions; random weights of the shape",
         "",
         "| weights | head | KV cache | batch | prefill ms | prefill tok/s | decode ms/step | decode tok/s | weights GB/s "
         "| vs bf16 (decode) |",
