@@ -1,6 +1,7 @@
 """Where a CUDA-graph decode step spends its time (device machine): kernel table of one engine's decode.
 
     python benchmarks/gpu_profile.py [--batches 1,8] [--weights ternary] [--attn 0,13/32/1] [--max-seq-len N]
+        [--kv-cache-dtype fp8]
 
 Random weights of the 2B4T shape; replays the captured decode step under torch.profiler and prints the kernels
 by total time, plus decode ms/step for attention variants (splits per row and kv head / keys per block / pipeline
@@ -36,6 +37,7 @@ def main() -> int:
         default=0,
         help="KV-cache positions (default context + 200; a server's is 4096)",
     )
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (bf16), bf16 or fp8")
     ap.add_argument(
         "--prefill", type=int, default=0, help="also profile one batch-1 prefill of this many tokens"
     )
@@ -43,18 +45,21 @@ def main() -> int:
     from bitnetlm.engine_cuda import CudaEngine, EngineConfig
     from bitnetlm.kernels.triton import attention
     from bitnetlm.models import ModelConfig
+    from bitnetlm.models.cache import parse_kv_cache_dtype
 
     batches = [int(b) for b in args.batches.split(",")]
     eng = CudaEngine.random(
         ModelConfig(),
         EngineConfig(
-            max_batch=max(batches), max_seq_len=args.max_seq_len or args.context + 200, weights=args.weights
+            max_batch=max(batches),
+            max_seq_len=args.max_seq_len or args.context + 200,
+            weights=args.weights,
+            kv_dtype=parse_kv_cache_dtype(args.kv_cache_dtype),
         ),
     )
     for b in batches:
         for spec in args.attn.split(","):  # 0 = the launcher's choice
-            vals = [int(v) for v in spec.split("/")] + [0, 0, 0]
-            attention.ATTN_SPLITS, attention.ATTN_BS, attention.ATTN_STAGES, attention.ATTN_WARPS = vals[:4]
+            attention.set_overrides(spec)
             eng._graphs.clear()
             st = eng.decode_state(b)
             st.pos.fill_(args.context)
@@ -70,7 +75,7 @@ def main() -> int:
             e.record()
             e.synchronize()
             print(f"batch {b} attn {spec}: {a.elapsed_time(e) / 100:.3f} ms/step", flush=True)
-        attention.ATTN_SPLITS = attention.ATTN_BS = attention.ATTN_STAGES = attention.ATTN_WARPS = 0
+        attention.set_overrides()
         eng._graphs.clear()
         st = eng.decode_state(b)
         st.pos.fill_(args.context)

@@ -217,13 +217,19 @@ def _attn_gqa_kernel(
             )
 
 
-# Overrides for benchmarks/gpu_profile.py --attn (0 = the launcher's choice):
+# Overrides for the --attn sweeps of benchmarks/gpu_profile.py and gpu_attention.py (0 = the launcher's choice):
 ATTN_SPLITS = 0  # splits of each row's context (default: about 4 programs per SM, at most 32)
 ATTN_BS = 0  # keys per K/V block (default 64)
 ATTN_STAGES = 0  # software-pipeline stages of the block loop (default: Triton's)
 ATTN_WARPS = 0  # default 4
 ATTN_PROGRAMS = 528
 _attn_ws: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def set_overrides(spec: str = "0") -> None:
+    """Benchmarks' attention variants: "SPLITS[/BS[/STAGES[/WARPS]]]", 0 = the launcher's choice."""
+    global ATTN_SPLITS, ATTN_BS, ATTN_STAGES, ATTN_WARPS
+    ATTN_SPLITS, ATTN_BS, ATTN_STAGES, ATTN_WARPS = ([int(v) for v in spec.split("/")] + [0, 0, 0])[:4]
 
 
 def _attn_splits(b: int, hkv: int, s: int) -> int:
