@@ -3,11 +3,16 @@
 under different torch / kernel thread settings. Random 2B4T-shaped weights.
 
     python benchmarks/cpu_profile.py --layers 30 --threads 2
+    python benchmarks/cpu_profile.py --phases 2b4t,large --heads bf16,int8 --threads 2
+
+--phases: a decoded token's time split into the fused C layers, the LM head and the rest (embedding, RoPE
+tables, the final norm, argmax: Python and torch ops), each against the read bandwidth measured before the row.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -35,6 +40,64 @@ def step_time(model, torch_threads: int, n: int = 16) -> float:
     return (time.perf_counter() - t0) / n
 
 
+@contextlib.contextmanager
+def _timed(acc: dict):
+    """Accumulate the wall time of the fused layers' C call and of the LM head into acc."""
+    from bitnetlm.kernels.cpu.decode import FusedDecode
+    from bitnetlm.kernels.cpu.head import CompactHead
+
+    saved = FusedDecode.__call__, CompactHead.forward
+
+    def wrap(fn, key):
+        def timed(*args):
+            t0 = time.perf_counter()
+            out = fn(*args)
+            acc[key] += time.perf_counter() - t0
+            return out
+
+        return timed
+
+    FusedDecode.__call__, CompactHead.forward = wrap(saved[0], "layers"), wrap(saved[1], "head")
+    try:
+        yield
+    finally:
+        FusedDecode.__call__, CompactHead.forward = saved
+
+
+def phases(shapes: list[str], heads: list[str], threads: int, n: int = 64, reps: int = 3) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from cpu_decode import read_bandwidth, weight_bytes_per_token
+
+    dev = torch.device("cpu")
+    print(f"machine: {bench.machine_name()}; {threads} threads; tg{n} from an empty cache, best of {reps}\n")
+    print(
+        "| shape | head | read GB/s | ms/token | fused layers ms | their GB/s | LM head ms | its GB/s | rest ms |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for shape in shapes:
+        for hd in heads:
+            model = bench.random_model(shape, head_dtype=hd)
+            tern, headb = weight_bytes_per_token(model)
+            bench._setup_threads(dev, threads, decode=True)
+            gen = torch.Generator().manual_seed(0)
+            bench.time_decode(model, 8, dev, model.config.vocab_size, gen)
+            best = None
+            read = read_bandwidth(threads)
+            for _ in range(reps):
+                acc = {"layers": 0.0, "head": 0.0}
+                with _timed(acc):
+                    total = bench.time_decode(model, n, dev, model.config.vocab_size, gen)
+                row = (total / n, acc["layers"] / n, acc["head"] / n)
+                best = row if best is None or row[0] < best[0] else best
+            step, lay, head = best
+            print(
+                f"| {shape} | {hd} | {read:.1f} | {step * 1e3:.2f} | {lay * 1e3:.2f} | {tern / lay / 1e9:.1f} | "
+                f"{head * 1e3:.2f} | {headb / head / 1e9:.1f} | {(step - lay - head) * 1e3:.2f} |",
+                flush=True,
+            )
+            del model
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=30)
@@ -42,7 +105,12 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--pp", type=int, default=128)
     ap.add_argument("--profile-prefill", action="store_true")
+    ap.add_argument("--phases", default="", help="comma-separated shapes (2b4t, large): the phase table only")
+    ap.add_argument("--heads", default="bf16,int8", help="LM heads for --phases")
     a = ap.parse_args()
+    if a.phases:
+        phases(a.phases.split(","), a.heads.split(","), a.threads)
+        return 0
     cfg = dict(arch="bitnet", num_hidden_layers=a.layers)
     model = bench.random_model(cfg, "bf16")
     cpu.set_num_threads(a.threads)

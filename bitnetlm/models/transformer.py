@@ -267,19 +267,22 @@ class CausalLM(nn.Module):
                 )
             real = torch.ones_like(input_ids, dtype=torch.bool) if input_mask is None else input_mask
             cache.valid.scatter_(1, cache_pos, real)
-            slots = torch.arange(cache.max_seq_len, device=input_ids.device)
-            # key j is visible to query (b, t) if it holds a real token at or before the query's slot
-            mask = cache.valid[:, None, :] & (slots[None, None, :] <= cache_pos[:, :, None])  # [B, T, S]
-            mask = mask | (slots[None, None, :] == cache_pos[:, :, None])  # a padding query still sees itself
-            mask = mask[:, None]  # [B, 1, T, S]
-        elif input_mask is not None:
-            causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
-            mask = causal[None] & input_mask[:, None, :]  # [B, T, T]
-            mask = (mask | torch.eye(t, dtype=torch.bool, device=input_ids.device))[:, None]  # [B, 1, T, T]
         fused = self.cpu_decode
         if fused is not None and fused.eligible(self, h, cos, cache, cache_pos):
-            h = fused(h, cos, sin, cache, cache_pos)
+            h = fused(h, cos, sin, cache, cache_pos)  # masks by cache.valid itself
         else:
+            if cache is not None:
+                slots = torch.arange(cache.max_seq_len, device=input_ids.device)
+                # key j is visible to query (b, t) if it holds a real token at or before the query's slot
+                mask = cache.valid[:, None, :] & (slots[None, None, :] <= cache_pos[:, :, None])  # [B, T, S]
+                mask = mask | (slots[None, None, :] == cache_pos[:, :, None])  # a padding query sees itself
+                mask = mask[:, None]  # [B, 1, T, S]
+            elif input_mask is not None:
+                causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
+                mask = causal[None] & input_mask[:, None, :]  # [B, T, T]
+                mask = (mask | torch.eye(t, dtype=torch.bool, device=input_ids.device))[
+                    :, None
+                ]  # [B, 1, T, T]
             for i, layer in enumerate(self.layers):
                 h = layer(h, cos, sin, i, cache, cache_pos, mask)
         if last_only:
