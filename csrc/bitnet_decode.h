@@ -66,6 +66,11 @@ int bn_decode_forward_f32(const bn_decode_config *c, const bn_decode_layer *laye
                           void *const *k_cache, void *const *v_cache, const uint8_t *valid, const int64_t *slot,
                           const float *cos, const float *sin, int64_t b, int64_t t, float *h, float *work);
 
+/* The SiLU MLP's middle: y[e] = silu(g[e]) * u[e], silu(x) = x * sigmoid(x) with sigmoid from exp(-|x|) (no
+ * overflow for any x). AVX2 + FMA when the library's instruction-set path is AVX2 or AVX-512 (a ~1 ulp vector
+ * exp), else libm's expf. */
+void bn_silu_mul_f32(const float *g, const float *u, float *y, int64_t n);
+
 #ifdef __cplusplus
 }
 #endif

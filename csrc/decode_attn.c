@@ -132,7 +132,7 @@ static void attn_range_portable(void *p, int64_t lo, int64_t hi) {
 
 /* ---- AVX2 + FMA kernels (head_dim a multiple of 16) ---------------------------------------------------------- */
 #ifdef BN_X86
-#include <immintrin.h>
+#include "vexp_avx2.h"
 #define AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma")))
 #define AVX2_FN static __attribute__((target("avx2,fma")))
 #define PREFETCH_ROWS 8 /* K / V rows to fetch ahead: the hardware prefetcher alone gave ~4.5 GB/s per thread */
@@ -225,26 +225,6 @@ AVX2_INLINE void values_tile(const float *sc, const char *vb, int bf16, int64_t 
     }
 }
 
-/* exp(x) for x <= 0, 8 lanes: Cephes expf (2^n * degree-6 polynomial on |r| <= ln2/2, ~1 ulp); below -87.3
- * (and -inf, a masked key) 0. libm's scalar expf was a quarter of the attention time at 1024 positions. */
-AVX2_INLINE __m256 exp_neg8(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.3f);
-    __m256 zero_mask = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
-    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(zero_mask, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
-}
-
 AVX2_FN float softmax_avx2(float *row, int64_t n) {
     __m256 m8 = _mm256_set1_ps(-INFINITY);
     int64_t j = 0;
@@ -255,7 +235,7 @@ AVX2_FN float softmax_avx2(float *row, int64_t n) {
     for (int64_t k = j; k < n; k++) mx = row[k] > mx ? row[k] : mx;
     __m256 mv = _mm256_set1_ps(mx), s8 = _mm256_setzero_ps();
     for (j = 0; j + 8 <= n; j += 8) {
-        __m256 e = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(row + j), mv));
+        __m256 e = bn_exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(row + j), mv));
         _mm256_storeu_ps(row + j, e);
         s8 = _mm256_add_ps(s8, e);
     }

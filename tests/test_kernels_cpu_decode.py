@@ -305,3 +305,22 @@ def test_models_it_does_not_take(oracle_dirs):
     assert "gelu" in why_not(gelu) and attach(gelu) is None
     fp = load_model(oracle_dirs["llama"][0], backend="cpu")
     assert "Linear" in why_not(fp) and fp.cpu_decode is None
+
+
+@pytest.mark.parametrize("isa", [None, "scalar"])  # the AVX2 vector exp (where the CPU has it) and libm's
+def test_silu_mul_matches_torch(isa):
+    """The fused step's SiLU middle, silu(g) * u, against torch in float64 over values from -100 to 100 (exp's
+    clamp below -87.3, the sign change, a length that leaves a scalar tail after the 8-lane loop)."""
+    from bitnetlm.kernels.cpu import _lib
+
+    lib = _lib.load()
+    g = torch.cat(
+        [torch.linspace(-100, 100, 2001), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0, 3.0])]
+    )
+    u = torch.randn(g.numel(), generator=torch.Generator().manual_seed(0))
+    y = torch.full_like(g, float("nan"))
+    with cpu.use_isa(isa):
+        lib.bn_silu_mul_f32(g.data_ptr(), u.data_ptr(), y.data_ptr(), g.numel())
+    ref = torch.nn.functional.silu(g.double()) * u.double()
+    # atol: the vector exp is 0 below -87.3, where |silu| < 1e-36 (float32 denormals)
+    torch.testing.assert_close(y.double(), ref, rtol=4e-7, atol=1e-35)

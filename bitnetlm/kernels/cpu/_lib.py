@@ -56,6 +56,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "bn_gemm_i8row": (_i32, [_vp, _i64, _i64, _vp, _vp, _i64, _vp]),
         "bn_parallel_copy": (None, [_vp, _vp, _i64]),
         "bn_parallel_read": (ctypes.c_uint64, [_vp, _i64]),
+        "bn_silu_mul_f32": (None, [_vp, _vp, _vp, _i64]),
     }
     for name, (res, args) in sig.items():
         fn = getattr(lib, name)
