@@ -6,7 +6,8 @@ under different torch / kernel thread settings. Random 2B4T-shaped weights.
     python benchmarks/cpu_profile.py --phases 2b4t,large --heads bf16,int8 --threads 2
 
 --phases: a decoded token's time split into the fused C layers, the LM head and the rest (embedding, RoPE
-tables, the final norm, argmax: Python and torch ops), each against the read bandwidth measured before the row.
+tables, the final norm, argmax: Python and torch ops), each against the read bandwidth measured before the row;
+then the SiLU middle's kernel time per call on each instruction-set path.
 """
 
 from __future__ import annotations
@@ -98,6 +99,26 @@ def phases(shapes: list[str], heads: list[str], threads: int, n: int = 64, reps:
             del model
 
 
+def silu_table(sizes=(4096, 6912), reps: int = 2000) -> None:
+    """The SiLU MLP middle of the fused step (bn_silu_mul_f32) on one token's intermediate row, per ISA path."""
+    from bitnetlm.kernels.cpu import _lib
+
+    lib = _lib.load()
+    print("\n| SiLU middle, silu(g) * u | elements | isa | us / call |")
+    print("| --- | ---: | --- | ---: |")
+    for n in sizes:
+        g, u, y = torch.randn(n) * 4, torch.randn(n), torch.empty(n)
+        for isa in (None, "scalar"):
+            with cpu.use_isa(isa):
+                best = float("inf")
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    for _ in range(reps):
+                        lib.bn_silu_mul_f32(g.data_ptr(), u.data_ptr(), y.data_ptr(), n)
+                    best = min(best, (time.perf_counter() - t0) / reps)
+            print(f"| bn_silu_mul_f32 | {n} | {isa or cpu.get_isa()} | {best * 1e6:.2f} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=30)
@@ -110,6 +131,7 @@ def main() -> int:
     a = ap.parse_args()
     if a.phases:
         phases(a.phases.split(","), a.heads.split(","), a.threads)
+        silu_table()
         return 0
     cfg = dict(arch="bitnet", num_hidden_layers=a.layers)
     model = bench.random_model(cfg, "bf16")
