@@ -26,26 +26,17 @@ H, HKV, D = 20, 5, 128
 
 def _graph_us(fn, steps: int, calls: int) -> float:
     """Microseconds a call of fn (which makes `calls` calls), captured once and replayed `steps` times."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()  # warm-up outside capture: compiles, allocates workspaces
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    best = float("inf")
-    for _ in range(3):
-        a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+    from bitnetlm.engine_cuda import capture
+    from bitnetlm.kernels.triton.bench import _events_ms
+
+    g, _ = capture(fn)  # eager warm-up first: compiles, allocates workspaces
+    g.replay()
+
+    def replays():
         for _ in range(steps):
             g.replay()
-        e.record()
-        e.synchronize()
-        best = min(best, a.elapsed_time(e) * 1e3 / (steps * calls))
-    return best
+
+    return min(_events_ms(replays, 3)) * 1e3 / (steps * calls)
 
 
 def copy_gbps() -> float:
