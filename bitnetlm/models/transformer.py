@@ -280,9 +280,8 @@ class CausalLM(nn.Module):
             elif input_mask is not None:
                 causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
                 mask = causal[None] & input_mask[:, None, :]  # [B, T, T]
-                mask = (mask | torch.eye(t, dtype=torch.bool, device=input_ids.device))[
-                    :, None
-                ]  # [B, 1, T, T]
+                eye = torch.eye(t, dtype=torch.bool, device=input_ids.device)
+                mask = (mask | eye)[:, None]  # [B, 1, T, T]
             for i, layer in enumerate(self.layers):
                 h = layer(h, cos, sin, i, cache, cache_pos, mask)
         if last_only:
