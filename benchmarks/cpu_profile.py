@@ -101,6 +101,9 @@ def phases(shapes: list[str], heads: list[str], threads: int, n: int = 64, reps:
 
 def silu_table(sizes=(4096, 6912), reps: int = 2000) -> None:
     """The SiLU MLP middle of the fused step (bn_silu_mul_f32) on one token's intermediate row, per ISA path."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from cpu_decode import _best_seconds
+
     from bitnetlm.kernels.cpu import _lib
 
     lib = _lib.load()
@@ -109,13 +112,13 @@ def silu_table(sizes=(4096, 6912), reps: int = 2000) -> None:
     for n in sizes:
         g, u, y = torch.randn(n) * 4, torch.randn(n), torch.empty(n)
         for isa in (None, "scalar"):
+
+            def calls(args=(g.data_ptr(), u.data_ptr(), y.data_ptr(), n)):
+                for _ in range(reps):
+                    lib.bn_silu_mul_f32(*args)
+
             with cpu.use_isa(isa):
-                best = float("inf")
-                for _ in range(3):
-                    t0 = time.perf_counter()
-                    for _ in range(reps):
-                        lib.bn_silu_mul_f32(g.data_ptr(), u.data_ptr(), y.data_ptr(), n)
-                    best = min(best, (time.perf_counter() - t0) / reps)
+                best = _best_seconds(calls, 3) / reps
             print(f"| bn_silu_mul_f32 | {n} | {isa or cpu.get_isa()} | {best * 1e6:.2f} |")
 
 

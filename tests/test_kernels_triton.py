@@ -288,14 +288,19 @@ def test_gpu_gated_2b4t_and_int8_head():
         torch.testing.assert_close(L.w8_linear(xm, w, s), ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item())
 
 
-def _check_decode_attention(b, h, hkv, s, d, pos, seed=3):
+@pytest.mark.parametrize("h,hkv", [(4, 2), (3, 3), (6, 2)])
+def test_decode_attention_split_merge(h, hkv):
+    """Split-KV decode attention (the live context cut into spans, merged by the last program holding keys) vs
+    softmax attention; GQA groups of 2, 1 (MHA) and 3 (not a power of two) query heads per KV head. Contexts of
+    1 key, a few keys (one split busy), a span boundary and the whole cache (every split busy)."""
     from bitnetlm.kernels.triton.attention import attn_decode
 
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(3)
+    b, s, d = 5, 64, 16
     q = torch.randn(b, h, d, generator=g).to(DEV)
     kc = torch.randn(b, hkv, s, d, generator=g).to(DEV)
     vc = torch.randn(b, hkv, s, d, generator=g).to(DEV)
-    pos = torch.tensor(pos, dtype=torch.int32, device=DEV)
+    pos = torch.tensor([37, 4, 0, 47, 63], dtype=torch.int32, device=DEV)
     for _ in range(2):  # twice: the merge counters must be reset by the first call
         out = torch.full((b, h, d), float("nan"), device=DEV)
         attn_decode(q, kc, vc, pos, out, d**-0.5)
@@ -305,14 +310,6 @@ def _check_decode_attention(b, h, hkv, s, d, pos, seed=3):
             v = vc[i, :, :n].repeat_interleave(h // hkv, 0)
             w = torch.softmax((k @ q[i, :, :, None]).squeeze(-1) * d**-0.5, dim=-1)  # [H, n]
             torch.testing.assert_close(out[i], (w[:, None, :] @ v).squeeze(1), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("h,hkv", [(4, 2), (3, 3), (6, 2)])
-def test_decode_attention_split_merge(h, hkv):
-    """Split-KV decode attention (the live context cut into spans, merged by the last program holding keys) vs
-    softmax attention; GQA groups of 2, 1 (MHA) and 3 (not a power of two) query heads per KV head. Contexts of
-    1 key, a few keys (one split busy), a span boundary and the whole cache (every split busy)."""
-    _check_decode_attention(5, h, hkv, 64, 16, [37, 4, 0, 47, 63])
 
 
 @pytest.mark.gpu
