@@ -21,6 +21,26 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _timeline(prof, steps: int, n: int) -> None:
+    """One step's kernels in order (the middle replay): where the step's wall time goes between kernels."""
+    ks = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    per = len(ks) // steps
+    step = ks[(steps // 2) * per : (steps // 2 + 1) * per]  # [per] kernels of one replay
+    t0 = step[0].time_range.start
+    busy = sum(e.time_range.elapsed_us() for e in step)
+    wall = step[-1].time_range.end - t0
+    print(
+        f"--- one step: {per} kernels, {wall:.1f} us from first start to last end, kernels busy {busy:.1f} us"
+    )
+    print(f"{'start us':>9} {'dur us':>7} {'gap us':>7}  kernel")
+    prev = t0
+    for e in step[:n]:
+        s, d = e.time_range.start, e.time_range.elapsed_us()
+        print(f"{s - t0:9.2f} {d:7.2f} {s - prev:7.2f}  {e.name[:70]}")
+        prev = e.time_range.end
+    print(flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8")
@@ -40,6 +60,12 @@ def main() -> int:
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto (bf16), bf16 or fp8")
     ap.add_argument(
         "--prefill", type=int, default=0, help="also profile one batch-1 prefill of this many tokens"
+    )
+    ap.add_argument(
+        "--timeline",
+        type=int,
+        default=0,
+        help="also print the first N kernels of one step in launch order: start, duration, gap to the previous",
     )
     args = ap.parse_args()
     from bitnetlm.engine_cuda import CudaEngine, EngineConfig
@@ -91,6 +117,8 @@ def main() -> int:
             prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60),
             flush=True,
         )
+        if args.timeline:
+            _timeline(prof, 10, args.timeline)
     if args.prefill:
         from torch.profiler import ProfilerActivity, profile
 

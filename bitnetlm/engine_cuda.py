@@ -4,7 +4,8 @@ Per layer and token the step is: [RMSNorm + int8 quant + q|k|v W2A8 GEMV], [RoPE
 [split-KV attention, one program per GQA group], [SubLN + quant + o_proj + residual], [RMSNorm + quant + gate|up +
 relu^2*up], [SubLN + quant + down_proj + residual] -- six launches, plus one quantization launch per projection
 where the tuner finds a separate quant + GEMV faster than the fused one (it times both inside CUDA graphs). At
-batch <= 2 the q|k|v GEMV also rotates and writes the KV cache (decode.py: five launches plus the quantizations). The
+batch <= 2 the q|k|v GEMV also rotates and writes the KV cache (decode.py: five launches plus the quantizations);
+at batch 1 q|k|v, o and down quantize inside their programs, so a layer is six launches (QUANT_IN_ROW_MAX_B). The
 Triton kernels use programmatic dependent launch, so each one loads its weights while the previous one drains.
 Then final norm, LM head (bf16, or int8 per-row scaled), sampling (argmax or exponential-race sampling on the
 device) and the bookkeeping (next token, position, output slot) -- all captured once per batch size, replayed
@@ -44,6 +45,10 @@ def prefill_attention(q, k, v, mask=None, gqa: bool = False) -> torch.Tensor:
 
 
 FUSED_MAX_B = 2  # decode steps of up to this many rows fuse RoPE + KV write into the q|k|v GEMV (decode.py)
+# Batch-1 steps quantize the inputs of q|k|v, o and down inside the row GEMVs' programs (no quantization launch):
+# measured in the captured step on an H100, faster at batch 1 and slower at batch 2 (where every program
+# quantizes two rows) and for gate|up (6912 outputs: many more programs, each repeating the same work).
+QUANT_IN_ROW_MAX_B = 1
 
 
 @dataclass
@@ -333,7 +338,7 @@ class CudaEngine:
         return wb["projections"] + head + wb["norms"] + batch * row
 
     # ---- the forward ----------------------------------------------------------------------
-    def _lin(self, x, w, scale, n, norm=None, residual=None, gated=False):
+    def _lin(self, x, w, scale, n, norm=None, residual=None, gated=False, path=None):
         if self.ecfg.weights == "ternary":
             from bitnetlm.kernels.triton.launch import ternary_linear
 
@@ -347,6 +352,7 @@ class CudaEngine:
                 gated=gated,
                 act=self.cfg.hidden_act,
                 eps=self.eps,
+                path=path,
             )
         from bitnetlm.kernels.triton.attention import gated_act, rmsnorm
 
@@ -408,7 +414,11 @@ class CudaEngine:
         for li, L in enumerate(self.layers):
             kc, vc = self.k_cache[li][row0 : row0 + b], self.v_cache[li][row0 : row0 + b]  # contiguous views
             q = torch.empty((b, t, nh, hd), device=h.device, dtype=h.dtype)
-            if fused:  # quantize, then q|k|v GEMV + RoPE + KV write in one launch
+            if fused and b <= QUANT_IN_ROW_MAX_B:  # every program normalizes + quantizes h itself
+                qkv_rope(
+                    h, b, L.qkv, L.qkv_scale, q, self.cos, self.sin, pos, kc, vc, nh, nkv, L.in_norm, self.eps
+                )
+            elif fused:  # quantize, then q|k|v GEMV + RoPE + KV write in one launch
                 quantize_into(h, L.in_norm, xq, self.eps)
                 qkv_rope(xq, b, L.qkv, L.qkv_scale, q, self.cos, self.sin, pos, kc, vc, nh, nkv)
             else:
@@ -430,11 +440,12 @@ class CudaEngine:
                 kp, vp = kc[:, :, : start + t].to(q.dtype), vc[:, :, : start + t].to(q.dtype)
                 o = prefill_attention(q.transpose(1, 2), kp, vp, mask, nh != nkv)  # [B, H, T, D]
                 o = o.transpose(1, 2).reshape(b * t, nh * hd)
-            h = self._lin(o, L.o, L.o_scale, h.shape[-1], norm=L.attn_sub_norm, residual=h)
+            rp = "row" if fused and b <= QUANT_IN_ROW_MAX_B else None  # o, down: quantize in the row GEMV
+            h = self._lin(o, L.o, L.o_scale, h.shape[-1], norm=L.attn_sub_norm, residual=h, path=rp)
             g = self._lin(
                 h, L.gate_up, L.gate_up_scale, self.cfg.intermediate_size, norm=L.post_norm, gated=True
             )
-            h = self._lin(g, L.down, L.down_scale, h.shape[-1], norm=L.ffn_sub_norm, residual=h)
+            h = self._lin(g, L.down, L.down_scale, h.shape[-1], norm=L.ffn_sub_norm, residual=h, path=rp)
         if last_at is not None:
             h = h.view(b, t, -1).index_select(1, last_at)[:, 0]  # [B, hidden]
         elif last_only:

@@ -23,7 +23,8 @@ def _tern(n, k, seed, dev):
 
 
 def _check_qkv_rope(m, hidden, nh, nkv, hd, dtype, dev, seed=0, per_row=True):
-    """quantize_into + qkv_rope vs ternary_linear(rowq) + rope_cache: q and both caches bit for bit."""
+    """quantize_into + qkv_rope vs ternary_linear(rowq) + rope_cache, and qkv_rope quantizing x itself vs
+    ternary_linear(row) + rope_cache: q and both caches bit for bit."""
     eps = 1e-5
     x = (_rand((m, hidden), seed, dev) * 3).to(dtype)
     nin = 1 + 0.1 * _rand((hidden,), seed + 1, dev)
@@ -48,6 +49,15 @@ def _check_qkv_rope(m, hidden, nh, nkv, hd, dtype, dev, seed=0, per_row=True):
     qr = torch.zeros_like(q)
     A.rope_cache(qkv, cos, sin, pos, qr, kr, vr, nh, nkv, 1)
     assert torch.equal(q, qr) and torch.equal(kc, kr) and torch.equal(vc, vr)
+    # the quantizing variant (every program normalizes and quantizes x itself) vs the row GEMV that does the same
+    kc2, vc2 = kc.clone(), vc.clone()
+    kr2, vr2 = kc.clone(), vc.clone()
+    pos2 = pos + 1  # fresh cache slots
+    F.qkv_rope(x, m, w, s, q, cos, sin, pos2, kc2, vc2, nh, nkv, nin, eps)
+    qkv = L.ternary_linear(x, w, s, nqkv, norm_weight=nin, eps=eps, path="row")
+    A.rope_cache(qkv, cos, sin, pos2, qr, kr2, vr2, nh, nkv, 1)
+    assert torch.equal(q, qr) and torch.equal(kc2, kr2) and torch.equal(vc2, vr2)
+    assert not torch.equal(kc2, kc)  # the slots were written
 
 
 @pytest.mark.parametrize("m", [1, 2])

@@ -435,7 +435,11 @@ def train(config: TrainConfig, model: nn.Module | None = None, teacher: nn.Modul
     """Run (or resume) a training run; returns a summary dict (final step, losses, paths)."""
     trainer = Trainer(config, model=model, teacher=teacher)
     try:
-        return trainer.fit()
+        summary = trainer.fit()
+        # every rank waits for the others (rank 0's export) before the group is torn down: a gloo rank that
+        # destroyed its group while its peer was still busy aborted now and then ("terminate called ...")
+        D.barrier(trainer.info)
+        return summary
     finally:
         if os.environ.get("WORLD_SIZE", "1") != "1" or trainer.info.mode == "fsdp":
             D.teardown()

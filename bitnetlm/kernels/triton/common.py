@@ -37,6 +37,20 @@ def _pdl_wait(PDL: tl.constexpr):
 
 
 @triton.jit
+def _pdl_only_wait(PDL: tl.constexpr):
+    """`_pdl_wait` without letting the next kernel start: a kernel that calls `_pdl_trigger` at its end."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def _pdl_trigger(PDL: tl.constexpr):
+    """Let the next kernel launch now (it still waits for this one to finish before reading its results)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
 def _prefetch_l2(ptrs, mask, PTX: tl.constexpr):
     """Hint: fetch the lines holding ptrs (where mask) into L2. No data comes back and nothing waits for it, so it
     is harmless on data that a running kernel may still write: kernels use it before `_pdl_wait` to pull their

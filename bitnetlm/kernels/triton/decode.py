@@ -1,14 +1,16 @@
 """The q|k|v projection of the batch-1/2 CUDA-graph decode step with RoPE and the KV-cache write fused in.
 
-`_qkv_rope_kernel` is the row GEMV over pre-quantized activations (`gemv._gemv_row_kernel`, PREQ) whose BN
+`_qkv_rope_kernel` is the row GEMV (`gemv._gemv_row_kernel`) whose BN
 weight rows are BN/2 rotation pairs (d, d + D/2) of the heads, so a program rotates its own outputs and writes
 q into the query buffer [B, 1, H, D] and k / v straight into the KV-cache slot pos: no q|k|v round trip and no
 RoPE launch (`attention.rope_cache`). The results equal the unfused launches bit for bit: the outputs are
 rounded to the activation dtype before the rotation, as the stored q|k|v rows are in the unfused step.
 
-(A quantizing tail -- the last program of o / gate|up / down / attention quantizing the whole output row for the
-next projection -- was measured slower than the separate `_quant_kernel` launch on an H100, 1-2 us a
-projection, and is not used.)
+The activation rows come pre-quantized (`quantize_into`, one launch before) or as they are: then every program
+normalizes and quantizes the whole row itself (`quant._quant_words`, as the row GEMV's PREQ=False path), which
+the batch-1 step uses. (A quantizing tail -- the last program of o / gate|up / down / attention quantizing the
+whole output row for the next projection -- was measured slower than the separate `_quant_kernel` launch on an
+H100, 1-2 us a projection, and is not used.)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from bitnetlm.kernels.triton.common import _pdl_wait
 from bitnetlm.kernels.triton.gemv import _load_qrow, _row_out
 from bitnetlm.kernels.triton.launch import PTX, check_packed, launch_quant, pdl_kw
 from bitnetlm.kernels.triton.layout import packed_row_bytes
+from bitnetlm.kernels.triton.quant import _quant_words
 from bitnetlm.kernels.triton.tune import _row_candidates, _tune
 
 
@@ -29,6 +32,8 @@ def _qkv_rope_kernel(
     q_ptr,
     a_ptr,
     rs_ptr,
+    x_ptr,
+    nw_ptr,
     w_ptr,
     s_ptr,
     qo_ptr,
@@ -44,6 +49,9 @@ def _qkv_rope_kernel(
     HKV,
     S,
     stride_qw,
+    K,
+    stride_xm,
+    eps,
     PER_ROW: tl.constexpr,
     PTX: tl.constexpr,
     D: tl.constexpr,
@@ -51,6 +59,8 @@ def _qkv_rope_kernel(
     KWP: tl.constexpr,
     PDL: tl.constexpr = False,
     KV_SAME: tl.constexpr = True,
+    PREQ: tl.constexpr = True,
+    HAS_NORM: tl.constexpr = True,
 ):
     pid = tl.program_id(0)
     j = tl.arange(0, BN)
@@ -78,7 +88,14 @@ def _qkv_rope_kernel(
     kvh = tl.where(is_k, head - H, head - H - HKV)
     cache = tl.where(is_k, kc_ptr, vc_ptr)
     for m in range(M):
-        xw0, xw1, xw2, xw3, a, rs = _load_qrow(q_ptr + m * stride_qw, a_ptr + m, rs_ptr + m, KW, offs_w, mw)
+        if PREQ:
+            xw0, xw1, xw2, xw3, a, rs = _load_qrow(
+                q_ptr + m * stride_qw, a_ptr + m, rs_ptr + m, KW, offs_w, mw
+            )
+        else:  # rmsnorm? + quantization of the whole row in every program (no separate launch)
+            xw0, xw1, xw2, xw3, a, rs = _quant_words(
+                x_ptr + m * stride_xm, nw_ptr, K, KW, eps, offs_w, mw, HAS_NORM, PTX
+            )
         y = _row_out(xw0, xw1, xw2, xw3, wv, rs, a, s, PTX)
         yq = y.to(qo_ptr.dtype.element_ty).to(tl.float32)  # the q|k|v row as the unfused step stores it
         f1, f2 = tl.split(tl.permute(tl.reshape(yq, [2, P]), (1, 0)))
@@ -110,27 +127,66 @@ class QuantBuf:
         self.rs = torch.zeros((b,), dtype=torch.int32, device=device)
 
 
+_dummies: dict[str, QuantBuf] = {}
+
+
+def _dummy_buf(device) -> QuantBuf:
+    """A one-row buffer standing in for the unused pre-quantized pointers of the quantizing variant."""
+    key = str(device)
+    if key not in _dummies:
+        _dummies[key] = QuantBuf(1, 16, device)
+    return _dummies[key]
+
+
 def quantize_into(x: torch.Tensor, norm_weight: torch.Tensor | None, buf: QuantBuf, eps: float) -> None:
     """rmsnorm? + per-row int8 quantization of x [M, K] into `buf` (rows 0..M-1), as ternary_linear's."""
     launch_quant(x, norm_weight, buf.q, buf.a, buf.rs, eps)
 
 
 def qkv_rope(
-    xq: QuantBuf, m: int, packed, scale, q_out, cos, sin, pos, k_cache, v_cache, n_heads, n_kv
+    src: QuantBuf | torch.Tensor,
+    m: int,
+    packed,
+    scale,
+    q_out,
+    cos,
+    sin,
+    pos,
+    k_cache,
+    v_cache,
+    n_heads,
+    n_kv,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-5,
 ) -> None:
-    """The M quantized rows of `xq` through the q|k|v weights (`packed`, scale [1] or per row), then RoPE at
-    positions pos[b]: q -> q_out [B, 1, H, D], k / v -> cache slot pos[b] (as ternary_linear + rope_cache)."""
+    """M activation rows through the q|k|v weights (`packed`, scale [1] or per row), then RoPE at positions
+    pos[b]: q -> q_out [B, 1, H, D], k / v -> cache slot pos[b] (as ternary_linear + rope_cache).
+
+    src: a `QuantBuf` of pre-quantized rows (`quantize_into`), or the rows x [M, K] themselves, which every
+    program then normalizes (norm_weight) and quantizes itself: one launch instead of two, as
+    ternary_linear(path="row") does."""
+    preq = isinstance(src, QuantBuf)
+    k = src.k if preq else src.shape[-1]
     d, s_len = k_cache.shape[-1], k_cache.shape[2]
     n = (n_heads + 2 * n_kv) * d
-    check_packed(packed, n, xq.k, "qkv_rope")
+    check_packed(packed, n, k, "qkv_rope")
     kw = packed.shape[1] // 4
     scale = scale.reshape(-1)
+    if preq:
+        xq, x, nw = src, scale, scale  # x, nw unused (stand-ins for the pointers)
+    else:
+        x = src.reshape(-1, k)
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        xq, nw = _dummy_buf(x.device), norm_weight if norm_weight is not None else scale
 
     def launch(cfg):
         _qkv_rope_kernel[(triton.cdiv(n // 2, cfg["BN"] // 2),)](
             xq.q.view(torch.int32),
             xq.a,
             xq.rs,
+            x,
+            nw,
             packed.view(torch.int32),
             scale,
             q_out,
@@ -146,6 +202,9 @@ def qkv_rope(
             n_kv,
             s_len,
             xq.q.stride(0) // 4,
+            k,
+            x.stride(0) if not preq else 0,
+            eps,
             PER_ROW=scale.numel() != 1,
             PTX=PTX,
             D=d,
@@ -153,8 +212,10 @@ def qkv_rope(
             KWP=triton.next_power_of_2(kw),
             num_warps=cfg["num_warps"],
             KV_SAME=k_cache.dtype == q_out.dtype,
+            PREQ=preq,
+            HAS_NORM=norm_weight is not None,
             **pdl_kw(),
         )
 
-    key = ("qkv_rope", n, xq.k, m, scale.numel() != 1, d, k_cache.dtype)
+    key = ("qkv_rope", n, k, m, scale.numel() != 1, d, k_cache.dtype, preq)
     launch(_tune(key, lambda: _row_candidates(kw, False, "qkv_rope"), launch))  # row tiles: BN even, >= 2
