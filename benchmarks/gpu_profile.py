@@ -1,7 +1,7 @@
 """Where a CUDA-graph decode step spends its time (device machine): kernel table of one engine's decode.
 
     python benchmarks/gpu_profile.py [--batches 1,8] [--weights ternary] [--attn 0,13/32/1] [--max-seq-len N]
-        [--kv-cache-dtype fp8]
+        [--kv-cache-dtype fp8] [--timeline N]
 
 Random weights of the 2B4T shape; replays the captured decode step under torch.profiler and prints the kernels
 by total time, plus decode ms/step for attention variants (splits per row and kv head / keys per block / pipeline

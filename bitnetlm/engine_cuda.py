@@ -399,12 +399,14 @@ class CudaEngine:
         h = self._embed(tok.reshape(-1))  # [B*T, hidden]
         scale = 1.0 / math.sqrt(hd)
         fused = t == 1 and b <= FUSED_MAX_B and self.ecfg.weights == "ternary" and self.fused
+        in_row = fused and b <= QUANT_IN_ROW_MAX_B  # q|k|v, o, down quantize inside their programs
+        rp = "row" if in_row else None  # the path of o and down
         if fused:
             from bitnetlm.kernels.triton.decode import QuantBuf, qkv_rope, quantize_into
 
-            if b not in self._bufs:
+            if not in_row and b not in self._bufs:
                 self._bufs[b] = QuantBuf(b, self.cfg.hidden_size, self.device)
-            xq = self._bufs[b]
+            xq = self._bufs.get(b)
         mask = None  # prefill from 0: plain causal; from start: query i (position start + i) sees keys 0..start + i
         tp = -(-t // PREFILL_ALIGN) * PREFILL_ALIGN  # padded length (cache slots t..tp-1 hold finite K/V)
         tp = tp if tp <= self.ecfg.max_seq_len else t
@@ -414,7 +416,7 @@ class CudaEngine:
         for li, L in enumerate(self.layers):
             kc, vc = self.k_cache[li][row0 : row0 + b], self.v_cache[li][row0 : row0 + b]  # contiguous views
             q = torch.empty((b, t, nh, hd), device=h.device, dtype=h.dtype)
-            if fused and b <= QUANT_IN_ROW_MAX_B:  # every program normalizes + quantizes h itself
+            if in_row:  # every program normalizes + quantizes h itself
                 qkv_rope(
                     h, b, L.qkv, L.qkv_scale, q, self.cos, self.sin, pos, kc, vc, nh, nkv, L.in_norm, self.eps
                 )
@@ -440,7 +442,6 @@ class CudaEngine:
                 kp, vp = kc[:, :, : start + t].to(q.dtype), vc[:, :, : start + t].to(q.dtype)
                 o = prefill_attention(q.transpose(1, 2), kp, vp, mask, nh != nkv)  # [B, H, T, D]
                 o = o.transpose(1, 2).reshape(b * t, nh * hd)
-            rp = "row" if fused and b <= QUANT_IN_ROW_MAX_B else None  # o, down: quantize in the row GEMV
             h = self._lin(o, L.o, L.o_scale, h.shape[-1], norm=L.attn_sub_norm, residual=h, path=rp)
             g = self._lin(
                 h, L.gate_up, L.gate_up_scale, self.cfg.intermediate_size, norm=L.post_norm, gated=True

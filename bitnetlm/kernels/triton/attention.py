@@ -16,7 +16,6 @@ from bitnetlm.kernels.triton.common import (
     ACT_CODES,
     INTERPRET,
     _activate,
-    _pdl_only_wait,
     _pdl_trigger,
     _pdl_wait,
     _prefetch_l2,
@@ -152,10 +151,7 @@ def _attn_gqa_kernel(
         pf_m = tl.broadcast_to(((pf_s <= pos_early) & (pf_s < (sp + 1) * span_e))[:, None], [BS, LP])
         _prefetch_l2(k_ptr + pf_kv, pf_m, True)
         _prefetch_l2(v_ptr + pf_kv, pf_m, True)
-    if LATE:
-        _pdl_only_wait(PDL)
-    else:
-        _pdl_wait(PDL)
+    _pdl_wait(PDL, TRIGGER=not LATE)  # LATE: the next kernels launch at this one's end (ATTN_LATE_MIN_B)
     n = tl.load(pos_ptr + b) + 1  # keys 0..pos[b] are this row's context
     span = _span(n, NSPLIT)
     nact = tl.cdiv(n, span)  # splits holding keys; the rest have nothing to do
@@ -227,8 +223,7 @@ def _attn_gqa_kernel(
                 o.to(o_ptr.dtype.element_ty),
                 mask=(offs_h < G)[:, None],
             )
-    if LATE:
-        _pdl_trigger(PDL)
+    _pdl_trigger(PDL and LATE)
 
 
 # Overrides for the --attn sweeps of benchmarks/gpu_profile.py and gpu_attention.py (0 = the launcher's choice):

@@ -27,19 +27,14 @@ ACT_CODES = {"relu2": 0, "silu": 1}
 
 
 @triton.jit
-def _pdl_wait(PDL: tl.constexpr):
-    """Programmatic dependent launch: let the next kernel start its prologue now, then wait until the previous
-    kernel has finished and its writes are visible. Everything a kernel reads that an earlier kernel wrote, and
-    every store, comes after this; only constant data (weights, scales) may be read before it."""
+def _pdl_wait(PDL: tl.constexpr, TRIGGER: tl.constexpr = True):
+    """Programmatic dependent launch: let the next kernel start its prologue now (TRIGGER; else the kernel calls
+    `_pdl_trigger` later itself), then wait until the previous kernel has finished and its writes are visible.
+    Everything a kernel reads that an earlier kernel wrote, and every store, comes after this; only constant data
+    (weights, scales) may be read before it."""
     if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-
-
-@triton.jit
-def _pdl_only_wait(PDL: tl.constexpr):
-    """`_pdl_wait` without letting the next kernel start: a kernel that calls `_pdl_trigger` at its end."""
-    if PDL:
+        if TRIGGER:
+            gdc_launch_dependents()
         gdc_wait()
 
 

@@ -127,17 +127,6 @@ class QuantBuf:
         self.rs = torch.zeros((b,), dtype=torch.int32, device=device)
 
 
-_dummies: dict[str, QuantBuf] = {}
-
-
-def _dummy_buf(device) -> QuantBuf:
-    """A one-row buffer standing in for the unused pre-quantized pointers of the quantizing variant."""
-    key = str(device)
-    if key not in _dummies:
-        _dummies[key] = QuantBuf(1, 16, device)
-    return _dummies[key]
-
-
 def quantize_into(x: torch.Tensor, norm_weight: torch.Tensor | None, buf: QuantBuf, eps: float) -> None:
     """rmsnorm? + per-row int8 quantization of x [M, K] into `buf` (rows 0..M-1), as ternary_linear's."""
     launch_quant(x, norm_weight, buf.q, buf.a, buf.rs, eps)
@@ -172,19 +161,21 @@ def qkv_rope(
     check_packed(packed, n, k, "qkv_rope")
     kw = packed.shape[1] // 4
     scale = scale.reshape(-1)
-    if preq:
-        xq, x, nw = src, scale, scale  # x, nw unused (stand-ins for the pointers)
+    if preq:  # the pointers a variant does not read get `scale` as a stand-in
+        qw, a, rs, sq = src.q.view(torch.int32), src.a, src.rs, src.q.stride(0) // 4
+        x, nw, sx = scale, scale, 0
     else:
         x = src.reshape(-1, k)
         if x.stride(-1) != 1:
             x = x.contiguous()
-        xq, nw = _dummy_buf(x.device), norm_weight if norm_weight is not None else scale
+        qw, a, rs, sq = scale, scale, scale, 0
+        nw, sx = norm_weight if norm_weight is not None else scale, x.stride(0)
 
     def launch(cfg):
         _qkv_rope_kernel[(triton.cdiv(n // 2, cfg["BN"] // 2),)](
-            xq.q.view(torch.int32),
-            xq.a,
-            xq.rs,
+            qw,
+            a,
+            rs,
             x,
             nw,
             packed.view(torch.int32),
@@ -201,9 +192,9 @@ def qkv_rope(
             n_heads,
             n_kv,
             s_len,
-            xq.q.stride(0) // 4,
+            sq,
             k,
-            x.stride(0) if not preq else 0,
+            sx,
             eps,
             PER_ROW=scale.numel() != 1,
             PTX=PTX,
