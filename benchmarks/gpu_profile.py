@@ -1,11 +1,11 @@
 """Where a CUDA-graph decode step spends its time (device machine): kernel table of one engine's decode.
 
     python benchmarks/gpu_profile.py [--batches 1,8] [--weights ternary] [--attn 0,13/32/1] [--max-seq-len N]
-        [--kv-cache-dtype fp8] [--timeline N]
+        [--kv-cache-dtype fp8] [--timeline N] [--quant-warps W]
 
 Random weights of the 2B4T shape; replays the captured decode step under torch.profiler and prints the kernels
 by total time, plus decode ms/step for attention variants (splits per row and kv head / keys per block / pipeline
-stages / warps). The decode kernels use programmatic dependent launch: a kernel starts early and waits for its
+stages / warps); --quant-warps sets the quantization launch's warps. The decode kernels use programmatic dependent launch: a kernel starts early and waits for its
 predecessor, so its profiled duration includes that wait. For per-kernel durations run with
 BITNETLM_TRITON_PDL=0 (and BITNETLM_TRITON_TUNE_CACHE= for a fresh tune).
 """
@@ -67,8 +67,12 @@ def main() -> int:
         default=0,
         help="also print the first N kernels of one step in launch order: start, duration, gap to the previous",
     )
+    ap.add_argument("--quant-warps", type=int, default=0, help="the quantization launch's warps (0: default)")
     args = ap.parse_args()
     from bitnetlm.engine_cuda import CudaEngine, EngineConfig
+    from bitnetlm.kernels.triton import launch
+
+    launch.QUANT_WARPS = args.quant_warps
     from bitnetlm.kernels.triton import attention
     from bitnetlm.models import ModelConfig
     from bitnetlm.models.cache import parse_kv_cache_dtype
