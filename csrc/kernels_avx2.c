@@ -74,32 +74,41 @@ static void gemv_4rows(const bn_gemm_args *g, int64_t r, int64_t i) {
     const uint8_t *w = bn_row(g, r);
     const int8_t *x = g->xq + i * g->ldx;
     const int64_t pf = bn_prefetch_bytes;
-    for (int64_t b = 0; b < g->nblk; b++) {
-        const int8_t *xb = x + 128 * b;
-        const uint8_t *wb = w + BN_BSTRIDE * b;
-        if (pf) {
-            /* software prefetch ahead of the stream keeps more misses in flight than the hardware does */
-            _mm_prefetch((const char *)(wb + pf), _MM_HINT_T0);
-            _mm_prefetch((const char *)(wb + pf + 64), _MM_HINT_T0);
-        }
-        __m256i x0 = _mm256_loadu_si256((const __m256i *)xb);
-        __m256i x1 = _mm256_loadu_si256((const __m256i *)(xb + 32));
-        __m256i x2 = _mm256_loadu_si256((const __m256i *)(xb + 64));
-        __m256i x3 = _mm256_loadu_si256((const __m256i *)(xb + 96));
-#define ROW(j, acc)                                                                                        \
+    /* int16 sums over up to I16_BLOCKS blocks before one widening vpmaddwd (bounds: see tile_1xT): fewer
+     * instructions per weight byte, which is what bounds this loop when the cores, not memory, are slow */
+    for (int64_t b0 = 0; b0 < g->nblk; b0 += I16_BLOCKS) {
+        int64_t b1 = b0 + I16_BLOCKS < g->nblk ? b0 + I16_BLOCKS : g->nblk;
+        __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+        for (int64_t b = b0; b < b1; b++) {
+            const int8_t *xb = x + 128 * b;
+            const uint8_t *wb = w + BN_BSTRIDE * b;
+            if (pf) {
+                /* software prefetch ahead of the stream keeps more misses in flight than the hardware does */
+                _mm_prefetch((const char *)(wb + pf), _MM_HINT_T0);
+                _mm_prefetch((const char *)(wb + pf + 64), _MM_HINT_T0);
+            }
+            __m256i x0 = _mm256_loadu_si256((const __m256i *)xb);
+            __m256i x1 = _mm256_loadu_si256((const __m256i *)(xb + 32));
+            __m256i x2 = _mm256_loadu_si256((const __m256i *)(xb + 64));
+            __m256i x3 = _mm256_loadu_si256((const __m256i *)(xb + 96));
+#define ROW(j, s)                                                                                          \
     do {                                                                                                   \
         __m256i p = _mm256_loadu_si256((const __m256i *)(wb + 32 * (j)));                                  \
-        __m256i s = _mm256_maddubs_epi16(_mm256_and_si256(p, mask), x0);                                   \
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_and_si256(p, mask), x0));                      \
         s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(p, 2), mask), x1)); \
         s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(p, 4), mask), x2)); \
         s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(p, 6), mask), x3)); \
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(s, ones));                                           \
     } while (0)
-        ROW(0, acc0);
-        ROW(1, acc1);
-        ROW(2, acc2);
-        ROW(3, acc3);
+            ROW(0, s0);
+            ROW(1, s1);
+            ROW(2, s2);
+            ROW(3, s3);
 #undef ROW
+        }
+        acc0 = _mm256_add_epi32(acc0, _mm256_madd_epi16(s0, ones));
+        acc1 = _mm256_add_epi32(acc1, _mm256_madd_epi16(s1, ones));
+        acc2 = _mm256_add_epi32(acc2, _mm256_madd_epi16(s2, ones));
+        acc3 = _mm256_add_epi32(acc3, _mm256_madd_epi16(s3, ones));
     }
     int32_t xs = g->xsum[i];
     bn_store(g, i, r, hsum_i32(acc0) - xs);

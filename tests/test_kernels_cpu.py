@@ -92,11 +92,13 @@ def test_int_matmul_bit_exact(isa):
     with cpuk.use_isa(isa):
         for n, k, m in SHAPES:
             t = _rand_ternary(n, k, gen)
+            t[:4] = 1  # code 2 everywhere in the first row group: with x = -128 the int16 sums' worst case
             p = cpuk.pack_cpu(t)
             # the full int8 range, -128 included (the kernels' int16 stages must not saturate)
             xq = torch.randint(-128, 128, (m, k), generator=gen, dtype=torch.int8)
+            xq[0] = -128
             if m > 1:
-                xq[0] = -128  # worst case for the int16 partial sums
+                xq[-1] = 127
             got = ops.ternary_matmul_i32(xq, p, n)
             assert torch.equal(got, int_matmul(xq, t)), (isa, n, k, m)
 
