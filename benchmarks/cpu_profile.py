@@ -7,7 +7,8 @@ under different torch / kernel thread settings. Random 2B4T-shaped weights.
 
 --phases: a decoded token's time split into the fused C layers, the LM head and the rest (embedding, RoPE
 tables, the final norm, argmax: Python and torch ops), each against the read bandwidth measured before the row;
-then the SiLU middle's kernel time per call on each instruction-set path.
+then the fused layers' own phases (the C step's timers: norms, each projection with its GB/s, RoPE + cache
+write, attention, the MLP middle); then the SiLU middle's kernel time per call on each instruction-set path.
 """
 
 from __future__ import annotations
@@ -69,7 +70,10 @@ def phases(shapes: list[str], heads: list[str], threads: int, n: int = 64, reps:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from cpu_decode import read_bandwidth, weight_bytes_per_token
 
+    from bitnetlm.kernels.cpu.decode import PHASES, phase_timers
+
     dev = torch.device("cpu")
+    inside = []
     print(f"machine: {bench.machine_name()}; {threads} threads; tg{n} from an empty cache, best of {reps}\n")
     print(
         "| shape | head | read GB/s | ms/token | fused layers ms | their GB/s | LM head ms | its GB/s | rest ms |"
@@ -86,17 +90,43 @@ def phases(shapes: list[str], heads: list[str], threads: int, n: int = 64, reps:
             read = read_bandwidth(threads)
             for _ in range(reps):
                 acc = {"layers": 0.0, "head": 0.0}
+                phase_timers(True)
                 with _timed(acc):
                     total = bench.time_decode(model, n, dev, model.config.vocab_size, gen)
-                row = (total / n, acc["layers"] / n, acc["head"] / n)
+                inner = phase_timers(False)
+                row = (total / n, acc["layers"] / n, acc["head"] / n, inner)
                 best = row if best is None or row[0] < best[0] else best
-            step, lay, head = best
+            step, lay, head, inner = best
             print(
                 f"| {shape} | {hd} | {read:.1f} | {step * 1e3:.2f} | {lay * 1e3:.2f} | {tern / lay / 1e9:.1f} | "
                 f"{head * 1e3:.2f} | {headb / head / 1e9:.1f} | {(step - lay - head) * 1e3:.2f} |",
                 flush=True,
             )
+            inside.append((shape, hd, lay, inner, _proj_bytes(model)))
             del model
+    # inside the fused layers: the C step's own phase timers (the calling thread's wall time, all layers)
+    print("\n| shape | head | fused layers ms | " + " | ".join(f"{p} ms" for p in PHASES) + " | untimed ms |")
+    print("| --- | --- | ---: | " + " | ".join("---:" for _ in PHASES) + " | ---: |")
+    for shape, hd, lay, inner, pb in inside:
+        cells = []
+        for p in PHASES:
+            ms = inner[p] / n * 1e3
+            gbs = f" ({pb[p] / (inner[p] / n) / 1e9:.1f} GB/s)" if p in pb and inner[p] > 0 else ""
+            cells.append(f"{ms:.2f}{gbs}")
+        rest = (lay - sum(inner.values()) / n) * 1e3
+        print(f"| {shape} | {hd} | {lay * 1e3:.2f} | " + " | ".join(cells) + f" | {rest:.2f} |", flush=True)
+
+
+def _proj_bytes(model) -> dict[str, int]:
+    """Packed weight bytes each projection phase reads per token, all layers."""
+    out = dict.fromkeys(("qkv", "o", "gate_up", "down"), 0)
+    for blk in model.layers:
+        a, f = blk.self_attn, blk.mlp
+        out["qkv"] += sum(getattr(a, p).packed.numel() for p in ("q_proj", "k_proj", "v_proj"))
+        out["o"] += a.o_proj.packed.numel()
+        out["gate_up"] += f.gate_proj.packed.numel() + f.up_proj.packed.numel()
+        out["down"] += f.down_proj.packed.numel()
+    return out
 
 
 def silu_table(sizes=(4096, 6912), reps: int = 2000) -> None:

@@ -71,6 +71,14 @@ int bn_decode_forward_f32(const bn_decode_config *c, const bn_decode_layer *laye
  * exp), else libm's expf. */
 void bn_silu_mul_f32(const float *g, const float *u, float *y, int64_t n);
 
+/* Phase timers of the fused layer step, for profiling (benchmarks/cpu_profile.py --phases): the calling thread's
+ * wall time per phase, summed over layers and calls while on. Writes the sums so far (ns) into out[0..n-1]
+ * (out may be NULL), zeroes them and turns the timers on or off. Phases: BN_PHASE_* (the projections include
+ * their input's quantization; NORM also holds the residual adds). */
+enum { BN_PHASE_NORM, BN_PHASE_QKV, BN_PHASE_ROPE, BN_PHASE_ATTN, BN_PHASE_O, BN_PHASE_GATE_UP, BN_PHASE_ACT,
+       BN_PHASE_DOWN, BN_PHASES };
+void bn_decode_phase_timers(int on, int64_t *out, int n);
+
 #ifdef __cplusplus
 }
 #endif

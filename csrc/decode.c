@@ -7,8 +7,10 @@
  * (RMSNorm's mean, attention dot products, softmax sums) are summed in a different order, so results differ
  * from the torch path by float rounding only.
  */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime under -std=c11 */
 #include <math.h>
 #include <string.h>
+#include <time.h>
 
 #include "bn_internal.h"
 #include "decode_internal.h"
@@ -117,6 +119,33 @@ static void cache_write(const bn_decode_config *c, void *kc, void *vc, const flo
         }
 }
 
+/* ---- phase timers (off unless a profiler asks: one predictable branch per phase) ---------------------- */
+static int g_timers;
+static int64_t g_phase_ns[BN_PHASES];
+
+static int64_t now_ns(void) {
+    if (!g_timers) return 0;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* the time since *t goes to phase id; *t moves to now */
+static void phase(int id, int64_t *t) {
+    if (!g_timers) return;
+    int64_t n = now_ns();
+    g_phase_ns[id] += n - *t;
+    *t = n;
+}
+
+void bn_decode_phase_timers(int on, int64_t *out, int n) {
+    for (int i = 0; i < BN_PHASES; i++) {
+        if (out && i < n) out[i] = g_phase_ns[i];
+        g_phase_ns[i] = 0;
+    }
+    g_timers = on != 0;
+}
+
 /* ---- one layer ---------------------------------------------------------------------------------------- */
 typedef struct {
     float *xn, *qkv, *att, *o, *gu, *y, *scores;
@@ -146,8 +175,10 @@ static int layer_step(const bn_decode_config *c, const bn_decode_layer *L, void 
     int64_t H = c->hidden, I = c->inter, D = c->head_dim;
     int64_t qd = c->n_heads * D, kvd = c->n_kv * D, ld = qd + 2 * kvd;
     int rc;
+    int64_t t0 = now_ns();
     /* attention */
     for (int64_t i = 0; i < m; i++) rmsnorm(h + i * H, L->in_norm, H, c->eps, W->xn + i * H);
+    phase(BN_PHASE_NORM, &t0);
     {
         const uint8_t *w[3] = {L->w[BN_DEC_Q], L->w[BN_DEC_K], L->w[BN_DEC_V]};
         const float *s[3] = {L->scale[BN_DEC_Q], L->scale[BN_DEC_K], L->scale[BN_DEC_V]};
@@ -155,17 +186,23 @@ static int layer_step(const bn_decode_config *c, const bn_decode_layer *L, void 
         float *y[3] = {W->qkv, W->qkv + qd, W->qkv + qd + kvd};
         if ((rc = bn_ternary_linear_multi_f32_ld(W->xn, m, H, 3, w, n, s, y, ld)) != 0) return rc;
     }
+    phase(BN_PHASE_QKV, &t0);
     for (int64_t i = 0; i < m; i++)
         for (int64_t hd = 0; hd < c->n_heads + c->n_kv; hd++) /* q heads then k heads: contiguous in a row */
             rope(W->qkv + i * ld + hd * D, cos + i * D, sin + i * D, D);
     cache_write(c, kc, vc, W->qkv, ld, slot, m, t); /* every token's k, v first, then the attention */
+    phase(BN_PHASE_ROPE, &t0);
     bn_decode_attention(c, kc, vc, valid, slot, W->qkv, ld, m, t, W->att, W->scores);
+    phase(BN_PHASE_ATTN, &t0);
     if (L->attn_sub_norm)
         for (int64_t i = 0; i < m; i++) rmsnorm(W->att + i * qd, L->attn_sub_norm, qd, c->eps, W->att + i * qd);
+    phase(BN_PHASE_NORM, &t0);
     if ((rc = bn_ternary_linear_f32(W->att, m, qd, L->w[BN_DEC_O], H, *L->scale[BN_DEC_O], W->o)) != 0) return rc;
+    phase(BN_PHASE_O, &t0);
     for (int64_t e = 0; e < m * H; e++) h[e] = h[e] + W->o[e];
     /* MLP */
     for (int64_t i = 0; i < m; i++) rmsnorm(h + i * H, L->post_norm, H, c->eps, W->xn + i * H);
+    phase(BN_PHASE_NORM, &t0);
     {
         const uint8_t *w[2] = {L->w[BN_DEC_GATE], L->w[BN_DEC_UP]};
         const float *s[2] = {L->scale[BN_DEC_GATE], L->scale[BN_DEC_UP]};
@@ -173,6 +210,7 @@ static int layer_step(const bn_decode_config *c, const bn_decode_layer *L, void 
         float *y[2] = {W->gu, W->gu + I};
         if ((rc = bn_ternary_linear_multi_f32_ld(W->xn, m, H, 2, w, n, s, y, 2 * I)) != 0) return rc;
     }
+    phase(BN_PHASE_GATE_UP, &t0);
     for (int64_t i = 0; i < m; i++) {
         const float *g = W->gu + i * 2 * I, *u = g + I;
         float *y = W->y + i * I;
@@ -186,9 +224,12 @@ static int layer_step(const bn_decode_config *c, const bn_decode_layer *L, void 
         }
         if (L->ffn_sub_norm) rmsnorm(y, L->ffn_sub_norm, I, c->eps, y);
     }
+    phase(BN_PHASE_ACT, &t0);
     if ((rc = bn_ternary_linear_f32(W->y, m, I, L->w[BN_DEC_DOWN], H, *L->scale[BN_DEC_DOWN], W->o)) != 0)
         return rc;
+    phase(BN_PHASE_DOWN, &t0);
     for (int64_t e = 0; e < m * H; e++) h[e] = h[e] + W->o[e];
+    phase(BN_PHASE_NORM, &t0);
     return 0;
 }
 

@@ -324,3 +324,27 @@ def test_silu_mul_matches_torch(isa):
     ref = torch.nn.functional.silu(g.double()) * u.double()
     # atol: the vector exp is 0 below -87.3, where |silu| < 1e-36 (float32 denormals)
     torch.testing.assert_close(y.double(), ref, rtol=4e-7, atol=1e-35)
+
+
+def test_phase_timers(oracle_dirs, one_torch_thread):
+    """The fused step's phase timers (cpu_profile.py --phases): while on, every phase of a layer gets time and the
+    sum stays within the steps' wall time; off, steps add nothing; each read starts the sums again."""
+    import time
+
+    from bitnetlm.kernels.cpu.decode import PHASES, phase_timers
+
+    model = load_model(oracle_dirs["packed-autobitlinear"][0], backend="cpu").eval()
+    prompt = torch.randint(3, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(3))
+    phase_timers(False)
+    try:
+        greedy_with_cache(model, prompt, 4)
+        assert sum(phase_timers(True).values()) == 0  # off: nothing counted
+        t0 = time.perf_counter()
+        greedy_with_cache(model, prompt, 4)
+        wall = time.perf_counter() - t0
+        got = phase_timers(True)
+        assert list(got) == list(PHASES) and all(v > 0 for v in got.values()), got
+        assert sum(got.values()) <= wall
+        assert sum(phase_timers(False).values()) == 0  # read: zeroed
+    finally:
+        phase_timers(False)

@@ -82,6 +82,24 @@ def _step_fn():
     return lib
 
 
+PHASES = ("norms", "qkv", "rope", "attention", "o", "gate_up", "act", "down")  # bn_decode_phase_timers' order
+
+
+def phase_timers(on: bool) -> dict[str, float]:
+    """Turn the fused step's phase timers on or off and return the seconds each phase took since the last call:
+    the calling thread's wall time over every layer and step (the projections include their input's
+    quantization; "norms" the residual adds; "act" the MLP middle and its norm). For profiling; one
+    process-wide set of timers."""
+    lib = _step_fn()
+    if lib is None or not hasattr(lib, "bn_decode_phase_timers"):
+        raise RuntimeError(f"phase_timers: the C extension is not available ({_lib.load_error()})")
+    fn = lib.bn_decode_phase_timers
+    fn.restype, fn.argtypes = None, [ctypes.c_int, _vp, ctypes.c_int]
+    out = (ctypes.c_int64 * len(PHASES))()
+    fn(int(on), out, len(PHASES))
+    return {p: out[i] / 1e9 for i, p in enumerate(PHASES)}
+
+
 def _parts(block):
     a, f = block.self_attn, block.mlp
     return a, f, [getattr(a, p) for p in PROJ[:4]] + [getattr(f, p) for p in PROJ[4:]]
