@@ -5,9 +5,10 @@
 
 Random weights of the 2B4T shape; replays the captured decode step under torch.profiler and prints the kernels
 by total time, plus decode ms/step for attention variants (splits per row and kv head / keys per block / pipeline
-stages / warps); --quant-warps sets the quantization launch's warps. The decode kernels use programmatic dependent launch: a kernel starts early and waits for its
-predecessor, so its profiled duration includes that wait. For per-kernel durations run with
-BITNETLM_TRITON_PDL=0 (and BITNETLM_TRITON_TUNE_CACHE= for a fresh tune).
+stages / warps); --quant-warps sets the quantization launch's warps. The decode kernels use programmatic
+dependent launch: a kernel starts early and waits for its predecessor, so its profiled duration includes that
+wait. For per-kernel durations run with BITNETLM_TRITON_PDL=0 (and BITNETLM_TRITON_TUNE_CACHE= for a fresh
+tune).
 """
 
 from __future__ import annotations
@@ -70,12 +71,11 @@ def main() -> int:
     ap.add_argument("--quant-warps", type=int, default=0, help="the quantization launch's warps (0: default)")
     args = ap.parse_args()
     from bitnetlm.engine_cuda import CudaEngine, EngineConfig
-    from bitnetlm.kernels.triton import launch
-
-    launch.QUANT_WARPS = args.quant_warps
-    from bitnetlm.kernels.triton import attention
+    from bitnetlm.kernels.triton import attention, launch
     from bitnetlm.models import ModelConfig
     from bitnetlm.models.cache import parse_kv_cache_dtype
+
+    launch.QUANT_WARPS = args.quant_warps
 
     batches = [int(b) for b in args.batches.split(",")]
     eng = CudaEngine.random(

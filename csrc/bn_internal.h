@@ -94,5 +94,6 @@ typedef void (*bn_range_fn)(void *ctx, int64_t begin, int64_t end);
 void bn_parallel_for(int64_t n, bn_range_fn fn, void *ctx);
 int bn_pool_set_threads(int n);
 int bn_pool_threads(void);
+int64_t bn_now_ns(void); /* CLOCK_MONOTONIC in ns (threads.c) */
 
 #endif

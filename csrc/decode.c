@@ -7,10 +7,8 @@
  * (RMSNorm's mean, attention dot products, softmax sums) are summed in a different order, so results differ
  * from the torch path by float rounding only.
  */
-#define _POSIX_C_SOURCE 200809L /* clock_gettime under -std=c11 */
 #include <math.h>
 #include <string.h>
-#include <time.h>
 
 #include "bn_internal.h"
 #include "decode_internal.h"
@@ -123,17 +121,12 @@ static void cache_write(const bn_decode_config *c, void *kc, void *vc, const flo
 static int g_timers;
 static int64_t g_phase_ns[BN_PHASES];
 
-static int64_t now_ns(void) {
-    if (!g_timers) return 0;
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
+static int64_t now_ns(void) { return g_timers ? bn_now_ns() : 0; }
 
 /* the time since *t goes to phase id; *t moves to now */
 static void phase(int id, int64_t *t) {
     if (!g_timers) return;
-    int64_t n = now_ns();
+    int64_t n = bn_now_ns();
     g_phase_ns[id] += n - *t;
     *t = n;
 }

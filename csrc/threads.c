@@ -46,7 +46,7 @@ static struct {
     long spin_ns;
 } P = {.nthreads = 0, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
 
-static int64_t now_ns(void) {
+int64_t bn_now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
@@ -80,11 +80,11 @@ static void *worker(void *arg) {
     /* the generation before this thread was created: a job published while it starts is not missed */
     unsigned long seen = start_gen[id];
     for (;;) {
-        int64_t t0 = now_ns();
+        int64_t t0 = bn_now_ns();
         unsigned spins = 0;
         while (atomic_load_explicit(&P.gen, memory_order_acquire) == seen) {
             BN_PAUSE();
-            if ((++spins & 255) == 0 && now_ns() - t0 > P.spin_ns) {
+            if ((++spins & 255) == 0 && bn_now_ns() - t0 > P.spin_ns) {
                 pthread_mutex_lock(&P.mu);
                 atomic_fetch_add(&P.sleepers, 1);
                 while (atomic_load(&P.gen) == seen) pthread_cond_wait(&P.cv, &P.mu);

@@ -29,6 +29,7 @@ from bitnetlm.kernels.triton.tune import (
 ROW_MAX_M = 2  # rows up to this try the row GEMV first (dp4a work grows with M; tensor cores take over)
 GEMV_MAX_M = 16  # rows up to this may use the fused dp4a GEMV (the tuner decides against split-K)
 SPLITK_MAX_M = 64  # rows up to this use split-K tensor-core GEMM; above it, the plain tiled GEMM
+QUANT_WARPS = 0  # benchmarks' override of the quantization launch's warps (0: the default, 16)
 PTX = not INTERPRET
 
 
@@ -286,9 +287,6 @@ def launch_quant(
         num_warps=1 if INTERPRET else QUANT_WARPS or 16,  # 16: fastest on an H100 (gpu_profile --quant-warps)
         **pdl_kw(),
     )
-
-
-QUANT_WARPS = 0  # benchmarks' override of the quantization launch's warps (0: the default)
 
 
 def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-5):
