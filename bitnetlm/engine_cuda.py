@@ -44,7 +44,9 @@ def prefill_attention(q, k, v, mask=None, gqa: bool = False) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
-FUSED_MAX_B = 2  # decode steps of up to this many rows fuse RoPE + KV write into the q|k|v GEMV (decode.py)
+# Decode steps of up to this many rows fuse RoPE + KV write into the q|k|v projection (decode.py): the row GEMV
+# at 1-2 rows, the split-K GEMM's epilogue from 3 (its own tuner picks); above it, the GEMM then `rope_cache`.
+FUSED_MAX_B = 64
 # Batch-1 steps quantize the inputs of q|k|v, o and down inside the row GEMVs' programs (no quantization launch):
 # measured in the captured step on an H100, faster at batch 1 and slower at batch 2 (where every program
 # quantizes two rows) and for gate|up (6912 outputs: many more programs, each repeating the same work).

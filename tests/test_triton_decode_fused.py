@@ -23,10 +23,13 @@ def _tern(n, k, seed, dev):
 
 
 def _check_qkv_rope(m, hidden, nh, nkv, hd, dtype, dev, seed=0, per_row=True):
-    """quantize_into + qkv_rope vs ternary_linear(rowq) + rope_cache, and qkv_rope quantizing x itself vs
-    ternary_linear(row) + rope_cache: q and both caches bit for bit."""
+    """quantize_into + qkv_rope (the row GEMV up to 2 rows, the split-K GEMM from 3) vs ternary_linear(rowq) +
+    rope_cache, and qkv_rope quantizing x itself vs ternary_linear(row) + rope_cache: q and both caches bit for
+    bit."""
     eps = 1e-5
-    x = (_rand((m, hidden), seed, dev) * 3).to(dtype)
+    # quarters in [-8, 8]: every sum of squares is exact in float32, so the programs that quantize the rows
+    # themselves (each launch with its own tuned warps, hence its own summation order) agree bit for bit
+    x = (_rand((m, hidden), seed, dev) * 12).round().clamp(-32, 32).div(4).to(dtype)
     nin = 1 + 0.1 * _rand((hidden,), seed + 1, dev)
     nqkv = (nh + 2 * nkv) * hd
     w = _tern(nqkv, hidden, seed + 3, dev)
@@ -36,7 +39,8 @@ def _check_qkv_rope(m, hidden, nh, nkv, hd, dtype, dev, seed=0, per_row=True):
     q_ref, a_ref, rs_ref = L.quantize_rows(x, nin, eps)
     assert torch.equal(xq.q[:, :hidden], q_ref) and torch.equal(xq.a, a_ref) and torch.equal(xq.rs, rs_ref)
     s_len = 24
-    pos = torch.tensor([5, 17][:m], dtype=torch.int32, device=dev)
+    pos = torch.tensor([5, 17, 0, 11, 22][:m], dtype=torch.int32, device=dev)
+    pos = torch.cat([pos, torch.arange(m - pos.numel(), device=dev, dtype=torch.int32) % 20])
     inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
     fr = torch.arange(s_len, dtype=torch.float32)[:, None] * inv[None, :]
     cos, sin = fr.cos().contiguous().to(dev), fr.sin().contiguous().to(dev)
@@ -60,11 +64,13 @@ def _check_qkv_rope(m, hidden, nh, nkv, hd, dtype, dev, seed=0, per_row=True):
     assert not torch.equal(kc2, kc)  # the slots were written
 
 
-@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("m", [1, 2, 5])
 def test_qkv_rope_exact(m):
     # K not a multiple of 16 (padding), GQA group of 2, head_dim 16; per-row and single scales
     _check_qkv_rope(m, hidden=72, nh=4, nkv=2, hd=16, dtype=torch.float32, dev=DEV, seed=m)
     _check_qkv_rope(m, hidden=64, nh=2, nkv=1, hd=32, dtype=torch.float32, dev=DEV, seed=m + 7, per_row=False)
+    if m > 2:  # the split-K GEMM's reduction: K = 520 is 5 chunks of 32 bytes, in 3 splits
+        _check_qkv_rope(m, hidden=520, nh=4, nkv=2, hd=16, dtype=torch.float32, dev=DEV, seed=m + 9)
 
 
 def test_engine_fused_step_equals_unfused(tiny_model):
@@ -72,9 +78,9 @@ def test_engine_fused_step_equals_unfused(tiny_model):
     row GEMV that quantizes inside each program, whose sum order differs: close, not bit-identical)."""
     from bitnetlm.engine_cuda import CudaEngine, EngineConfig
 
-    for b in (1, 2):
+    for b in (1, 2, 3):
         eng = CudaEngine.from_model(
-            tiny_model, EngineConfig(max_batch=2, max_seq_len=16, dtype=torch.float32), device=DEV
+            tiny_model, EngineConfig(max_batch=3, max_seq_len=16, dtype=torch.float32), device=DEV
         )
         tok = torch.randint(0, 512, (b, 5), generator=torch.Generator().manual_seed(b)).to(DEV)
         nxt = torch.randint(0, 512, (b, 1), generator=torch.Generator().manual_seed(9)).to(DEV)
@@ -92,7 +98,7 @@ def test_engine_fused_step_equals_unfused(tiny_model):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 64])
 def test_gpu_qkv_rope_2b4t_exact(m):
     for dtype in (torch.bfloat16, torch.float32):
         _check_qkv_rope(m, hidden=2560, nh=20, nkv=5, hd=128, dtype=dtype, dev="cuda", seed=m)

@@ -19,6 +19,7 @@ from bitnetlm.kernels.triton.common import (
     _pdl_trigger,
     _pdl_wait,
     _prefetch_l2,
+    _rotate,
 )
 from bitnetlm.kernels.triton.launch import pdl_kw
 
@@ -40,6 +41,7 @@ def _rope_cache_kernel(
     D: tl.constexpr,
     HALF: tl.constexpr,
     HP: tl.constexpr,
+    PTX: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """One program per token row, all heads at once ([HP, D/2] halves): q heads rotated into q, k heads rotated
@@ -58,8 +60,9 @@ def _rope_cache_kernel(
     c = tl.load(cos_ptr + pos * HALF + d)[None, :]
     s = tl.load(sin_ptr + pos * HALF + d)[None, :]
     rot = (hh < H + HKV)[:, None]
-    o1 = tl.where(rot, f1 * c - f2 * s, f1)
-    o2 = tl.where(rot, f2 * c + f1 * s, f2)
+    r1, r2 = _rotate(f1, f2, c, s, PTX)
+    o1 = tl.where(rot, r1, f1)
+    o2 = tl.where(rot, r2, f2)
     mq = (hh < H)[:, None]
     dq = q_ptr + ((row * H + hh) * D)[:, None] + d[None, :]  # q [B, T, H, D]
     tl.store(dq, o1.to(q_ptr.dtype.element_ty), mask=mq)
@@ -94,6 +97,7 @@ def rope_cache(qkv, cos, sin, pos, q_out, k_cache, v_cache, n_heads: int, n_kv: 
         D=d,
         HALF=d // 2,
         HP=hp,
+        PTX=not INTERPRET,
         num_warps=1 if INTERPRET else max(1, min(8, hp * d // 512)),
         **pdl_kw(),
     )

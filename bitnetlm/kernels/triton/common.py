@@ -91,6 +91,14 @@ def _add_rn(a, b, PTX: tl.constexpr):
 
 
 @triton.jit
+def _rotate(f1, f2, c, s, PTX: tl.constexpr):
+    """RoPE of the halves (f1, f2) by (cos, sin): (f1*c - f2*s, f2*c + f1*s), each product and the sum rounded on
+    its own as torch's eager rotate-half does; left to the compiler, which products it contracted into an FMA
+    depended on the kernel, and the fused q|k|v kernels differed from `rope_cache` in the last bit."""
+    return _add_rn(f1 * c, -(f2 * s), PTX), _add_rn(f2 * c, f1 * s, PTX)
+
+
+@triton.jit
 def _rne(x, PTX: tl.constexpr):
     """Round half to even (torch.round), |x| < 2**22."""
     if PTX:

@@ -1,10 +1,13 @@
-"""The q|k|v projection of the batch-1/2 CUDA-graph decode step with RoPE and the KV-cache write fused in.
+"""The q|k|v projection of the CUDA-graph decode step (batch 1-64) with RoPE and the KV-cache write fused in.
 
-`_qkv_rope_kernel` is the row GEMV (`gemv._gemv_row_kernel`) whose BN
-weight rows are BN/2 rotation pairs (d, d + D/2) of the heads, so a program rotates its own outputs and writes
-q into the query buffer [B, 1, H, D] and k / v straight into the KV-cache slot pos: no q|k|v round trip and no
-RoPE launch (`attention.rope_cache`). The results equal the unfused launches bit for bit: the outputs are
-rounded to the activation dtype before the rotation, as the stored q|k|v rows are in the unfused step.
+Its tiles' weight rows are rotation pairs (d, d + D/2) of the heads (`_pair_cols`), so a program rotates its own
+outputs and writes q into the query buffer [B, 1, H, D] and k / v straight into the KV-cache slot pos: no q|k|v
+round trip and no RoPE launch (`attention.rope_cache`). Two kernels, one tuner choosing between them:
+- `_qkv_rope_kernel`, the row GEMV (`gemv._gemv_row_kernel`): the only one at batch 1-2;
+- `_qkv_rope_mma_kernel`, the split-K tensor-core GEMM (`gemm._gemm_kernel`) with `_rope_store` as its epilogue:
+  from batch 3 (a step 2-3% faster than GEMM + `rope_cache` at batch 8 and 16 on an H100, the same at 64).
+The results equal the unfused launches bit for bit: the outputs are rounded to the activation dtype before the
+rotation, as the stored q|k|v rows are in the unfused step, and every kernel rotates through `common._rotate`.
 
 The activation rows come pre-quantized (`quantize_into`, one launch before) or as they are: then every program
 normalizes and quantizes the whole row itself (`quant._quant_words`, as the row GEMV's PREQ=False path), which
@@ -19,12 +22,97 @@ import torch
 import triton
 import triton.language as tl
 
-from bitnetlm.kernels.triton.common import _pdl_wait
+from bitnetlm.kernels.triton.common import _epilogue, _pdl_wait, _rotate
+from bitnetlm.kernels.triton.gemm import _mma_loop, _prefetch_rows, _splitk_sum
 from bitnetlm.kernels.triton.gemv import _load_qrow, _row_out
-from bitnetlm.kernels.triton.launch import PTX, check_packed, launch_quant, pdl_kw
+from bitnetlm.kernels.triton.launch import (
+    GEMV_MAX_M,
+    PTX,
+    ROW_MAX_M,
+    _workspace,
+    check_packed,
+    launch_quant,
+    pdl_kw,
+)
 from bitnetlm.kernels.triton.layout import packed_row_bytes
 from bitnetlm.kernels.triton.quant import _quant_words
-from bitnetlm.kernels.triton.tune import _row_candidates, _tune
+from bitnetlm.kernels.triton.tune import _next_pow2, _row_candidates, _splitk_candidates, _tune
+
+
+@triton.jit
+def _pair_cols(pid, N, D: tl.constexpr, BN: tl.constexpr):
+    """Weight rows [BN] of tile pid: BN/2 rotation pairs, rows d then rows d + D/2 of the same heads, and mask."""
+    HALF: tl.constexpr = D // 2
+    P: tl.constexpr = BN // 2
+    j = tl.arange(0, BN)
+    pp = pid * P + j % P
+    return (pp // HALF) * D + pp % HALF + tl.where(j >= P, HALF, 0), pp < N // 2
+
+
+@triton.jit
+def _rope_tables(offs_m, mask_m, pid, N, pos_ptr, cos_ptr, sin_ptr, D: tl.constexpr, BN: tl.constexpr):
+    """Positions pos[m] [BM, 1] and the cos / sin [BM, BN/2] of tile pid's rotation pairs at them."""
+    HALF: tl.constexpr = D // 2
+    p1 = pid * (BN // 2) + tl.arange(0, BN // 2)
+    mp = mask_m[:, None] & (p1 < N // 2)[None, :]
+    pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0)[:, None]
+    at = pos * HALF + (p1 % HALF)[None, :]
+    return pos, tl.load(cos_ptr + at, mask=mp, other=0.0), tl.load(sin_ptr + at, mask=mp, other=0.0)
+
+
+@triton.jit
+def _rope_store(
+    y,
+    offs_m,
+    mask_m,
+    pid,
+    pos,
+    c,
+    sn,
+    qo_ptr,
+    kc_ptr,
+    vc_ptr,
+    N,
+    H,
+    HKV,
+    S,
+    D: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    KV_SAME: tl.constexpr,
+    PTX: tl.constexpr,
+):
+    """Outputs y [BM, BN] of tile pid's weight rows (`_pair_cols`) for activation rows offs_m: rounded to the
+    activation dtype (as the unfused step stores its q|k|v rows), rotated at positions pos (`_rope_tables`),
+    q heads into qo [B, 1, H, D], k and v heads into their cache slot pos[m]."""
+    HALF: tl.constexpr = D // 2
+    P: tl.constexpr = BN // 2
+    yq = y.to(qo_ptr.dtype.element_ty).to(tl.float32)
+    f1, f2 = tl.split(tl.permute(tl.reshape(yq, [BM, 2, P]), (0, 2, 1)))  # [BM, P] rows d and d + D/2
+    p1 = pid * P + tl.arange(0, P)
+    head = (p1 // HALF)[None, :]
+    d = (p1 % HALF)[None, :]
+    mp = mask_m[:, None] & (p1 < N // 2)[None, :]
+    rot = head < H + HKV
+    r1, r2 = _rotate(f1, f2, c, sn, PTX)
+    o1 = tl.where(rot, r1, f1)
+    o2 = tl.where(rot, r2, f2)
+    # heads 0..H-1 are q, then the k heads, then the v heads
+    is_q = head < H
+    is_k = (head >= H) & rot
+    kvh = tl.where(is_k, head - H, head - H - HKV)
+    m2 = offs_m[:, None]
+    dq = qo_ptr + (m2 * H + head) * D + d
+    dc = tl.where(is_k, kc_ptr, vc_ptr) + ((m2 * HKV + kvh) * S + pos) * D + d
+    if KV_SAME:  # one store pair for q, k and v alike
+        dst = tl.where(is_q, dq, dc)
+        tl.store(dst, o1.to(kc_ptr.dtype.element_ty), mask=mp)
+        tl.store(dst + HALF, o2.to(kc_ptr.dtype.element_ty), mask=mp)
+    else:  # a float8 cache: q in the activations' dtype, k and v in the cache's
+        tl.store(dq, o1.to(qo_ptr.dtype.element_ty), mask=mp & is_q)
+        tl.store(dq + HALF, o2.to(qo_ptr.dtype.element_ty), mask=mp & is_q)
+        tl.store(dc, o1.to(kc_ptr.dtype.element_ty), mask=mp & ~is_q)
+        tl.store(dc + HALF, o2.to(kc_ptr.dtype.element_ty), mask=mp & ~is_q)
 
 
 @triton.jit
@@ -63,12 +151,9 @@ def _qkv_rope_kernel(
     HAS_NORM: tl.constexpr = True,
 ):
     pid = tl.program_id(0)
-    j = tl.arange(0, BN)
     HALF: tl.constexpr = D // 2
     P: tl.constexpr = BN // 2
-    pp = pid * P + j % P  # rotation pair of each row: rows d and d + D/2 of a head side by side
-    offs_n = (pp // HALF) * D + pp % HALF + tl.where(j >= P, HALF, 0)
-    mask_n = pp < N // 2
+    offs_n, mask_n = _pair_cols(pid, N, D, BN)
     offs_w = tl.arange(0, KWP)
     mw = offs_w < KW
     wv = tl.load(w_ptr + offs_n[:, None] * KW + offs_w[None, :], mask=mask_n[:, None] & mw[None, :], other=0)
@@ -77,6 +162,7 @@ def _qkv_rope_kernel(
     else:
         s = tl.load(s_ptr) + tl.zeros([BN], tl.float32)
     _pdl_wait(PDL)  # the weight and scale loads above overlap the previous kernel
+    # `_rope_store` for one row, kept one-dimensional: its [1, P] form measured 4% slower a batch-1 step
     p1 = pid * P + tl.arange(0, P)
     mp = p1 < N // 2
     head = p1 // HALF
@@ -102,11 +188,12 @@ def _qkv_rope_kernel(
         pos = tl.load(pos_ptr + m)
         c = tl.load(cos_ptr + pos * HALF + d)
         sn = tl.load(sin_ptr + pos * HALF + d)
-        o1 = tl.where(rot, f1 * c - f2 * sn, f1)
-        o2 = tl.where(rot, f2 * c + f1 * sn, f2)
+        r1, r2 = _rotate(f1, f2, c, sn, PTX)
+        o1 = tl.where(rot, r1, f1)
+        o2 = tl.where(rot, r2, f2)
         dq = qo_ptr + (m * H + head) * D + d
         dc = cache + ((m * HKV + kvh) * S + pos) * D + d
-        if KV_SAME:  # one store pair for q, k and v alike
+        if KV_SAME:
             dst = tl.where(is_q, dq, dc)
             tl.store(dst, o1.to(kc_ptr.dtype.element_ty), mask=mp)
             tl.store(dst + HALF, o2.to(kc_ptr.dtype.element_ty), mask=mp)
@@ -115,6 +202,104 @@ def _qkv_rope_kernel(
             tl.store(dq + HALF, o2.to(qo_ptr.dtype.element_ty), mask=mp & is_q)
             tl.store(dc, o1.to(kc_ptr.dtype.element_ty), mask=mp & ~is_q)
             tl.store(dc + HALF, o2.to(kc_ptr.dtype.element_ty), mask=mp & ~is_q)
+
+
+@triton.jit
+def _qkv_rope_mma_kernel(
+    q_ptr,
+    a_ptr,
+    rs_ptr,
+    w_ptr,
+    s_ptr,
+    ws_ptr,
+    cnt_ptr,
+    qo_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    kc_ptr,
+    vc_ptr,
+    M,
+    N,
+    KP,
+    CHUNKS_PER_SPLIT,
+    stride_qm,
+    H,
+    HKV,
+    S,
+    PER_ROW: tl.constexpr,
+    PTX: tl.constexpr,
+    D: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BKB: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SWAP: tl.constexpr,
+    PDL: tl.constexpr = False,
+    KV_SAME: tl.constexpr = True,
+):
+    """The split-K tensor-core GEMM (`gemm._gemm_kernel`, GROUP_M == 0) over pre-quantized rows, whose tiles are
+    rotation pairs (`_pair_cols`) and whose epilogue is `_rope_store`: q|k|v + RoPE + KV write at batch 3-64."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    b_lo = pid_s * CHUNKS_PER_SPLIT * BKB
+    b_hi = tl.minimum(b_lo + CHUNKS_PER_SPLIT * BKB, KP)
+    cols, mask_c = _pair_cols(pid_n, N, D, BN)
+    if PDL:  # the weights are constant: into L2 while the quantization launch runs
+        _prefetch_rows(w_ptr, cols, mask_c, KP, b_lo, b_hi, PTX)
+    _pdl_wait(PDL)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    mask_m = offs_m < M
+    acc, acc2 = _mma_loop(
+        q_ptr,
+        w_ptr,
+        offs_m,
+        cols,
+        mask_m,
+        mask_c,
+        N,
+        KP,
+        b_lo,
+        b_hi,
+        stride_qm,
+        False,
+        PTX,
+        SWAP,
+        BM,
+        BN,
+        BKB,
+    )
+    # the epilogue's loads before the split-K hand-off: in flight while the partials go out
+    a = tl.load(a_ptr + offs_m, mask=mask_m, other=1.0)
+    rs = tl.load(rs_ptr + offs_m, mask=mask_m, other=0)
+    pos, c, sn = _rope_tables(offs_m, mask_m, pid_n, N, pos_ptr, cos_ptr, sin_ptr, D, BN)
+    last, acc, acc2 = _splitk_sum(
+        acc, acc2, ws_ptr, cnt_ptr, pid_n, pid_s, pid_m, offs_m, cols, mask_m, mask_c, M, N, N, False, SPLIT
+    )
+    if last:
+        y = _epilogue(acc, rs, a, s_ptr, cols, mask_c, PER_ROW, PTX)
+        _rope_store(
+            y,
+            offs_m,
+            mask_m,
+            pid_n,
+            pos,
+            c,
+            sn,
+            qo_ptr,
+            kc_ptr,
+            vc_ptr,
+            N,
+            H,
+            HKV,
+            S,
+            D,
+            BM,
+            BN,
+            KV_SAME,
+            PTX,
+        )
 
 
 class QuantBuf:
@@ -208,5 +393,50 @@ def qkv_rope(
             **pdl_kw(),
         )
 
-    key = ("qkv_rope", n, k, m, scale.numel() != 1, d, k_cache.dtype, preq)
-    launch(_tune(key, lambda: _row_candidates(kw, False, "qkv_rope"), launch))  # row tiles: BN even, >= 2
+    def launch_mma(cfg):
+        ws, cnt = _workspace(packed.device, m, n, cfg["SPLIT"])
+        grid = (triton.cdiv(n // 2, cfg["BN"] // 2), cfg["SPLIT"], triton.cdiv(m, cfg["BM"]))
+        _qkv_rope_mma_kernel[grid](
+            src.q,
+            src.a,
+            src.rs,
+            packed,
+            scale,
+            ws,
+            cnt,
+            q_out,
+            cos,
+            sin,
+            pos,
+            k_cache,
+            v_cache,
+            m,
+            n,
+            packed.shape[1],
+            cfg["CPS"],
+            src.q.stride(0),
+            n_heads,
+            n_kv,
+            s_len,
+            PER_ROW=scale.numel() != 1,
+            PTX=PTX,
+            D=d,
+            KV_SAME=k_cache.dtype == q_out.dtype,
+            **{k2: v for k2, v in cfg.items() if k2 not in ("path", "CPS")},
+            **pdl_kw(),
+        )
+
+    def candidates() -> list[dict]:
+        row = _row_candidates(kw, False, "qkv_rope")  # row tiles: BN even, >= 2
+        if not preq or m <= ROW_MAX_M:
+            return row
+        # from 3 rows: the split-K tensor-core tiles (BN weight rows = BN/2 pairs), the row GEMV's last
+        mma = [c for c in _splitk_candidates(m, n, packed.shape[1], False) if not c.get("PAIR")]
+        return mma + (row[:2] if m <= GEMV_MAX_M else [])
+
+    bucket = (
+        m if m <= ROW_MAX_M else min(_next_pow2(m), 1024)
+    )  # tuned per power-of-two bucket, as ternary_linear
+    key = ("qkv_rope", n, k, bucket, scale.numel() != 1, d, k_cache.dtype, preq)
+    cfg = _tune(key, candidates, lambda c: launch_mma(c) if c["path"] == "splitk" else launch(c))
+    (launch_mma if cfg["path"] == "splitk" else launch)(cfg)

@@ -94,6 +94,64 @@ def _mma_loop(
 
 
 @triton.jit
+def _prefetch_rows(w_ptr, rows, mask_r, KP, b_lo, b_hi, PTX: tl.constexpr):
+    """L2 hint for packed bytes b_lo..b_hi of weight rows [BN] (up to 2 KB a row), issued before `_pdl_wait`."""
+    offs_l = b_lo + tl.arange(0, 16) * 128
+    _prefetch_l2(
+        w_ptr + rows[:, None] * KP + offs_l[None, :], mask_r[:, None] & (offs_l < b_hi)[None, :], PTX
+    )
+
+
+@triton.jit
+def _splitk_sum(
+    acc,
+    acc2,
+    ws_ptr,
+    cnt_ptr,
+    pid_n,
+    pid_s,
+    pid_m,
+    offs_m,
+    cols,
+    mask_m,
+    mask_c,
+    M,
+    wcols,
+    N,
+    TWO: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """Split-K: (is this the tile's last program, the tile's int32 sums over every split, the same for acc2).
+
+    Each program stores its partial tile into its own workspace slot [SPLIT, M, wcols] (plain stores, no atomics
+    per element); the last program of the tile to arrive (a counter per tile, reset by that program so CUDA-graph
+    replays need no memset) sums the SPLIT slots in a fixed order: exact and deterministic. TWO: acc2 (the up
+    rows) in columns N..2N-1."""
+    if SPLIT > 1:
+        mask_y = mask_m[:, None] & mask_c[None, :]
+        ws = ws_ptr + offs_m[:, None] * wcols + cols[None, :]
+        tl.store(ws + pid_s * M * wcols, acc, mask=mask_y)
+        if TWO:
+            tl.store(ws + pid_s * M * wcols + N, acc2, mask=mask_y)
+        tl.debug_barrier()
+        tile = pid_m * tl.num_programs(0) + pid_n
+        last = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1
+        if last:
+            tl.debug_barrier()
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
+            acc = tl.zeros_like(acc)
+            acc2 = tl.zeros_like(acc2)
+            for sp in tl.static_range(SPLIT):  # unrolled: every slot's load in flight at once
+                # .cg: the other programs' partials from L2, never a stale L1 line of an earlier replay
+                acc += tl.load(ws + sp * M * wcols, mask=mask_y, other=0, cache_modifier=".cg")
+                if TWO:
+                    acc2 += tl.load(ws + sp * M * wcols + N, mask=mask_y, other=0, cache_modifier=".cg")
+    else:
+        last = True
+    return last, acc, acc2
+
+
+@triton.jit
 def _gemm_kernel(
     q_ptr,
     a_ptr,
@@ -129,12 +187,10 @@ def _gemm_kernel(
 
     GROUP_M > 0, tiled: a 1-D grid, one program per output tile, GROUP_M row tiles walked together (L2 reuse).
     GROUP_M == 0, split-K (small M): grid (N tiles, SPLIT, M tiles); program (n, s, m) owns K chunk s of its tile
-    (CHUNKS_PER_SPLIT chunks of BKB bytes), so every SM has its loads in flight at once. With SPLIT > 1 each
-    stores its partial int32 tile into a workspace slot [SPLIT, M, cols] and the last program of the tile (a
-    counter per tile, reset by that program so CUDA-graph replays need no memset) sums the slots in a fixed order
-    and runs the epilogue: integer sums, so the result is exact and deterministic. Under programmatic dependent
-    launch (PDL, split-K) each program first prefetches its weight bytes into L2, overlapping the quantization
-    launch it waits for.
+    (CHUNKS_PER_SPLIT chunks of BKB bytes), so every SM has its loads in flight at once; with SPLIT > 1 the
+    last program of the tile sums the partials and runs the epilogue (`_splitk_sum`). Under programmatic
+    dependent launch (PDL, split-K) each program first prefetches its weight bytes into L2, overlapping the
+    quantization launch it waits for.
     PAIR (gated only): a tile's BN weight rows are the BN/2 gate rows and the BN/2 up rows of the same outputs
     (`_pair_rows`), so one accumulator and one MMA of the full width cover both (two half-width MMAs waste
     Hopper's wgmma); the epilogue splits the tile. The workspace columns are then the weight rows.
@@ -148,6 +204,7 @@ def _gemm_kernel(
         gsize = tl.minimum(num_m - first_m, GROUP_M)
         pid_m = first_m + (pid % group) % gsize
         pid_n = (pid % group) // gsize
+        pid_s = 0
         b_lo = 0
         b_hi = KP
     else:
@@ -162,42 +219,20 @@ def _gemm_kernel(
         cols = pid_n * BN + tl.arange(0, BN)
         mask_c = cols < N
     TWO: tl.constexpr = GATED and not PAIR  # gate|up in two accumulators
-    if PDL:  # the weights are constant: pull this program's bytes (up to 2 KB a row) into L2 while waiting
-        offs_l = b_lo + tl.arange(0, 16) * 128
-        mask_l = mask_c[:, None] & (offs_l < b_hi)[None, :]
-        _prefetch_l2(w_ptr + cols[:, None] * KP + offs_l[None, :], mask_l, PTX)
+    if PDL:  # the weights are constant: pull this program's bytes into L2 while waiting
+        _prefetch_rows(w_ptr, cols, mask_c, KP, b_lo, b_hi, PTX)
         if TWO:
-            _prefetch_l2(w_ptr + (cols + N)[:, None] * KP + offs_l[None, :], mask_l, PTX)
+            _prefetch_rows(w_ptr, cols + N, mask_c, KP, b_lo, b_hi, PTX)
     _pdl_wait(PDL)
     offs_m = pid_m * BM + tl.arange(0, BM)
     mask_m = offs_m < M
     acc, acc2 = _mma_loop(
         q_ptr, w_ptr, offs_m, cols, mask_m, mask_c, N, KP, b_lo, b_hi, stride_qm, TWO, PTX, SWAP, BM, BN, BKB
     )
-    if SPLIT > 1:
-        # partial tile -> its own workspace slot (plain stores: no atomics per element); the last split of the
-        # tile to arrive sums the SPLIT slots in a fixed order
-        mask_y = mask_m[:, None] & mask_c[None, :]
-        wcols = N * 2 if GATED else N
-        ws = ws_ptr + offs_m[:, None] * wcols + cols[None, :]
-        tl.store(ws + pid_s * M * wcols, acc, mask=mask_y)
-        if TWO:  # the up partial in columns N..2N-1
-            tl.store(ws + pid_s * M * wcols + N, acc2, mask=mask_y)
-        tl.debug_barrier()
-        tile = pid_m * tl.num_programs(0) + pid_n
-        last = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1
-        if last:
-            tl.debug_barrier()
-            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
-            acc = tl.zeros_like(acc)
-            acc2 = tl.zeros_like(acc2)
-            for sp in tl.static_range(SPLIT):  # unrolled: every slot's load in flight at once
-                # .cg: the other programs' partials from L2, never a stale L1 line of an earlier replay
-                acc += tl.load(ws + sp * M * wcols, mask=mask_y, other=0, cache_modifier=".cg")
-                if TWO:
-                    acc2 += tl.load(ws + sp * M * wcols + N, mask=mask_y, other=0, cache_modifier=".cg")
-    else:
-        last = True
+    wcols = N * 2 if GATED else N
+    last, acc, acc2 = _splitk_sum(
+        acc, acc2, ws_ptr, cnt_ptr, pid_n, pid_s, pid_m, offs_m, cols, mask_m, mask_c, M, wcols, N, TWO, SPLIT
+    )
     if last:
         a = tl.load(a_ptr + offs_m, mask=mask_m, other=1.0)  # after the K loop: no registers held across it
         rs = tl.load(rs_ptr + offs_m, mask=mask_m, other=0)
