@@ -44,9 +44,12 @@ def prefill_attention(q, k, v, mask=None, gqa: bool = False) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
-# Decode steps of up to this many rows fuse RoPE + KV write into the q|k|v projection (decode.py): the row GEMV
-# at 1-2 rows, the split-K GEMM's epilogue from 3 (its own tuner picks); above it, the GEMM then `rope_cache`.
+# Decode steps of 1-2 and of 8-64 rows fuse RoPE + KV write into the q|k|v projection (decode.py: the row GEMV at
+# 1-2 rows, the split-K GEMM's epilogue at 8-64); the others run the GEMM, then `rope_cache`. Fused, a step took
+# 0.5-3% less time at batch 8 and 16 on an H100 and an H200 and the same at 64; at batch 3 it took 0.9% less on
+# the H100 but 4% more on the H200 (benchmarks/gpu_profile.py).
 FUSED_MAX_B = 64
+FUSED_GAP = (3, 7)  # the batch sizes between the row GEMV's and the GEMM's fused ranges
 # Batch-1 steps quantize the inputs of q|k|v, o and down inside the row GEMVs' programs (no quantization launch):
 # measured in the captured step on an H100, faster at batch 1 and slower at batch 2 (where every program
 # quantizes two rows) and for gate|up (6912 outputs: many more programs, each repeating the same work).
@@ -401,6 +404,7 @@ class CudaEngine:
         h = self._embed(tok.reshape(-1))  # [B*T, hidden]
         scale = 1.0 / math.sqrt(hd)
         fused = t == 1 and b <= FUSED_MAX_B and self.ecfg.weights == "ternary" and self.fused
+        fused = fused and not FUSED_GAP[0] <= b <= FUSED_GAP[1]
         in_row = fused and b <= QUANT_IN_ROW_MAX_B  # q|k|v, o, down quantize inside their programs
         rp = "row" if in_row else None  # the path of o and down
         if fused:

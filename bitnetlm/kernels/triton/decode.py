@@ -5,7 +5,7 @@ outputs and writes q into the query buffer [B, 1, H, D] and k / v straight into 
 round trip and no RoPE launch (`attention.rope_cache`). Two kernels, one tuner choosing between them:
 - `_qkv_rope_kernel`, the row GEMV (`gemv._gemv_row_kernel`): the only one at batch 1-2;
 - `_qkv_rope_mma_kernel`, the split-K tensor-core GEMM (`gemm._gemm_kernel`) with `_rope_store` as its epilogue:
-  from batch 3 (a step 2-3% faster than GEMM + `rope_cache` at batch 8 and 16 on an H100, the same at 64).
+  from batch 3 (the engine uses it at batch 8-64: `engine_cuda.FUSED_GAP`).
 The results equal the unfused launches bit for bit: the outputs are rounded to the activation dtype before the
 rotation, as the stored q|k|v rows are in the unfused step, and every kernel rotates through `common._rotate`.
 
