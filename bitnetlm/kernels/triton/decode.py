@@ -61,6 +61,20 @@ def _rope_tables(offs_m, mask_m, pid, N, pos_ptr, cos_ptr, sin_ptr, D: tl.conste
 
 
 @triton.jit
+def _store_halves(o1, o2, dq, dc, is_q, mp, qo_ptr, kc_ptr, HALF: tl.constexpr, KV_SAME: tl.constexpr):
+    """The rotated halves o1 / o2 (any shape) to their q (dq) or cache (dc) addresses and + D/2."""
+    if KV_SAME:  # one store pair for q, k and v alike
+        dst = tl.where(is_q, dq, dc)
+        tl.store(dst, o1.to(kc_ptr.dtype.element_ty), mask=mp)
+        tl.store(dst + HALF, o2.to(kc_ptr.dtype.element_ty), mask=mp)
+    else:  # a float8 cache: q in the activations' dtype, k and v in the cache's
+        tl.store(dq, o1.to(qo_ptr.dtype.element_ty), mask=mp & is_q)
+        tl.store(dq + HALF, o2.to(qo_ptr.dtype.element_ty), mask=mp & is_q)
+        tl.store(dc, o1.to(kc_ptr.dtype.element_ty), mask=mp & ~is_q)
+        tl.store(dc + HALF, o2.to(kc_ptr.dtype.element_ty), mask=mp & ~is_q)
+
+
+@triton.jit
 def _rope_store(
     y,
     offs_m,
@@ -104,15 +118,7 @@ def _rope_store(
     m2 = offs_m[:, None]
     dq = qo_ptr + (m2 * H + head) * D + d
     dc = tl.where(is_k, kc_ptr, vc_ptr) + ((m2 * HKV + kvh) * S + pos) * D + d
-    if KV_SAME:  # one store pair for q, k and v alike
-        dst = tl.where(is_q, dq, dc)
-        tl.store(dst, o1.to(kc_ptr.dtype.element_ty), mask=mp)
-        tl.store(dst + HALF, o2.to(kc_ptr.dtype.element_ty), mask=mp)
-    else:  # a float8 cache: q in the activations' dtype, k and v in the cache's
-        tl.store(dq, o1.to(qo_ptr.dtype.element_ty), mask=mp & is_q)
-        tl.store(dq + HALF, o2.to(qo_ptr.dtype.element_ty), mask=mp & is_q)
-        tl.store(dc, o1.to(kc_ptr.dtype.element_ty), mask=mp & ~is_q)
-        tl.store(dc + HALF, o2.to(kc_ptr.dtype.element_ty), mask=mp & ~is_q)
+    _store_halves(o1, o2, dq, dc, is_q, mp, qo_ptr, kc_ptr, HALF, KV_SAME)
 
 
 @triton.jit
@@ -193,15 +199,7 @@ def _qkv_rope_kernel(
         o2 = tl.where(rot, r2, f2)
         dq = qo_ptr + (m * H + head) * D + d
         dc = cache + ((m * HKV + kvh) * S + pos) * D + d
-        if KV_SAME:
-            dst = tl.where(is_q, dq, dc)
-            tl.store(dst, o1.to(kc_ptr.dtype.element_ty), mask=mp)
-            tl.store(dst + HALF, o2.to(kc_ptr.dtype.element_ty), mask=mp)
-        else:  # a float8 cache: q in the activations' dtype, k and v in the cache's
-            tl.store(dq, o1.to(qo_ptr.dtype.element_ty), mask=mp & is_q)
-            tl.store(dq + HALF, o2.to(qo_ptr.dtype.element_ty), mask=mp & is_q)
-            tl.store(dc, o1.to(kc_ptr.dtype.element_ty), mask=mp & ~is_q)
-            tl.store(dc + HALF, o2.to(kc_ptr.dtype.element_ty), mask=mp & ~is_q)
+        _store_halves(o1, o2, dq, dc, is_q, mp, qo_ptr, kc_ptr, HALF, KV_SAME)
 
 
 @triton.jit
