@@ -4,10 +4,10 @@ Per layer and token the step is: [RMSNorm + int8 quant + q|k|v W2A8 GEMV], [RoPE
 [split-KV attention, one program per GQA group], [SubLN + quant + o_proj + residual], [RMSNorm + quant + gate|up +
 relu^2*up], [SubLN + quant + down_proj + residual] -- six launches, plus one quantization launch per projection
 where the tuner finds a separate quant + GEMV faster than the fused one (it times both inside CUDA graphs). At
-batch <= 2 the q|k|v GEMV also rotates and writes the KV cache (decode.py: five launches plus the quantizations);
-at batch 1 q|k|v, o and down quantize inside their programs, so a layer is six launches (QUANT_IN_ROW_MAX_B). The
-Triton kernels use programmatic dependent launch, so each one loads its weights while the previous one drains.
-Then final norm, LM head (bf16, or int8 per-row scaled), sampling (argmax or exponential-race sampling on the
+batch <= 2 and 8-64 the q|k|v projection also rotates and writes the KV cache (decode.py: five launches plus
+the quantizations); at batch 1 q|k|v, o and down quantize inside their programs, so a layer is six launches
+(QUANT_IN_ROW_MAX_B). The Triton kernels use programmatic dependent launch, so each one loads its weights while
+the previous one drains. Then final norm, LM head (bf16, or int8 per-row scaled), sampling (argmax or exponential-race sampling on the
 device) and the bookkeeping (next token, position, output slot) -- all captured once per batch size, replayed
 with no host synchronisation and no Python per layer.
 
