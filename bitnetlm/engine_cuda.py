@@ -7,9 +7,9 @@ where the tuner finds a separate quant + GEMV faster than the fused one (it time
 batch <= 2 and 8-64 the q|k|v projection also rotates and writes the KV cache (decode.py: five launches plus
 the quantizations); at batch 1 q|k|v, o and down quantize inside their programs, so a layer is six launches
 (QUANT_IN_ROW_MAX_B). The Triton kernels use programmatic dependent launch, so each one loads its weights while
-the previous one drains. Then final norm, LM head (bf16, or int8 per-row scaled), sampling (argmax or exponential-race sampling on the
-device) and the bookkeeping (next token, position, output slot) -- all captured once per batch size, replayed
-with no host synchronisation and no Python per layer.
+the previous one drains. Then final norm, LM head (bf16, or int8 per-row scaled), sampling (argmax or
+exponential-race sampling on the device) and the bookkeeping (next token, position, output slot) -- all captured
+once per batch size, replayed with no host synchronisation and no Python per layer.
 
 `weights="dense"` builds the same engine over full-precision (bf16) matrices (cuBLAS, same graph treatment):
 the baseline the ternary path is measured against. Prefill (T > 1) runs the GEMM path and PyTorch SDPA
