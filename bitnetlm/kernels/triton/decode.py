@@ -50,6 +50,17 @@ def _pair_cols(pid, N, D: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
+def _pair_roles(pid, N, H, HKV, HALF: tl.constexpr, P: tl.constexpr):
+    """Tile pid's P rotation pairs [P]: head, dim d within the half, in range, rotated (q and k heads), q head,
+    k head, and the kv head of a k or v head (heads 0..H-1 are q, then the k heads, then the v heads)."""
+    p1 = pid * P + tl.arange(0, P)
+    head = p1 // HALF
+    rot = head < H + HKV
+    is_k = (head >= H) & rot
+    return head, p1 % HALF, p1 < N // 2, rot, head < H, is_k, tl.where(is_k, head - H, head - H - HKV)
+
+
+@triton.jit
 def _rope_tables(offs_m, mask_m, pid, N, pos_ptr, cos_ptr, sin_ptr, D: tl.constexpr, BN: tl.constexpr):
     """Positions pos[m] [BM, 1] and the cos / sin [BM, BN/2] of tile pid's rotation pairs at them."""
     HALF: tl.constexpr = D // 2
@@ -103,22 +114,15 @@ def _rope_store(
     P: tl.constexpr = BN // 2
     yq = y.to(qo_ptr.dtype.element_ty).to(tl.float32)
     f1, f2 = tl.split(tl.permute(tl.reshape(yq, [BM, 2, P]), (0, 2, 1)))  # [BM, P] rows d and d + D/2
-    p1 = pid * P + tl.arange(0, P)
-    head = (p1 // HALF)[None, :]
-    d = (p1 % HALF)[None, :]
-    mp = mask_m[:, None] & (p1 < N // 2)[None, :]
-    rot = head < H + HKV
+    head, d, inr, rot, is_q, is_k, kvh = _pair_roles(pid, N, H, HKV, HALF, P)
     r1, r2 = _rotate(f1, f2, c, sn, PTX)
-    o1 = tl.where(rot, r1, f1)
-    o2 = tl.where(rot, r2, f2)
-    # heads 0..H-1 are q, then the k heads, then the v heads
-    is_q = head < H
-    is_k = (head >= H) & rot
-    kvh = tl.where(is_k, head - H, head - H - HKV)
+    o1 = tl.where(rot[None, :], r1, f1)
+    o2 = tl.where(rot[None, :], r2, f2)
     m2 = offs_m[:, None]
-    dq = qo_ptr + (m2 * H + head) * D + d
-    dc = tl.where(is_k, kc_ptr, vc_ptr) + ((m2 * HKV + kvh) * S + pos) * D + d
-    _store_halves(o1, o2, dq, dc, is_q, mp, qo_ptr, kc_ptr, HALF, KV_SAME)
+    dq = qo_ptr + (m2 * H + head[None, :]) * D + d[None, :]
+    dc = tl.where(is_k, kc_ptr, vc_ptr)[None, :] + ((m2 * HKV + kvh[None, :]) * S + pos) * D + d[None, :]
+    mp = mask_m[:, None] & inr[None, :]
+    _store_halves(o1, o2, dq, dc, is_q[None, :], mp, qo_ptr, kc_ptr, HALF, KV_SAME)
 
 
 @triton.jit
@@ -169,15 +173,7 @@ def _qkv_rope_kernel(
         s = tl.load(s_ptr) + tl.zeros([BN], tl.float32)
     _pdl_wait(PDL)  # the weight and scale loads above overlap the previous kernel
     # `_rope_store` for one row, kept one-dimensional: its [1, P] form measured 4% slower a batch-1 step
-    p1 = pid * P + tl.arange(0, P)
-    mp = p1 < N // 2
-    head = p1 // HALF
-    d = p1 % HALF
-    rot = head < H + HKV
-    # one store pair for q, k and v alike: heads 0..H-1 are q, then the k heads, then the v heads
-    is_q = head < H
-    is_k = (head >= H) & rot
-    kvh = tl.where(is_k, head - H, head - H - HKV)
+    head, d, mp, rot, is_q, is_k, kvh = _pair_roles(pid, N, H, HKV, HALF, P)
     cache = tl.where(is_k, kc_ptr, vc_ptr)
     for m in range(M):
         if PREQ:
@@ -432,9 +428,8 @@ def qkv_rope(
         mma = [c for c in _splitk_candidates(m, n, packed.shape[1], False) if not c.get("PAIR")]
         return mma + (row[:2] if m <= GEMV_MAX_M else [])
 
-    bucket = (
-        m if m <= ROW_MAX_M else min(_next_pow2(m), 1024)
-    )  # tuned per power-of-two bucket, as ternary_linear
+    # tuned per power-of-two bucket of rows, as ternary_linear
+    bucket = m if m <= ROW_MAX_M else min(_next_pow2(m), 1024)
     key = ("qkv_rope", n, k, bucket, scale.numel() != 1, d, k_cache.dtype, preq)
     cfg = _tune(key, candidates, lambda c: launch_mma(c) if c["path"] == "splitk" else launch(c))
     (launch_mma if cfg["path"] == "splitk" else launch)(cfg)
