@@ -350,14 +350,14 @@ def qkv_rope(
         qw, a, rs, sq = scale, scale, scale, 0
         nw, sx = norm_weight if norm_weight is not None else scale, x.stride(0)
 
-    def launch(cfg):
+    def launch_row(cfg, w):
         _qkv_rope_kernel[(triton.cdiv(n // 2, cfg["BN"] // 2),)](
             qw,
             a,
             rs,
             x,
             nw,
-            packed.view(torch.int32),
+            w.view(torch.int32),
             scale,
             q_out,
             cos,
@@ -387,14 +387,14 @@ def qkv_rope(
             **pdl_kw(),
         )
 
-    def launch_mma(cfg):
+    def launch_mma(cfg, w):
         ws, cnt = _workspace(packed.device, m, n, cfg["SPLIT"])
         grid = (triton.cdiv(n // 2, cfg["BN"] // 2), cfg["SPLIT"], triton.cdiv(m, cfg["BM"]))
         _qkv_rope_mma_kernel[grid](
             src.q,
             src.a,
             src.rs,
-            packed,
+            w,
             scale,
             ws,
             cnt,
@@ -431,5 +431,8 @@ def qkv_rope(
     # tuned per power-of-two bucket of rows, as ternary_linear
     bucket = m if m <= ROW_MAX_M else min(_next_pow2(m), 1024)
     key = ("qkv_rope", n, k, bucket, scale.numel() != 1, d, k_cache.dtype, preq)
-    cfg = _tune(key, candidates, lambda c: launch_mma(c) if c["path"] == "splitk" else launch(c))
-    (launch_mma if cfg["path"] == "splitk" else launch)(cfg)
+
+    def launch(cfg, w=packed):
+        (launch_mma if cfg["path"] == "splitk" else launch_row)(cfg, w)
+
+    launch(_tune(key, candidates, launch, packed))

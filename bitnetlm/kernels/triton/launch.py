@@ -128,7 +128,7 @@ def ternary_linear(
         launch_quant(x2, norm_weight, q, a, rs, eps)
         return q, a, rs
 
-    def launch_dp4a(kernel, cfg, **kw):
+    def launch_dp4a(kernel, cfg, w, **kw):
         """The dp4a GEMVs: quantization fused into each program, or a `_quant_kernel` launch first (PREQ)."""
         if cfg["path"] in ("gemv8", "rowq"):
             q, a, rs = quant()
@@ -142,7 +142,7 @@ def ternary_linear(
             qw,
             a,
             rs,
-            packed.view(torch.int32),
+            w.view(torch.int32),
             scale,
             r,
             y,
@@ -166,13 +166,13 @@ def ternary_linear(
             **kw,
         )
 
-    def launch_mma(grid, ws, cnt, cps, **kw):
+    def launch_mma(grid, ws, cnt, cps, w, **kw):
         q, a, rs = quant()
         _gemm_kernel[grid](
             q,
             a,
             rs,
-            packed,
+            w,
             scale,
             r,
             y,
@@ -193,28 +193,30 @@ def ternary_linear(
             **kw,
         )
 
-    def launch_splitk(cfg):
+    def launch_splitk(cfg, w):
         ws, cnt = _workspace(x.device, m, rows, cfg["SPLIT"])
         out_n = cfg["BN"] // 2 if cfg.get("PAIR") else cfg["BN"]
         grid = (triton.cdiv(out_features, out_n), cfg["SPLIT"], triton.cdiv(m, cfg["BM"]))
         kw = {k2: v for k2, v in cfg.items() if k2 not in ("path", "CPS")}
-        launch_mma(grid, ws, cnt, cfg["CPS"], **kw, **pdl_kw())
+        launch_mma(grid, ws, cnt, cfg["CPS"], w, **kw, **pdl_kw())
 
-    def launch_gemm(cfg):
+    def launch_gemm(cfg, w):
         kw = {k2: v for k2, v in cfg.items() if k2 != "path"}
         out_n = cfg["BN"] // 2 if cfg.get("PAIR") else cfg["BN"]
         grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(out_features, out_n),)
-        launch_mma(grid, packed, packed, 0, **kw)  # no workspace: packed stands in for its pointers
+        launch_mma(grid, w, w, 0, w, **kw)  # no workspace: the weights stand in for its pointers
 
-    def launch(cfg):
+    def launch(cfg, w=packed):
+        """One launch (two with a quantization launch first) of candidate cfg over weights w (packed, or the
+        tuner's copy of it)."""
         if cfg["path"] in ("gemv", "gemv8"):
-            launch_dp4a(_gemv_kernel, cfg, BM=bm)
+            launch_dp4a(_gemv_kernel, cfg, w, BM=bm)
         elif cfg["path"] in ("row", "rowq"):
-            launch_dp4a(_gemv_row_kernel, cfg, KWP=_next_pow2(kp // 4), **pdl_kw())
+            launch_dp4a(_gemv_row_kernel, cfg, w, KWP=_next_pow2(kp // 4), **pdl_kw())
         elif cfg["path"] == "splitk":
-            launch_splitk(cfg)
+            launch_splitk(cfg, w)
         else:
-            launch_gemm(cfg)
+            launch_gemm(cfg, w)
 
     def candidates() -> list[dict]:
         gemv = [dict(path="gemv", **c) for c in _gemv_candidates(bm, gated, k)]
@@ -254,7 +256,7 @@ def ternary_linear(
 
     mb = min(bm, 1024)  # tune per power-of-two bucket of M
     key = (path or "auto", out_features, k, mb, *flags)
-    launch(_tune(key, candidates, launch))
+    launch(_tune(key, candidates, launch, packed))
     return out.reshape(*lead, out_features)
 
 

@@ -20,10 +20,12 @@ import triton
 from bitnetlm.kernels.triton.common import INTERPRET
 
 _choice: dict[tuple, dict] = {}
-# BITNETLM_TRITON_TUNE: 0 = first candidate, no timing (tests); graph (default) = time inside CUDA graphs with L2
-# flushed, as the captured decode step runs them; 1 = triton's do_bench (charges each candidate its Python launch
-# cost, which a CUDA graph does not pay: it favoured single-launch paths that are slower inside the graph)
-TUNE_MODE = os.environ.get("BITNETLM_TRITON_TUNE", "graph")
+# BITNETLM_TRITON_TUNE: 0 = first candidate, no timing (tests); chain (default) = time calls back to back inside
+# a CUDA graph, each over its own copy of the weights (`_chain_time`), as the captured decode step runs them;
+# graph = time single calls inside CUDA graphs with L2 flushed between them; 1 = triton's do_bench (charges each
+# candidate its Python launch cost, which a CUDA graph does not pay: it favoured single-launch paths that are
+# slower inside the graph)
+TUNE_MODE = os.environ.get("BITNETLM_TRITON_TUNE", "chain")
 TUNE = TUNE_MODE != "0"
 TUNE_VERBOSE = os.environ.get("BITNETLM_TRITON_TUNE_VERBOSE", "") not in ("", "0")  # print every timing
 
@@ -63,6 +65,33 @@ def _graph_time(fn, calls: int = 8, reps: int = 3) -> float:
         return a.elapsed_time(b) / (reps * calls)
 
     return timed(g_both) - timed(g_flush)
+
+
+CHAIN_BYTES = 96 << 20  # weight copies a chain cycles through: about twice the 50 MB L2 of an H100
+
+
+def _chain_time(launch, weight: torch.Tensor, reps: int = 3) -> float:
+    """ms per call as the decode step sees it: calls back to back inside one CUDA graph, call i over its own copy
+    of the weights (the copies together about twice L2, so each comes from HBM, as when 30 layers take turns)
+    and no flush kernel between them, so programmatic dependent launch overlaps each call's start with the
+    previous one's end as it does in the step. Timing single calls with L2 flushed between them charged every
+    call a cold start; it ranked split-K tiles ahead of unsplit ones that are faster in the step."""
+    n = max(4, min(48, -(-CHAIN_BYTES // max(1, weight.numel() * weight.element_size()))))
+    copies = [weight.clone() for _ in range(n)]
+    launch(copies[0])  # compile outside capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for w in copies:
+            launch(w)
+    g.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / (reps * n)
 
 
 # the disk cache (BITNETLM_TRITON_TUNE_CACHE=: none)
@@ -113,9 +142,10 @@ def _disk_store(key: tuple, cfg: dict) -> None:
         pass
 
 
-def _tune(key: tuple, make_candidates, launch) -> dict:
-    """The fastest of `make_candidates()` for `key` (the first one under the interpreter or during capture). The
-    list is built only for a key not chosen yet: building it costs about 0.5 ms on the host, every call."""
+def _tune(key: tuple, make_candidates, launch, weight: torch.Tensor | None = None) -> dict:
+    """The fastest of `make_candidates()` for `key` (the first one under the interpreter or during capture), each
+    run as `launch(cfg)`, or `launch(cfg, w)` over copies w of `weight` in chain mode. The list is built only for
+    a key not chosen yet: building it costs about 0.5 ms on the host, every call."""
     if key in _choice:
         return _choice[key]
     candidates = make_candidates()
@@ -130,7 +160,9 @@ def _tune(key: tuple, make_candidates, launch) -> dict:
     best, best_t = candidates[0], float("inf")
     for cfg in candidates:
         try:
-            if TUNE_MODE == "graph":
+            if TUNE_MODE == "chain" and weight is not None:
+                t = _chain_time(lambda w, cfg=cfg: launch(cfg, w), weight)
+            elif TUNE_MODE in ("graph", "chain"):
                 t = _graph_time(lambda cfg=cfg: launch(cfg))
             else:
                 t = triton.testing.do_bench(
@@ -281,7 +313,9 @@ def _splitk_candidates(m: int, n: int, kp: int, gated: bool) -> list[dict]:
     then unswapped; for gate|up weights the gate|up paired tiles (BN/2 outputs a tile, one accumulator) last.
     Measured on an H100 (graph timing, quantization included): BM 32 tiles (twice the programs, no K split) win
     for q|k|v and o at M = 64, paired BN 64 tiles for gate|up at M = 8 and 64; BKB 64/32 or 8-warp tiles (no
-    register spills) and a 128-register cap on the paired tile were slower and are not candidates."""
+    register spills) and a 128-register cap on the paired tile were slower and are not candidates. BKB 256 tiles
+    (half the K-loop trips) were fastest for q|k|v and o at M = 64 and for o and down at M = 8 (H200, chain
+    timing); 8-warp 128-row tiles never won."""
     bm0 = 16 if m <= 16 else 64
     if INTERPRET:  # several splits even on small shapes: the atomics path is what CI checks
         swapped, unswapped, pairs = [(64, 32, 8, 1, 0)], [(64, 32, 8, 1, 0)], [(64, 32, 8, 1, 0)]
@@ -292,11 +326,13 @@ def _splitk_candidates(m: int, n: int, kp: int, gated: bool) -> list[dict]:
         unswapped += [(32, 64, 800, 4, 0), (32, 128, 1600, 4, 0)]
         if m <= 16:
             pairs = [(128, 128, 250, 4, 0), (128, 128, 500, 4, 0), (64, 128, 500, 4, 0)]
+            swapped += [(64, 256, 0, 4, 0), (64, 256, 250, 4, 0)]
         else:  # no split (no workspace round trip) and few splits: M = 64 tiles already fill the SMs
             swapped += [(64, 128, 0, 4, 32), (64, 128, 0, 4, 16), (64, 128, 250, 4, 32)]
             unswapped += [(64, 128, 0, 4, 0), (32, 128, 0, 4, 0), (64, 128, 150, 4, 0), (32, 128, 250, 4, 0)]
             pairs = [(128, 128, 0, 4, 0), (128, 128, 250, 4, 0), (64, 128, 250, 4, 0)]
             pairs += [(64, 128, 0, 4, 32), (64, 128, 0, 4, 16), (128, 128, 0, 4, 32)]
+            swapped += [(64, 256, 0, 4, 32)]
     out = [
         _splitk_cfg(m, n, kp, bm or bm0, bn, bkb, t, nw, SWAP=swap)
         for tiles, swap in (
