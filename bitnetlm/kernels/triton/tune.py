@@ -37,6 +37,18 @@ def _next_pow2(n: int) -> int:
 _flush: list[torch.Tensor] = []
 
 
+def _replay_ms(g: torch.cuda.CUDAGraph, reps: int) -> float:
+    """ms for `reps` replays of g after one warm replay, by CUDA events."""
+    g.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
 def _graph_time(fn, calls: int = 8, reps: int = 3) -> float:
     """ms per call as the decode step sees it: inside a CUDA graph (no Python launch cost), L2 flushed before
     each call (weights come from HBM, as they do when 30 layers take turns), flush time subtracted."""
@@ -53,18 +65,7 @@ def _graph_time(fn, calls: int = 8, reps: int = 3) -> float:
     with torch.cuda.graph(g_flush):
         for _ in range(calls):
             buf.zero_()
-
-    def timed(g):
-        g.replay()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b) / (reps * calls)
-
-    return timed(g_both) - timed(g_flush)
+    return (_replay_ms(g_both, reps) - _replay_ms(g_flush, reps)) / (reps * calls)
 
 
 CHAIN_BYTES = 96 << 20  # weight copies a chain cycles through: about twice the 50 MB L2 of an H100
@@ -84,14 +85,7 @@ def _chain_time(launch, weight: torch.Tensor, reps: int = 3) -> float:
     with torch.cuda.graph(g):
         for w in copies:
             launch(w)
-    g.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / (reps * n)
+    return _replay_ms(g, reps) / (reps * n)
 
 
 # the disk cache (BITNETLM_TRITON_TUNE_CACHE=: none)
