@@ -71,14 +71,19 @@ def _graph_time(fn, calls: int = 8, reps: int = 3) -> float:
 CHAIN_BYTES = 96 << 20  # weight copies a chain cycles through: about twice the 50 MB L2 of an H100
 
 
-def _chain_time(launch, weight: torch.Tensor, reps: int = 3) -> float:
-    """ms per call as the decode step sees it: calls back to back inside one CUDA graph, call i over its own copy
-    of the weights (the copies together about twice L2, so each comes from HBM, as when 30 layers take turns)
-    and no flush kernel between them, so programmatic dependent launch overlaps each call's start with the
-    previous one's end as it does in the step. Timing single calls with L2 flushed between them charged every
-    call a cold start; it ranked split-K tiles ahead of unsplit ones that are faster in the step."""
+def _chain_copies(weight: torch.Tensor) -> list[torch.Tensor]:
+    """Copies of the weights for `_chain_time`: together about CHAIN_BYTES (4 to 48 of them)."""
     n = max(4, min(48, -(-CHAIN_BYTES // max(1, weight.numel() * weight.element_size()))))
-    copies = [weight.clone() for _ in range(n)]
+    return [weight.clone() for _ in range(n)]
+
+
+def _chain_time(launch, copies: list[torch.Tensor], reps: int = 3) -> float:
+    """ms per call as the decode step sees it: calls back to back inside one CUDA graph, call i over its own copy
+    of the weights (`_chain_copies`: together about twice L2, so each comes from HBM, as when 30 layers take
+    turns) and no flush kernel between them, so programmatic dependent launch overlaps each call's start with
+    the previous one's end as it does in the step. Timing single calls with L2 flushed between them charged
+    every call a cold start; it ranked split-K tiles ahead of unsplit ones that are faster in the step."""
+    n = len(copies)
     launch(copies[0])  # compile outside capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -136,10 +141,10 @@ def _disk_store(key: tuple, cfg: dict) -> None:
         pass
 
 
-def _tune(key: tuple, make_candidates, launch, weight: torch.Tensor | None = None) -> dict:
+def _tune(key: tuple, make_candidates, launch, weight: torch.Tensor) -> dict:
     """The fastest of `make_candidates()` for `key` (the first one under the interpreter or during capture), each
-    run as `launch(cfg)`, or `launch(cfg, w)` over copies w of `weight` in chain mode. The list is built only for
-    a key not chosen yet: building it costs about 0.5 ms on the host, every call."""
+    run as `launch(cfg, w)` over the weights w (`weight`, or in chain mode its copies). The list is built only
+    for a key not chosen yet: building it costs about 0.5 ms on the host, every call."""
     if key in _choice:
         return _choice[key]
     candidates = make_candidates()
@@ -152,15 +157,17 @@ def _tune(key: tuple, make_candidates, launch, weight: torch.Tensor | None = Non
         _choice[key] = stored
         return stored
     best, best_t = candidates[0], float("inf")
+    copies: list[torch.Tensor] = []  # chain mode: made once, shared by every candidate
     for cfg in candidates:
         try:
-            if TUNE_MODE == "chain" and weight is not None:
-                t = _chain_time(lambda w, cfg=cfg: launch(cfg, w), weight)
-            elif TUNE_MODE in ("graph", "chain"):
-                t = _graph_time(lambda cfg=cfg: launch(cfg))
+            if TUNE_MODE == "chain":
+                copies = copies or _chain_copies(weight)
+                t = _chain_time(lambda w, cfg=cfg: launch(cfg, w), copies)
+            elif TUNE_MODE == "graph":
+                t = _graph_time(lambda cfg=cfg: launch(cfg, weight))
             else:
                 t = triton.testing.do_bench(
-                    lambda cfg=cfg: launch(cfg), warmup=5, rep=20, return_mode="median"
+                    lambda cfg=cfg: launch(cfg, weight), warmup=5, rep=20, return_mode="median"
                 )
         except Exception:  # a candidate that does not compile (registers, shared memory) is skipped
             continue
