@@ -140,7 +140,8 @@ def _attn_gqa_kernel(
     context 0..pos[b] (not the cache's capacity S) is cut into NSPLIT spans of a multiple of 16 keys, so a
     short context in a long cache still spreads over every split; the last split of (b, kv head) holding keys
     to finish (an atomic counter) merges the partial (max, sum, acc) and resets the counter for the next call
-    (CUDA-graph replays need no memset)."""
+    (CUDA-graph replays need no memset). When one split holds every key (batch 64 runs one split a row; a short
+    context) that program normalizes and stores its output itself: no partials, counter or merge."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -195,38 +196,42 @@ def _attn_gqa_kernel(
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
-        row = (b * HKV + kvh) * NSPLIT + sp
-        pr = row * GP + offs_g  # partial rows [GP] (rows >= G are never read)
-        tl.store(pacc_ptr + pr[:, None] * D + offs_d[None, :], acc)
-        tl.store(pml_ptr + pr * 2, m_i)
-        tl.store(pml_ptr + pr * 2 + 1, l_i)
-        tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr + b * HKV + kvh, 1, sem="acq_rel")
-        if done == nact - 1:
+        if nact == 1:  # this program holds every key: no partials, no merge (what the merge of one gives)
+            o1 = (acc / l_i[:, None]).to(o_ptr.dtype.element_ty)
+            tl.store(o_ptr + heads[:, None] * D + offs_d[None, :], o1, mask=mg[:, None])
+        else:
+            row = (b * HKV + kvh) * NSPLIT + sp
+            pr = row * GP + offs_g  # partial rows [GP]: the G real ones stored (the merge reads no others)
+            tl.store(pacc_ptr + pr[:, None] * D + offs_d[None, :], acc, mask=mg[:, None])
+            tl.store(pml_ptr + pr * 2, m_i, mask=mg)
+            tl.store(pml_ptr + pr * 2 + 1, l_i, mask=mg)
             tl.debug_barrier()
-            tl.atomic_xchg(cnt_ptr + b * HKV + kvh, 0, sem="relaxed")
-            offs_p = tl.arange(0, NS2)
-            offs_h = tl.arange(0, GM)
-            mp = (offs_p < nact)[:, None] & (offs_h < G)[None, :]  # [NS2, GM]
-            rows = ((b * HKV + kvh) * NSPLIT + offs_p)[:, None] * GP + offs_h[None, :]
-            # .cg: read the other programs' partials from L2, never from a stale L1 line of an earlier replay
-            m_all = tl.load(pml_ptr + rows * 2, mask=mp, other=float("-inf"), cache_modifier=".cg")
-            l_all = tl.load(pml_ptr + rows * 2 + 1, mask=mp, other=0.0, cache_modifier=".cg")
-            pa = tl.load(
-                pacc_ptr + rows[:, :, None] * D + offs_d[None, None, :],
-                mask=mp[:, :, None],
-                other=0.0,
-                cache_modifier=".cg",
-            )  # [NS2, GM, D]
-            mx = tl.max(m_all, axis=0)  # [GM]
-            w = tl.where(m_all == float("-inf"), 0.0, tl.exp(m_all - mx[None, :]))
-            o = tl.sum(pa * w[:, :, None], axis=0) / tl.sum(l_all * w, axis=0)[:, None]  # [GM, D]
-            oh = b * H + kvh * G + offs_h
-            tl.store(
-                o_ptr + oh[:, None] * D + offs_d[None, :],
-                o.to(o_ptr.dtype.element_ty),
-                mask=(offs_h < G)[:, None],
-            )
+            done = tl.atomic_add(cnt_ptr + b * HKV + kvh, 1, sem="acq_rel")
+            if done == nact - 1:
+                tl.debug_barrier()
+                tl.atomic_xchg(cnt_ptr + b * HKV + kvh, 0, sem="relaxed")
+                offs_p = tl.arange(0, NS2)
+                offs_h = tl.arange(0, GM)
+                mp = (offs_p < nact)[:, None] & (offs_h < G)[None, :]  # [NS2, GM]
+                rows = ((b * HKV + kvh) * NSPLIT + offs_p)[:, None] * GP + offs_h[None, :]
+                # .cg: read the other programs' partials from L2, never from a stale L1 line of an earlier replay
+                m_all = tl.load(pml_ptr + rows * 2, mask=mp, other=float("-inf"), cache_modifier=".cg")
+                l_all = tl.load(pml_ptr + rows * 2 + 1, mask=mp, other=0.0, cache_modifier=".cg")
+                pa = tl.load(
+                    pacc_ptr + rows[:, :, None] * D + offs_d[None, None, :],
+                    mask=mp[:, :, None],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )  # [NS2, GM, D]
+                mx = tl.max(m_all, axis=0)  # [GM]
+                w = tl.where(m_all == float("-inf"), 0.0, tl.exp(m_all - mx[None, :]))
+                o = tl.sum(pa * w[:, :, None], axis=0) / tl.sum(l_all * w, axis=0)[:, None]  # [GM, D]
+                oh = b * H + kvh * G + offs_h
+                tl.store(
+                    o_ptr + oh[:, None] * D + offs_d[None, :],
+                    o.to(o_ptr.dtype.element_ty),
+                    mask=(offs_h < G)[:, None],
+                )
     _pdl_trigger(PDL and LATE)
 
 
