@@ -76,11 +76,19 @@ def test_qkv_rope_exact(m):
 def test_engine_fused_step_equals_unfused(tiny_model):
     """The engine's fused decode step gives the unfused step's logits and cache (the unfused q|k|v may take the
     row GEMV that quantizes inside each program, whose sum order differs: close, not bit-identical)."""
+    import copy
+
     from bitnetlm.engine_cuda import CudaEngine, EngineConfig
 
+    model = copy.deepcopy(tiny_model)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # norms other than ones: a norm applied in the wrong place shows
+        for name, prm in model.named_parameters():
+            if "norm" in name:
+                prm.copy_(0.5 + torch.rand(prm.shape, generator=g))
     for b in (1, 2, 8):  # the row GEMV (quantizing the rows itself, or over pre-quantized rows), the GEMM
         eng = CudaEngine.from_model(
-            tiny_model, EngineConfig(max_batch=8, max_seq_len=16, dtype=torch.float32), device=DEV
+            model, EngineConfig(max_batch=8, max_seq_len=16, dtype=torch.float32), device=DEV
         )
         tok = torch.randint(0, 512, (b, 5), generator=torch.Generator().manual_seed(b)).to(DEV)
         nxt = torch.randint(0, 512, (b, 1), generator=torch.Generator().manual_seed(9)).to(DEV)
