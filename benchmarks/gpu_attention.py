@@ -83,7 +83,7 @@ def main() -> int:
     ap.add_argument(
         "--attn",
         default="0",
-        help="our kernel's variants: comma-separated SPLITS[/BS[/STAGES[/WARPS]]] (0 = the default)",
+        help="our kernel's variants: comma-separated SPLITS[/BS[/STAGES[/WARPS[/MAXNREG]]]] (0 = the default)",
     )
     args = ap.parse_args()
     from bitnetlm.kernels.triton import attention

@@ -50,7 +50,7 @@ def main() -> int:
     ap.add_argument(
         "--attn",
         default="0",
-        help="attention variants to time: comma-separated SPLITS[/BS[/STAGES[/WARPS]]] (0 = the default)",
+        help="attention variants to time: comma-separated SPLITS[/BS[/STAGES[/WARPS[/MAXNREG]]]] (0 = the default)",
     )
     ap.add_argument(
         "--max-seq-len",

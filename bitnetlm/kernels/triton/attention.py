@@ -240,6 +240,7 @@ ATTN_SPLITS = 0  # splits of each row's context (default: about 4 programs per S
 ATTN_BS = 0  # keys per K/V block (default 64)
 ATTN_STAGES = 0  # software-pipeline stages of the block loop (default: Triton's)
 ATTN_WARPS = 0  # default 4
+ATTN_MAXNREG = 0  # registers per thread cap (default: the compiler's choice)
 ATTN_PROGRAMS = 528
 # From this batch on the attention lets the next kernels launch (PDL) only at its end, so its K/V reads no longer
 # compete with the next projections' early weight loads: 1.2% faster a step at batch 64 on an H100
@@ -249,9 +250,11 @@ _attn_ws: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 def set_overrides(spec: str = "0") -> None:
-    """Benchmarks' attention variants: "SPLITS[/BS[/STAGES[/WARPS]]]", 0 = the launcher's choice."""
-    global ATTN_SPLITS, ATTN_BS, ATTN_STAGES, ATTN_WARPS
-    ATTN_SPLITS, ATTN_BS, ATTN_STAGES, ATTN_WARPS = ([int(v) for v in spec.split("/")] + [0, 0, 0])[:4]
+    """Benchmarks' attention variants: "SPLITS[/BS[/STAGES[/WARPS[/MAXNREG]]]]", 0 = the launcher's choice."""
+    global ATTN_SPLITS, ATTN_BS, ATTN_STAGES, ATTN_WARPS, ATTN_MAXNREG
+    ATTN_SPLITS, ATTN_BS, ATTN_STAGES, ATTN_WARPS, ATTN_MAXNREG = (
+        [int(v) for v in spec.split("/")] + [0] * 4
+    )[:5]
 
 
 def _attn_splits(b: int, hkv: int, s: int) -> int:
@@ -303,6 +306,7 @@ def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float) -> None:
         KV8=k_cache.element_size() == 1,
         num_warps=1 if INTERPRET else ATTN_WARPS or 4,
         **({"num_stages": ATTN_STAGES} if ATTN_STAGES else {}),
+        **({"maxnreg": ATTN_MAXNREG} if ATTN_MAXNREG and not INTERPRET else {}),
         LATE=b >= ATTN_LATE_MIN_B,
         **pdl_kw(),
     )
