@@ -53,11 +53,12 @@ def _link(
         if MODE == 2:
             gdc_launch_dependents()
     offs = tl.arange(0, BK)
-    # .cg: from L2, never an L1 line left by an earlier kernel of the chain (the buffers alternate)
-    s = tl.sum(tl.load(x_ptr + offs, mask=offs < K, other=0.0, cache_modifier=".cg"), axis=0)
+    # plain loads, as the engine's kernels make: if a flag wait let an SM read a stale L1 line left by an
+    # earlier kernel of the chain (the two buffers alternate), the result check below shows it
+    s = tl.sum(tl.load(x_ptr + offs, mask=offs < K, other=0.0), axis=0)
     so = pid * SLICE + tl.arange(0, SLICE)
     ms = so < K
-    xs = tl.load(x_ptr + so, mask=ms, other=0.0, cache_modifier=".cg")
+    xs = tl.load(x_ptr + so, mask=ms, other=0.0)
     tl.store(y_ptr + so, xs * 0.5 + s * 1e-9, mask=ms)
     if MODE >= 2:
         tl.debug_barrier()  # every thread's stores before the one release
