@@ -97,23 +97,13 @@ def run_chain(
                 **kw,
             )
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        body()  # compile + warm up outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        body()
+    from bitnetlm.engine_cuda import capture
+    from bitnetlm.kernels.triton.tune import _replay_ms
+
+    g, _ = capture(body)  # compiled and warmed up eagerly first
     for _ in range(10):
         g.replay()
-    a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    e.record()
-    e.synchronize()
-    return a.elapsed_time(e) / reps / chain * 1e3, bufs[chain % 2].clone()
+    return _replay_ms(g, reps) / reps / chain * 1e3, bufs[chain % 2].clone()
 
 
 def main() -> int:
