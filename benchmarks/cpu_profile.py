@@ -9,6 +9,8 @@ under different torch / kernel thread settings. Random 2B4T-shaped weights.
 tables, the final norm, argmax: Python and torch ops), each against the read bandwidth measured before the row;
 then the fused layers' own phases (the C step's timers: norms, each projection with its GB/s, RoPE + cache
 write, attention, the MLP middle); then the SiLU middle's kernel time per call on each instruction-set path.
+--profile-prefill: one prefill of --pp tokens under the torch profiler, then the fused C layers' phase timers
+over it (norms, each projection, RoPE, attention, the MLP middle).
 """
 
 from __future__ import annotations
@@ -166,6 +168,7 @@ def main() -> int:
         phases(a.phases.split(","), a.heads.split(","), a.threads)
         silu_table()
         return 0
+    print(f"machine: {bench.machine_name()}; {a.threads} kernel threads")
     cfg = dict(arch="bitnet", num_hidden_layers=a.layers)
     model = bench.random_model(cfg, "bf16")
     cpu.set_num_threads(a.threads)
@@ -212,12 +215,21 @@ def main() -> int:
         torch.set_num_threads(1)
         ids = torch.randint(0, model.config.vocab_size, (1, a.pp))
         cache = model.new_cache(1, a.pp)
+        from bitnetlm.kernels.cpu.decode import PHASES, phase_timers
+
         with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            phase_timers(True)
             t0 = time.perf_counter()
             model(ids, cache=cache, last_only=True)
             wall = time.perf_counter() - t0
+            inner = phase_timers(False)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
         print(f"prefill wall {wall * 1e3:.0f} ms (C kernel time is the part the profiler does not list)")
+        # the fused C layers' own phase timers over that prefill (the calling thread's wall time, all layers)
+        print("| " + " | ".join(f"{ph} ms" for ph in PHASES) + " | outside the phases ms |")
+        print("| " + " | ".join("---:" for _ in PHASES) + " | ---: |")
+        cells = " | ".join(f"{inner[ph] * 1e3:.0f}" for ph in PHASES)
+        print(f"| {cells} | {(wall - sum(inner.values())) * 1e3:.0f} |")
     print("spin_us", os.environ.get("BITNETLM_SPIN_US", "300"))
     return 0
 

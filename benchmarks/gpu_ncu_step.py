@@ -7,7 +7,8 @@
 Random weights of the 2B4T shape at a context of --context keys. The engine is built, its step captured and
 replayed three times (tuning, if the tuner's disk cache lacks the shapes, happens here, outside the range); then
 one replay runs between `torch.cuda.profiler.start()` and `stop()`. `-k "regex:^_" -c 7` picks the first seven
-Triton kernels of the step: one of each kind in layer 0. ncu runs kernels one at a time with cold caches, so the
+Triton kernels of the step: at batch 1 one of each kind in layer 0 (at batch 8-64, whose layers have more
+launches, the first seven of layer 0). ncu runs kernels one at a time with cold caches, so the
 durations it reports carry each launch's start and drain, which programmatic dependent launch hides in the step.
 """
 
