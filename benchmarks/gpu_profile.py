@@ -59,6 +59,7 @@ def main() -> int:
         help="KV-cache positions (default context + 200; a server's is 4096)",
     )
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto (bf16), bf16 or fp8")
+    ap.add_argument("--head", default="fp", help="LM head: fp (bf16) or int8")
     ap.add_argument(
         "--prefill", type=int, default=0, help="also profile one batch-1 prefill of this many tokens"
     )
@@ -84,6 +85,7 @@ def main() -> int:
             max_batch=max(batches),
             max_seq_len=args.max_seq_len or args.context + 200,
             weights=args.weights,
+            head=args.head,
             kv_dtype=parse_kv_cache_dtype(args.kv_cache_dtype),
         ),
     )

@@ -282,10 +282,20 @@ def test_gpu_gated_2b4t_and_int8_head():
     torch.testing.assert_close(y, ref, rtol=2e-3, atol=2e-3 * float(ref.abs().max()))
     w = torch.randint(-127, 128, (1000, 2560), dtype=torch.int8, device="cuda")
     s = torch.rand(1000, device="cuda")
-    for m in (1, 40):
+    # the tuned tile for float32 rows, then every tile the tuner may pick for bf16 rows (the engine's; float32
+    # rows would overflow the largest tiles' shared memory)
+    for m in (1, 8, 40, 64):
         xm = torch.randn(m, 2560, device="cuda")
         ref = (xm.bfloat16().float() @ w.float().T) * s
-        torch.testing.assert_close(L.w8_linear(xm, w, s), ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item())
+        for cfg in [None, *T._w8_candidates(m)]:
+            xm = xm if cfg is None else xm.bfloat16()
+            torch.testing.assert_close(
+                L.w8_linear(xm, w, s, cfg=cfg),
+                ref,
+                rtol=1e-4,
+                atol=1e-5 * ref.abs().max().item(),
+                msg=str(cfg),
+            )
 
 
 @pytest.mark.parametrize("h,hkv", [(4, 2), (3, 3), (6, 2)])

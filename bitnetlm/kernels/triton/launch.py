@@ -24,6 +24,7 @@ from bitnetlm.kernels.triton.tune import (
     _row_candidates,
     _splitk_candidates,
     _tune,
+    _w8_candidates,
 )
 
 ROW_MAX_M = 2  # rows up to this try the row GEMV first (dp4a work grows with M; tensor cores take over)
@@ -304,8 +305,9 @@ def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps:
     return q[:, :k], a, rs
 
 
-def w8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """float32 [..., N] = (x in bf16) @ (int8 w [N, K])^T * s[N]: the int8 LM head."""
+def w8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, cfg: dict | None = None) -> torch.Tensor:
+    """float32 [..., N] = (x in bf16) @ (int8 w [N, K])^T * s[N]: the int8 LM head (tiles tuned per M bucket,
+    or `cfg`, one of `tune._w8_candidates`, for tests)."""
     k = x.shape[-1]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -313,12 +315,11 @@ def w8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor
         x2 = x2.contiguous()
     m, n = x2.shape[0], w.shape[0]
     y = torch.empty((m, n), dtype=torch.float32, device=x.device)
-    if INTERPRET:
-        cfg = dict(BM=16, BN=16, BK=32, num_warps=1)
-    else:
-        cfg = dict(
-            BM=16 if m <= 16 else 64, BN=64 if m <= 16 else 128, BK=128 if m <= 16 else 64, num_warps=4
-        )
-    grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]))
-    _w8_kernel[grid](x2, w, s, y, m, n, k, x2.stride(0), y.stride(0), PTX=PTX, **cfg, **pdl_kw())
+
+    def launch(cfg: dict, w: torch.Tensor) -> None:
+        grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]))
+        _w8_kernel[grid](x2, w, s, y, m, n, k, x2.stride(0), y.stride(0), PTX=PTX, **cfg, **pdl_kw())
+
+    key = ("w8", n, k, min(_next_pow2(m), 1024))  # tune per power-of-two bucket of M
+    launch(cfg or _tune(key, lambda: _w8_candidates(m), launch, w), w)
     return y.reshape(*lead, n)
