@@ -35,6 +35,8 @@ def load_model(
     """Load a model (HF directory or GGUF file), move it to `device` and prepare its kernels.
 
     head_dtype "bf16" / "int8": keep the embedding + LM head in that storage (kernels.cpu.head), inference only.
+    On CUDA the model keeps its float head and `head_dtype` picks the CUDA-graph engine's LM head instead
+    (`model.head_dtype`; "int8": per-row int8 weights, `EngineConfig.head`); the eager path uses the float head.
     """
     p = resolve_path(path)
     dtype = dtype or torch.float32
@@ -58,7 +60,13 @@ def load_model(
     if mode == "train":
         return model.to(device)
     model = prepare(model, device, backend)
-    if head_dtype:
+    if head_dtype and torch.device(device).type == "cuda":
+        from bitnetlm.kernels.cpu.head import HEAD_DTYPES
+
+        if head_dtype not in HEAD_DTYPES:
+            raise ValueError(f"head_dtype must be one of {HEAD_DTYPES}, got {head_dtype!r}")
+        model.head_dtype = head_dtype  # read by generate.graph.build_engine
+    elif head_dtype:
         from bitnetlm.kernels.cpu.head import set_head_dtype
 
         set_head_dtype(model, head_dtype)

@@ -189,3 +189,26 @@ def test_cuda_batched_equals_individual_and_oracle(tok):
     batch = batch_generate(model, tok, PROMPTS, params)
     for prompt, p, b in zip(PROMPTS, params, batch, strict=True):
         assert b.tokens == generate(model, tok, prompt, p).tokens
+
+
+def test_engine_config_follows_the_model(tiny_model):
+    """The CUDA-graph engine's options come from the model: its activation dtype, kv_cache_dtype and the
+    head_dtype that load(..., head_dtype=...) sets on CUDA (only "int8" changes the engine's head)."""
+    from bitnetlm.generate.graph import engine_config
+
+    ec = engine_config(tiny_model, 3, 64)
+    assert (ec.max_batch, ec.max_seq_len, ec.dtype, ec.head, ec.kv_dtype) == (
+        3,
+        64,
+        torch.float32,
+        "fp",
+        None,
+    )
+    try:
+        tiny_model.head_dtype, tiny_model.kv_cache_dtype = "int8", torch.float8_e4m3fn
+        ec = engine_config(tiny_model, 1, 16, "dense")
+        assert (ec.head, ec.kv_dtype, ec.weights) == ("int8", torch.float8_e4m3fn, "dense")
+        tiny_model.head_dtype = "bf16"
+        assert engine_config(tiny_model, 1, 16).head == "fp"
+    finally:
+        tiny_model.head_dtype = tiny_model.kv_cache_dtype = None

@@ -63,6 +63,36 @@ def test_graph_generate_equals_cpu_reference(oracle_dirs, variant):
             assert blk.mlp.down_proj.packed.data_ptr() == L.down.data_ptr()
 
 
+@pytest.mark.parametrize("head", ["int8", "bf16"])
+def test_load_head_dtype_on_cuda_picks_the_engine_head(oracle_dirs, head):
+    """load(..., device="cuda", head_dtype=...) keeps the float head on the model and picks the CUDA-graph
+    engine's head: "int8" gives the tokens of an engine built directly with the int8 head (its kernel is checked
+    against exact products in test_kernels_triton.py), "bf16" the float head's (the CPU reference's tokens)."""
+    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
+    from bitnetlm.generate import SamplingParams, generate
+    from bitnetlm.loading import load_model
+    from bitnetlm.serve.testing import tiny_tokenizer
+
+    ours, _ = oracle_dirs["packed-autobitlinear"]
+    prompt = torch.randint(3, 500, (1, 9), generator=torch.Generator().manual_seed(4))
+    plain = load_model(ours, device="cuda", dtype=torch.float32).eval()
+    if head == "int8":
+        direct = CudaEngine.from_model(
+            plain, EngineConfig(max_seq_len=64, dtype=torch.float32, head="int8"), device="cuda"
+        )
+        want = direct.generate(prompt, 24).cpu()[0].tolist()
+        del direct
+    else:
+        want = greedy_with_cache(load_model(ours, device="cpu").eval(), prompt, 24)[0].tolist()
+    model = load_model(ours, device="cuda", dtype=torch.float32, head_dtype=head).eval()
+    assert model.embed_tokens.weight.numel() > 0  # the model itself keeps its float embedding and head
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    got = generate(model, tiny_tokenizer(), prompt[0].tolist(), sp).tokens
+    eng = _graph_engine_of(model)
+    assert eng is not None and eng.ecfg.head == ("int8" if head == "int8" else "fp")
+    assert got == want
+
+
 def test_graph_generate_stops_lengths_and_stale_weights():
     """Stop token ids, stop strings and max_tokens end the rows of the graph path where the eager loop ends
     them; a batch whose rows stop at different steps keeps decoding the others; a weight changed in place

@@ -86,7 +86,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--head-dtype",
         default=None,
         choices=["bf16", "int8"],
-        help="CPU: store the embedding/LM head in bf16 or int8 (per-row scaled) for faster decode",
+        help="store the embedding/LM head in bf16 or int8 (per-row scaled) for faster decode (CPU); on CUDA, int8 "
+        "runs the CUDA-graph engine's int8 LM head",
     )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
     p.add_argument(

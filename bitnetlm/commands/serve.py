@@ -68,7 +68,7 @@ FLAGS = [
         "head_dtype",
         str,
         None,
-        "CPU: embedding/LM head storage, bf16 or int8 (default: as loaded)",
+        "embedding/LM head: bf16 or int8 storage on CPU; int8 = the CUDA-graph engine's int8 head on CUDA",
     ),
     (
         ("--enforce-eager",),

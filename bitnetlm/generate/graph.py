@@ -62,23 +62,35 @@ def _weights_kind(model) -> str | None:
     return "ternary" if n == len(projs) else "dense" if n == 0 else None
 
 
+def engine_config(model, batch: int, seq: int, weights: str = "ternary"):
+    """The EngineConfig for `model`: its activation dtype, `model.kv_cache_dtype` and, from `load(...,
+    head_dtype="int8")` on CUDA, `model.head_dtype` (the int8 LM head; any other value keeps the float head)."""
+    from bitnetlm.engine_cuda import EngineConfig
+
+    return EngineConfig(
+        max_batch=batch,
+        max_seq_len=seq,
+        dtype=model.embed_tokens.weight.dtype,
+        weights=weights,
+        head="int8" if getattr(model, "head_dtype", None) == "int8" else "fp",
+        kv_dtype=getattr(model, "kv_cache_dtype", None),
+    )
+
+
 def build_engine(model, batch: int, seq: int, device: torch.device):
     """A new CudaEngine over `model` with `batch` rows of `seq` positions, or None (logged) when the engine
     cannot run this model: no Triton, not a bitnetlm CausalLM, mixed projections, an unsupported feature."""
     try:
         import triton  # noqa: F401  (the engine's kernels)
 
-        from bitnetlm.engine_cuda import CudaEngine, EngineConfig
+        from bitnetlm.engine_cuda import CudaEngine
 
         if not all(hasattr(model, a) for a in ("layers", "embed_tokens", "norm", "inv_freq", "config")):
             raise TypeError(f"{type(model).__name__} is not a bitnetlm CausalLM")
         kind = _weights_kind(model)
         if kind is None:
             raise TypeError("the projections mix BitLinear and full-precision layers")
-        dtype = model.embed_tokens.weight.dtype
-        kv = getattr(model, "kv_cache_dtype", None)
-        ecfg = EngineConfig(max_batch=batch, max_seq_len=seq, dtype=dtype, weights=kind, kv_dtype=kv)
-        return CudaEngine.from_model(model, ecfg, device=device, share=True)
+        return CudaEngine.from_model(model, engine_config(model, batch, seq, kind), device=device, share=True)
     except (ImportError, TypeError, ValueError) as e:
         log.info("the CUDA-graph engine cannot run this model (%s); using the eager forward", e)
         return None
@@ -89,8 +101,8 @@ def graph_engine(model, batch: int, seq: int):
     when the engine cannot run this model: generation then takes the eager path."""
     device = next(itertools.chain(model.parameters(), model.buffers())).device
     eng, fp0, mods = model.__dict__.get(_ATTR, (None, None, None))
-    kv = getattr(model, "kv_cache_dtype", None)
-    fp = (_fingerprint(mods), kv) if mods is not None else None
+    opts = (getattr(model, "kv_cache_dtype", None), getattr(model, "head_dtype", None))  # engine options
+    fp = (_fingerprint(mods), opts) if mods is not None else None
     if fp is not None and fp0 == fp:
         if eng is None:
             return None  # known unsupported, weights unchanged
@@ -102,7 +114,11 @@ def graph_engine(model, batch: int, seq: int):
     mods = list(model.modules())
     seq = -(-seq // SEQ_ROUND) * SEQ_ROUND
     new = build_engine(model, batch, seq, device)
-    model.__dict__[_ATTR] = (new, (_fingerprint(mods), kv), mods)  # after the build: it re-points the weights
+    model.__dict__[_ATTR] = (
+        new,
+        (_fingerprint(mods), opts),
+        mods,
+    )  # after the build: it re-points the weights
     return new
 
 

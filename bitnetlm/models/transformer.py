@@ -200,6 +200,8 @@ class CausalLM(nn.Module):
         # KV-cache element type of new_cache and of the CUDA-graph engine (generate/graph.py); None: the
         # activations' dtype. torch.float8_e4m3fn halves the cache's memory and the reads of decode attention.
         self.kv_cache_dtype: torch.dtype | None = None
+        # on CUDA, the graph engine's LM head: "int8" (per-row int8 weights) or None; set by load(head_dtype=)
+        self.head_dtype: str | None = None
 
     # ---- parts ----------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
