@@ -7,6 +7,7 @@ LLaMA-3 tokenizer (`.assets/llama3-tokenizer`): greedy and llama.cpp's default s
 of prompts of different lengths. Random weights: speed only, never quality.
 
     python benchmarks/gpu_generate.py [--dir DIR] [--prompt 128] [--tokens 256] [--batch 8]
+        [--head-dtype int8] [--kv-cache-dtype fp8] [--eager-tokens 0 (no eager rows)]
 
 Prints a markdown table naming the GPU.
 """
@@ -71,12 +72,19 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--eager-tokens", type=int, default=32, help="decode steps of the (slow) eager rows")
+    ap.add_argument(
+        "--eager-tokens", type=int, default=32, help="decode steps of the (slow) eager rows (0: none)"
+    )
+    ap.add_argument("--head-dtype", default=None, help="int8: the engine's int8 LM head, as --head-dtype")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (bf16) or fp8, as --kv-cache-dtype")
     a = ap.parse_args()
     from make_checkpoint import write_checkpoint
 
+    from bitnetlm.models.cache import parse_kv_cache_dtype
+
     write_checkpoint(a.dir, "2b4t")
-    model = load_model(a.dir, device="cuda", dtype=torch.bfloat16).eval()
+    model = load_model(a.dir, device="cuda", dtype=torch.bfloat16, head_dtype=a.head_dtype).eval()
+    model.kv_cache_dtype = parse_kv_cache_dtype(a.kv_cache_dtype)
     tok = Tokenizer.from_dir(a.tokenizer)
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
@@ -88,7 +96,7 @@ def main() -> int:
     batch = [ids(a.prompt - 8 * i) for i in range(a.batch)]  # different lengths
     rows = []
     mem = {"after load": weight_gb(model)}
-    for eager in (False, True):
+    for eager in (False, True) if a.eager_tokens else (False,):
         n_new = a.eager_tokens if eager else a.tokens
         run(model, tok, single, 4, "greedy", eager)  # warm-up: compilation, tuning, graph capture
         run(model, tok, batch, 4, "greedy", eager)
@@ -102,7 +110,8 @@ def main() -> int:
     p = torch.cuda.get_device_properties(0)
     print(
         f"GPU: {p.name} ({p.multi_processor_count} SMs), torch {torch.__version__}; 2B4T shape, random ternary "
-        f"weights, bf16; prompt {a.prompt} tokens (batch rows {a.prompt - 8 * (a.batch - 1)}-{a.prompt})\n"
+        f"weights, bf16, head {a.head_dtype or 'bf16'}, KV cache {a.kv_cache_dtype}; prompt {a.prompt} tokens "
+        f"(batch rows {a.prompt - 8 * (a.batch - 1)}-{a.prompt})\n"
     )
     print(
         "| path | prompts | sampler | tokens | TTFT ms | decode tok/s (row 0) | generated tok/s (all rows) |"
