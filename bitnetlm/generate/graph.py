@@ -114,11 +114,8 @@ def graph_engine(model, batch: int, seq: int):
     mods = list(model.modules())
     seq = -(-seq // SEQ_ROUND) * SEQ_ROUND
     new = build_engine(model, batch, seq, device)
-    model.__dict__[_ATTR] = (
-        new,
-        (_fingerprint(mods), opts),
-        mods,
-    )  # after the build: it re-points the weights
+    # fingerprint after the build: it re-points the weights
+    model.__dict__[_ATTR] = (new, (_fingerprint(mods), opts), mods)
     return new
 
 
