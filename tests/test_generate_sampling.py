@@ -175,6 +175,27 @@ def test_frequencies_follow_tempered_softmax():
     assert chi2 < 20.5, (counts, expected)
 
 
+def test_draw_across_chunks_follows_the_probabilities():
+    """The inverse-CDF draw searches chunk masses, then one chunk (sampling.CDF_CHUNK tokens; here 700 tokens: two
+    whole chunks and a short last one): tokens at chunk edges and in the short chunk are drawn at their
+    probabilities (chi-square, 20000 draws), and no removed token (-inf) ever is, not even one beside a kept one."""
+    from bitnetlm.generate.sampling import CDF_CHUNK
+
+    assert CDF_CHUNK == 256  # the edges below
+    probs = {3: 0.1, 255: 0.2, 256: 0.15, 511: 0.25, 512: 0.1, 699: 0.2}
+    logits = torch.full((1, 700), float("-inf"))
+    for i, q in probs.items():
+        logits[0, i] = math.log(q)
+    n = 20000
+    g = torch.Generator().manual_seed(5)
+    toks = sample(logits.expand(n, -1), [SamplingParams(temperature=1.0)] * n, [g] * n).tokens
+    assert set(toks.tolist()) <= set(probs)
+    counts = torch.tensor([(toks == i).sum().item() for i in probs], dtype=torch.float64)
+    expected = torch.tensor(list(probs.values()), dtype=torch.float64) * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5, (counts, expected)  # 99.9% quantile, 5 degrees of freedom
+
+
 def test_seed_reproducible_and_independent_of_batch():
     logits = _logits(4, 200)
     p = SamplingParams(temperature=1.0, seed=1234)

@@ -209,6 +209,46 @@ def _filter_mask_over(x, params, filt, kvals, n):
     return mask & rows[:, None]  # greedy / unfiltered rows: nothing removed
 
 
+CDF_CHUNK = 256  # the inverse-CDF search: chunk masses first, then a cumulative sum inside one chunk
+
+
+def _inverse_cdf(x: torch.Tensor, greedy: list[bool], generators) -> torch.Tensor:
+    """One token per row of processed logits x [B, V]: the first whose cumulative probability exceeds u times the
+    row's total, u uniform in [0, 1) drawn from the row's own generator (one draw per sampled row, in row order,
+    so a row's draws do not depend on the rest of the batch; greedy rows draw nothing and their result is unused).
+    The draw torch.multinomial(replacement=True) makes, without its pass per row (4.6 ms a row for 128k entries
+    on a 2-core CPU) or a sequential sum over the vocabulary: the chunk holding the target is found from chunk
+    masses, then the token inside it (cumulative sums in float64, so no tail token loses its mass to their
+    rounding). A token of probability 0 (removed by a filter) is never drawn."""
+    b, v = x.shape
+    dev = x.device
+    us = []
+    for i in range(b):
+        g = generators[i] if generators is not None else None
+        us.append(
+            x.new_zeros(1, dtype=torch.float64)
+            if greedy[i]
+            else torch.rand(1, generator=g, device=dev, dtype=torch.float64)
+        )
+    c = CDF_CHUNK
+    p = torch.softmax(x, dim=-1).contiguous()  # [B, V]
+    mass = p.as_strided((b, v // c, c), (v, c, 1)).sum(dim=-1)  # [B, V // c] whole chunks (a view, no copy)
+    if v % c:
+        mass = torch.cat([mass, p[:, v // c * c :].sum(dim=-1, keepdim=True)], dim=1)  # the short last chunk
+    mass = mass.double().cumsum(dim=-1)  # [B, C] mass up to each chunk's end
+    target = torch.cat(us)[:, None] * mass[:, -1:]  # [B, 1]
+    j = torch.searchsorted(mass, target, right=True).clamp(
+        max=mass.shape[1] - 1
+    )  # [B, 1]: first chunk past it
+    before = torch.where(j > 0, mass.gather(1, (j - 1).clamp(min=0)), 0.0)  # [B, 1] mass of earlier chunks
+    idx = j * c + torch.arange(c, device=dev)  # [B, c] the chosen chunk's tokens
+    inside = torch.where(idx < v, p.gather(1, idx.clamp(max=v - 1)), 0.0)  # [B, c] their probabilities
+    k = torch.searchsorted(inside.cumsum(dim=-1, dtype=torch.float64), target - before, right=True)  # [B, 1]
+    # a chunk's two sums may differ in their last bits: past the end means the chunk's last positive token
+    last = torch.where(inside > 0, torch.arange(c, device=dev), -1).amax(dim=-1, keepdim=True)  # [B, 1]
+    return (j * c + torch.minimum(k, last))[:, 0]
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -220,20 +260,14 @@ def sample(
     """Sample one token per row of `logits` [B, V] with that row's params and generator."""
     b, v = logits.shape
     x = process_logits(logits, params, prompt_tokens, output_tokens)
-    tokens = torch.empty(b, dtype=torch.long, device=logits.device)
     greedy = [p.greedy for p in params]
     if all(greedy):
         tokens = x.argmax(dim=-1)
+    elif not any(greedy):
+        tokens = _inverse_cdf(x, greedy, generators)
     else:
-        # one draw per row from the row's own generator: reproducible whatever else is in the batch
-        # (replacement=True: inverse-CDF with one uniform, not an exponential per vocabulary entry)
-        probs = torch.softmax(x, dim=-1)
-        for i in range(b):
-            if greedy[i]:
-                tokens[i] = x[i].argmax()
-                continue
-            g = generators[i] if generators is not None else None
-            tokens[i] = torch.multinomial(probs[i], 1, replacement=True, generator=g)[0]
+        is_greedy = _row_tensor(greedy, x.device, torch.bool)
+        tokens = torch.where(is_greedy, x.argmax(dim=-1), _inverse_cdf(x, greedy, generators))
     raw = torch.log_softmax(logits.float(), dim=-1)
     out = SampleOutput(tokens=tokens, logprobs=raw.gather(1, tokens[:, None])[:, 0])
     if num_top_logprobs > 0:
