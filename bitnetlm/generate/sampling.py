@@ -191,7 +191,9 @@ def _filter_mask_over(x, params, filt, kvals, n):
     if any(f and (p.top_p < 1.0 or p.min_p > 0) for f, p in zip(filt, params, strict=True)):
         masked = sorted_x.masked_fill(remove, float("-inf"))
         # true probabilities over each row's surviving set: its top-k, or the whole vocabulary
-        lse = torch.where(has_k, masked.logsumexp(dim=-1), x.logsumexp(dim=-1))  # [B]
+        lse = masked.logsumexp(dim=-1)  # [B]
+        if not all(kv < v for kv, f in zip(kvals, filt, strict=True) if f):  # a row without top-k: all of V
+            lse = torch.where(has_k, lse, x.logsumexp(dim=-1))
         probs = (masked - lse[:, None]).exp()  # [B, n]
         top_p = _row_tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params], dev)  # 2 = never cuts
         min_p = _row_tensor([p.min_p for p in params], dev)
