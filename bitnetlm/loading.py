@@ -65,7 +65,7 @@ def load_model(
 
         if head_dtype not in HEAD_DTYPES:
             raise ValueError(f"head_dtype must be one of {HEAD_DTYPES}, got {head_dtype!r}")
-        model.head_dtype = head_dtype  # read by generate.graph.build_engine
+        model.head_dtype = head_dtype  # read by generate.graph.engine_config
     elif head_dtype:
         from bitnetlm.kernels.cpu.head import set_head_dtype
 

@@ -239,15 +239,15 @@ def _inverse_cdf(x: torch.Tensor, greedy: list[bool], generators) -> torch.Tenso
         mass = torch.cat([mass, p[:, v // c * c :].sum(dim=-1, keepdim=True)], dim=1)  # the short last chunk
     mass = mass.double().cumsum(dim=-1)  # [B, C] mass up to each chunk's end
     target = torch.cat(us)[:, None] * mass[:, -1:]  # [B, 1]
-    j = torch.searchsorted(mass, target, right=True).clamp(
-        max=mass.shape[1] - 1
-    )  # [B, 1]: first chunk past it
+    # [B, 1]: the first chunk whose end passes the target
+    j = torch.searchsorted(mass, target, right=True).clamp(max=mass.shape[1] - 1)
     before = torch.where(j > 0, mass.gather(1, (j - 1).clamp(min=0)), 0.0)  # [B, 1] mass of earlier chunks
-    idx = j * c + torch.arange(c, device=dev)  # [B, c] the chosen chunk's tokens
+    offs = torch.arange(c, device=dev)
+    idx = j * c + offs  # [B, c] the chosen chunk's tokens
     inside = torch.where(idx < v, p.gather(1, idx.clamp(max=v - 1)), 0.0)  # [B, c] their probabilities
     k = torch.searchsorted(inside.cumsum(dim=-1, dtype=torch.float64), target - before, right=True)  # [B, 1]
     # a chunk's two sums may differ in their last bits: past the end means the chunk's last positive token
-    last = torch.where(inside > 0, torch.arange(c, device=dev), -1).amax(dim=-1, keepdim=True)  # [B, 1]
+    last = torch.where(inside > 0, offs, -1).amax(dim=-1, keepdim=True)  # [B, 1]
     return (j * c + torch.minimum(k, last))[:, 0]
 
 
