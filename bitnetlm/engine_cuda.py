@@ -54,6 +54,9 @@ FUSED_GAP = (3, 7)  # the batch sizes between the row GEMV's and the GEMM's fuse
 # measured in the captured step on an H100, faster at batch 1 and slower at batch 2 (where every program
 # quantizes two rows) and for gate|up (6912 outputs: many more programs, each repeating the same work).
 QUANT_IN_ROW_MAX_B = 1
+# EXPERIMENT: the int8 head over int16 activation codes by two int8 MMAs (launch.w8a16_linear: no conversion of
+# the 0.33 GB of weights); 0: bf16 activations, each weight converted to bf16 (launch.w8_linear).
+HEAD_A16 = os.environ.get("BITNETLM_HEAD_A16", "1") != "0"
 
 
 @dataclass
@@ -372,11 +375,16 @@ class CudaEngine:
         return (self.embed_q[tok].float() * self.embed_s[tok][:, None]).to(self.ecfg.dtype)
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
-        if self.head is not None:
-            return F.linear(h, self.head).float()
-        from bitnetlm.kernels.triton.launch import w8_linear
+        """The final RMSNorm and the LM head: float32 logits."""
+        from bitnetlm.kernels.triton.attention import rmsnorm
 
-        return w8_linear(h, self.head_q, self.head_s)
+        if self.head is not None:
+            return F.linear(rmsnorm(h, self.final_norm, self.eps), self.head).float()
+        from bitnetlm.kernels.triton.launch import w8_linear, w8a16_linear
+
+        if HEAD_A16:  # int16 activations, two int8 MMAs
+            return w8a16_linear(h, self.final_norm, self.eps, self.head_q, self.head_s)
+        return w8_linear(rmsnorm(h, self.final_norm, self.eps), self.head_q, self.head_s)
 
     def forward(
         self,
@@ -393,7 +401,7 @@ class CudaEngine:
         prompt whose first `start` tokens are already cached (chunked prefill). row0: the first KV-cache row
         these B rows use (a prompt prefilled into one row of a batch; the captured steps run rows 0..B-1).
         last_at: [1] index of the token whose logits to return (a padded prompt's last real token)."""
-        from bitnetlm.kernels.triton.attention import attn_decode, rmsnorm, rope_cache
+        from bitnetlm.kernels.triton.attention import attn_decode, rope_cache
 
         b, t = tok.shape
         self._check_batch(b, start + t)
@@ -457,7 +465,7 @@ class CudaEngine:
             h = h.view(b, t, -1).index_select(1, last_at)[:, 0]  # [B, hidden]
         elif last_only:
             h = h.view(b, t, -1)[:, -1]  # [B, hidden]
-        return self._head(rmsnorm(h, self.final_norm, self.eps))
+        return self._head(h)
 
     # ---- sampling and the captured decode step ---------------------------------------------
     @staticmethod

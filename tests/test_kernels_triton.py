@@ -155,6 +155,42 @@ def test_w8_linear():
     torch.testing.assert_close(y, ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize16_and_w8a16_linear(dtype):
+    """The int8 head over int16 activations. Without the norm the codes and scales equal torch's bit for bit
+    (a = 32639 / max|x| as reciprocal then product, round half to even) and both halves lie in [-127, 127]; with
+    it the codes stay within half a code of the rounded RMSNorm (its sum order differs from torch's). The int32
+    sums are exact (only the float epilogue rounds) and the logits are within the codes' rounding of the float
+    product."""
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(5, 96, generator=g) * 3).to(dtype).to(DEV)
+    x[1, 7] = 40.0  # an outlier sets its row's scale
+    nw = (torch.rand(96, generator=g) + 0.5).to(dtype).to(DEV)
+    w = torch.randint(-127, 128, (40, 96), generator=g, dtype=torch.int8).to(DEV)
+    s = torch.rand(40, generator=g).to(DEV)
+    hi, lo, a = L.quantize16(x, None)
+    xf = x.float()
+    a_ref = xf.abs().amax(-1).reciprocal() * 32639.0
+    assert torch.equal(a, a_ref)
+    assert torch.equal(hi.long() * 256 + lo.long(), torch.round(xf * a_ref[:, None]).long())
+    assert hi.abs().max() <= 127 and lo.abs().max() <= 127
+    hi, lo, a = L.quantize16(x, nw, 1e-5)
+    q = hi.long() * 256 + lo.long()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)
+    y_ref = ((xf * rstd) * nw.float()).to(dtype).float()
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-22  # the rounded norm may land one step apart
+    err = (q.double() / a.double()[:, None] - y_ref.double()).abs()
+    assert bool((err <= 0.5 / a.double()[:, None] + ulp * y_ref.double().abs() + 1e-30).all())
+    y = L.w8a16_linear(x, nw, 1e-5, w, s)
+    exact = ((q @ w.long().T).double() / a.double()[:, None]) * s.double()  # int64 sums
+    torch.testing.assert_close(y.double(), exact, rtol=1e-6, atol=1e-6 * float(exact.abs().max()))
+    ws = w.double() * s.double()[:, None]  # [N, K]
+    ref = y_ref.double() @ ws.T
+    # half a code a value, plus the rounded norm's step, times each weight; plus the epilogue's rounding
+    bound = (0.5 / a.double()[:, None] + ulp * y_ref.double().abs()) @ ws.abs().T
+    assert bool(((y.double() - ref).abs() <= bound + 1e-5 * float(ref.abs().max())).all())
+
+
 def test_backend_and_custom_op_trace():
     from bitnetlm.kernels.triton import BACKEND, ops
 
@@ -294,6 +330,18 @@ def test_gpu_gated_2b4t_and_int8_head():
                 ref,
                 rtol=1e-4,
                 atol=1e-5 * ref.abs().max().item(),
+                msg=str(cfg),
+            )
+            # the int16-activation head: int32 sums exact, only the float epilogue rounds
+            nw = torch.ones(2560, device="cuda", dtype=xm.dtype)
+            hi, lo, a = L.quantize16(xm, nw, 1e-5)
+            q = hi.long() * 256 + lo.long()
+            exact = ((q.double() @ w.double().T) / a.double()[:, None]) * s.double()
+            torch.testing.assert_close(
+                L.w8a16_linear(xm, nw, 1e-5, w, s, cfg=cfg).double(),
+                exact,
+                rtol=1e-6,
+                atol=1e-6 * float(exact.abs().max()),
                 msg=str(cfg),
             )
 

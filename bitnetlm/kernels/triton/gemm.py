@@ -297,3 +297,52 @@ def _w8_kernel(
     s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
     y = acc * s[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=mask_m[:, None] & mask_n[None, :])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# int8 (per-row scaled) weights x int16 activations as two int8 halves: the int8 LM head without converting the
+# weights (two int8 MMAs into exact int32 sums; y = (256 * hi_sum + lo_sum) / a * s)
+# --------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _w8a16_kernel(
+    hi_ptr,
+    lo_ptr,
+    a_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_qm,
+    stride_ym,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    _pdl_wait(PDL)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc_h = tl.zeros([BM, BN], tl.int32)
+    acc_l = tl.zeros([BM, BN], tl.int32)
+    for k0 in range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        mk = offs_k < K
+        mx = mask_m[:, None] & mk[None, :]
+        xh = tl.load(hi_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], mask=mx, other=0)
+        xl = tl.load(lo_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], mask=mx, other=0)
+        w = tl.load(
+            w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & mk[None, :], other=0
+        )
+        wt = tl.trans(w)
+        acc_h = tl.dot(xh, wt, acc_h, out_dtype=tl.int32)
+        acc_l = tl.dot(xl, wt, acc_l, out_dtype=tl.int32)
+    a = tl.load(a_ptr + offs_m, mask=mask_m, other=1.0)
+    s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
+    y = (acc_h.to(tl.float32) * 256.0 + acc_l.to(tl.float32)) / a[:, None] * s[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=mask_m[:, None] & mask_n[None, :])

@@ -12,10 +12,10 @@ import torch
 import triton
 
 from bitnetlm.kernels.triton.common import ACT_CODES, HAS_GDC, INTERPRET
-from bitnetlm.kernels.triton.gemm import _gemm_kernel, _w8_kernel
+from bitnetlm.kernels.triton.gemm import _gemm_kernel, _w8_kernel, _w8a16_kernel
 from bitnetlm.kernels.triton.gemv import _gemv_kernel, _gemv_row_kernel
 from bitnetlm.kernels.triton.layout import packed_row_bytes
-from bitnetlm.kernels.triton.quant import _quant_kernel
+from bitnetlm.kernels.triton.quant import _quant16_kernel, _quant_kernel
 from bitnetlm.kernels.triton.tune import (
     _gemm_candidates,
     _gemv8_candidates,
@@ -321,5 +321,61 @@ def w8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, cfg: dict | Non
         _w8_kernel[grid](x2, w, s, y, m, n, k, x2.stride(0), y.stride(0), PTX=PTX, **cfg, **pdl_kw())
 
     key = ("w8", n, k, min(_next_pow2(m), 1024))  # tune per power-of-two bucket of M
+    launch(cfg or _tune(key, lambda: _w8_candidates(m), launch, w), w)
+    return y.reshape(*lead, n)
+
+
+def quantize16(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float = 1e-5):
+    """RMSNorm (rounded to x's dtype; none without `norm_weight`) then int16 codes per row as two int8 halves:
+    (hi, lo int8 [M, K], a float32 [M]) with rmsnorm(x) ~= (256 * hi + lo) / a."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    hi = torch.empty((m, k), dtype=torch.int8, device=x.device)
+    lo = torch.empty_like(hi)
+    a = torch.empty((m,), dtype=torch.float32, device=x.device)
+    nw = 1 if INTERPRET else (8 if k > 4096 else 4)
+    _quant16_kernel[(m,)](
+        x2,
+        x2 if norm_weight is None else norm_weight,
+        hi,
+        lo,
+        a,
+        k,
+        x2.stride(0),
+        hi.stride(0),
+        eps,
+        HAS_NORM=norm_weight is not None,
+        BK=triton.next_power_of_2(k),
+        PTX=PTX,
+        num_warps=nw,
+        **pdl_kw(),
+    )
+    return hi, lo, a
+
+
+def w8a16_linear(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w: torch.Tensor,
+    s: torch.Tensor,
+    cfg: dict | None = None,
+) -> torch.Tensor:
+    """float32 [..., N] = rmsnorm(x) as int16 codes @ (int8 w [N, K])^T * s[N]: the int8 LM head by two int8 MMAs
+    (no weight conversion). `cfg`: one of `tune._w8_candidates`, for tests."""
+    k = x.shape[-1]
+    lead = x.shape[:-1]
+    hi, lo, a = quantize16(x, norm_weight, eps)
+    m, n = hi.shape[0], w.shape[0]
+    y = torch.empty((m, n), dtype=torch.float32, device=x.device)
+
+    def launch(cfg: dict, w: torch.Tensor) -> None:
+        grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]))
+        _w8a16_kernel[grid](hi, lo, a, w, s, y, m, n, k, hi.stride(0), y.stride(0), **cfg, **pdl_kw())
+
+    key = ("w8a16", n, k, min(_next_pow2(m), 1024))
     launch(cfg or _tune(key, lambda: _w8_candidates(m), launch, w), w)
     return y.reshape(*lead, n)

@@ -117,3 +117,44 @@ def _quant_words(xrow, nw_ptr, K, KW, eps, offs_w, mw, HAS_NORM: tl.constexpr, P
     w2, r2 = _slab_q(x2, g2, rstd, a, offs_j, HAS_NORM, PTX)
     w3, r3 = _slab_q(x3, g3, rstd, a, offs_j, HAS_NORM, PTX)
     return w0, w1, w2, w3, a, tl.sum(r0 + r1 + r2 + r3, axis=0)  # one block reduction for the rowsum
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the int8 LM head's input: RMSNorm (rounded to the activations' dtype, as `attention.rmsnorm` stores it), then
+# int16 codes per row split into two int8 halves for two int8 MMAs: q = 256 * hi + lo, hi and lo in [-127, 127]
+# --------------------------------------------------------------------------------------------------------------
+Q16_MAX = 32639  # 127 * 256 + 127: the largest code whose halves both fit in [-127, 127]
+
+
+@triton.jit
+def _quant16_kernel(
+    x_ptr,
+    nw_ptr,
+    hi_ptr,
+    lo_ptr,
+    a_ptr,
+    K,
+    stride_xm,
+    stride_qm,
+    eps,
+    HAS_NORM: tl.constexpr,
+    BK: tl.constexpr,
+    PTX: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    m = tl.program_id(0)
+    offs = tl.arange(0, BK)
+    mk = offs < K
+    _pdl_wait(PDL)
+    y = tl.load(x_ptr + m * stride_xm + offs, mask=mk, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        g = tl.load(nw_ptr + offs, mask=mk, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt_rn(tl.sum(y * y, axis=0) / K + eps)
+        y = ((y * rstd) * g).to(x_ptr.dtype.element_ty).to(tl.float32)  # what rmsnorm would store
+    a = _rcp_rn(tl.maximum(tl.max(tl.abs(y), axis=0), 1e-30), PTX) * 32639.0  # Q16_MAX
+    q = tl.minimum(tl.maximum(_rne(y * a, PTX), -32639.0), 32639.0).to(tl.int32)
+    lo = ((q + 128) & 255) - 128
+    hi = (q - lo) >> 8
+    tl.store(hi_ptr + m * stride_qm + offs, hi.to(tl.int8), mask=mk)
+    tl.store(lo_ptr + m * stride_qm + offs, lo.to(tl.int8), mask=mk)
+    tl.store(a_ptr + m, a)
