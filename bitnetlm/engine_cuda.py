@@ -54,9 +54,12 @@ FUSED_GAP = (3, 7)  # the batch sizes between the row GEMV's and the GEMM's fuse
 # measured in the captured step on an H100, faster at batch 1 and slower at batch 2 (where every program
 # quantizes two rows) and for gate|up (6912 outputs: many more programs, each repeating the same work).
 QUANT_IN_ROW_MAX_B = 1
-# EXPERIMENT: the int8 head over int16 activation codes by two int8 MMAs (launch.w8a16_linear: no conversion of
-# the 0.33 GB of weights); 0: bf16 activations, each weight converted to bf16 (launch.w8_linear).
-HEAD_A16 = os.environ.get("BITNETLM_HEAD_A16", "1") != "0"
+# The int8 head over int16 activation codes by two int8 MMAs (launch.w8a16_linear: no conversion of the 0.33 GB
+# of weights, 15-bit activations); False: bf16 activations, each weight converted to bf16 (launch.w8_linear).
+HEAD_A16 = True
+# The step's ends as one Triton launch each (kernels/triton/ends.py): the int8 embedding rows and, in a greedy
+# decode_state, argmax + bookkeeping; False: the PyTorch ops (5 and 9 launches).
+FUSED_ENDS = True
 
 
 @dataclass
@@ -372,7 +375,11 @@ class CudaEngine:
     def _embed(self, tok: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
             return F.embedding(tok, self.embed)
-        return (self.embed_q[tok].float() * self.embed_s[tok][:, None]).to(self.ecfg.dtype)
+        if not FUSED_ENDS:
+            return (self.embed_q[tok].float() * self.embed_s[tok][:, None]).to(self.ecfg.dtype)
+        from bitnetlm.kernels.triton.ends import embed_int8
+
+        return embed_int8(tok, self.embed_q, self.embed_s, self.ecfg.dtype)
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         """The final RMSNorm and the LM head: float32 logits."""
@@ -515,6 +522,11 @@ class CudaEngine:
 
         def body():
             logits = self.forward(tok, pos)
+            if sample and temperature <= 0 and FUSED_ENDS:  # argmax + the bookkeeping below, one launch
+                from bitnetlm.kernels.triton.ends import greedy_step
+
+                greedy_step(logits, tok, out, step, pos)
+                return logits
             if sample:
                 nxt = self.sample(logits, temperature, top_k)  # [B]
                 out.index_copy_(1, step, nxt[:, None])

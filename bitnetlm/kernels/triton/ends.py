@@ -1,0 +1,142 @@
+"""The two ends of a captured decode step, one launch each instead of a chain of small PyTorch kernels.
+
+- `embed_int8`: rows of the int8 (per-row scaled) embedding for the step's tokens, dequantized to the activation
+  dtype (PyTorch: two gathers, a conversion, a multiply and a cast; five launches of 1-5 us in a graph);
+- `greedy_step`: argmax of each row's logits (first index of the maximum, as `torch.argmax`), then the step's
+  bookkeeping: the token into `tok` and `out[:, step]`, pos += 1, step += 1 (PyTorch: nine launches). Each row's
+  vocabulary is cut into chunks, one program each; the last program of a row to finish (an atomic counter)
+  reduces the chunks' maxima, and the last row to finish advances `step`. Counters reset themselves, so graph
+  replays need no memset.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from bitnetlm.kernels.triton.common import INTERPRET, _pdl_wait
+from bitnetlm.kernels.triton.launch import pdl_kw
+
+
+@triton.jit
+def _embed_int8_kernel(tok_ptr, q_ptr, s_ptr, y_ptr, K, BK: tl.constexpr, PDL: tl.constexpr = False):
+    r = tl.program_id(0)
+    _pdl_wait(PDL)
+    t = tl.load(tok_ptr + r).to(tl.int64)
+    offs = tl.arange(0, BK)
+    mk = offs < K
+    q = tl.load(q_ptr + t * K + offs, mask=mk, other=0).to(tl.float32)
+    s = tl.load(s_ptr + t)
+    tl.store(y_ptr + r * K + offs, (q * s).to(y_ptr.dtype.element_ty), mask=mk)  # fp32 product, one rounding
+
+
+def embed_int8(tok: torch.Tensor, q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """tok [N] -> (q[tok] * s[tok][:, None]) in `dtype` [N, K]: q int8 [V, K], s float32 [V]."""
+    n, k = tok.numel(), q.shape[1]
+    y = torch.empty((n, k), dtype=dtype, device=q.device)
+    _embed_int8_kernel[(n,)](
+        tok, q, s, y, k, BK=triton.next_power_of_2(k), num_warps=1 if INTERPRET else 4, **pdl_kw()
+    )
+    return y
+
+
+@triton.jit
+def _greedy_step_kernel(
+    x_ptr,
+    V,
+    stride_x,
+    CH,
+    NC,
+    pmax_ptr,
+    pidx_ptr,
+    cnt_ptr,
+    tok_ptr,
+    out_ptr,
+    stride_out,
+    step_ptr,
+    pos_ptr,
+    B,
+    BV: tl.constexpr,
+    NCP: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    _pdl_wait(PDL)
+    best = tl.full([], float("-inf"), tl.float32)
+    bi = tl.full([], 0, tl.int32)
+    lo = c * CH
+    hi = tl.minimum(lo + CH, V)
+    for v0 in range(lo, hi, BV):
+        offs = v0 + tl.arange(0, BV)
+        x = tl.load(x_ptr + r * stride_x + offs, mask=offs < hi, other=float("-inf"))
+        m = tl.max(x, axis=0)
+        i = tl.min(tl.where(x == m, offs, V), axis=0)  # first index of the block's maximum
+        take = m > best  # strictly greater: an earlier block keeps a tie
+        bi = tl.where(take, i, bi)
+        best = tl.where(take, m, best)
+    tl.store(pmax_ptr + r * NC + c, best)
+    tl.store(pidx_ptr + r * NC + c, bi)
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt_ptr + r, 1, sem="acq_rel")
+    if done == NC - 1:  # the row's last chunk: reduce the chunks, write the token
+        tl.atomic_xchg(cnt_ptr + r, 0, sem="relaxed")
+        offs_c = tl.arange(0, NCP)
+        mc = offs_c < NC
+        # .cg: the other programs' partials from L2, never a stale L1 line of an earlier replay
+        pm = tl.load(pmax_ptr + r * NC + offs_c, mask=mc, other=float("-inf"), cache_modifier=".cg")
+        pi = tl.load(pidx_ptr + r * NC + offs_c, mask=mc, other=0, cache_modifier=".cg")
+        m = tl.max(pm, axis=0)
+        first = tl.min(tl.where(pm == m, offs_c, NCP), axis=0)  # chunks are in vocabulary order
+        token = tl.sum(tl.where(offs_c == first, pi, 0), axis=0).to(tl.int64)
+        step = tl.load(step_ptr)
+        tl.store(out_ptr + r * stride_out + step, token)
+        tl.store(tok_ptr + r, token)
+        tl.store(pos_ptr + r, tl.load(pos_ptr + r) + 1)
+        rows = tl.atomic_add(cnt_ptr + B, 1, sem="acq_rel")  # every row has read `step` before its add
+        if rows == B - 1:
+            tl.atomic_xchg(cnt_ptr + B, 0, sem="relaxed")
+            tl.store(step_ptr, step + 1)
+
+
+_ws: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def greedy_step(logits, tok, out, step, pos, chunks: int = 0) -> None:
+    """logits float32 [B, V] -> tok[:, 0] = out[:, step] = argmax (first index of the maximum), pos += 1,
+    step += 1. tok int64 [B, 1], out int64 [B, S], step int64 [1], pos int32 [B]. chunks: programs a row
+    (default: about 256 programs in all)."""
+    b, v = logits.shape
+    bv = 256 if INTERPRET else 2048
+    nc = chunks or max(1, 256 // b)
+    ch = triton.cdiv(triton.cdiv(v, nc), bv) * bv  # a chunk: whole BV blocks
+    nc = triton.cdiv(v, ch)
+    key = (str(logits.device), b, nc)
+    if key not in _ws:  # allocated before any graph capture (the warm-up call); counters start at zero
+        _ws[key] = (
+            torch.empty((b, nc), dtype=torch.float32, device=logits.device),
+            torch.empty((b, nc), dtype=torch.int32, device=logits.device),
+            torch.zeros((b + 1,), dtype=torch.int32, device=logits.device),
+        )
+    pmax, pidx, cnt = _ws[key]
+    _greedy_step_kernel[(b, nc)](
+        logits,
+        v,
+        logits.stride(0),
+        ch,
+        nc,
+        pmax,
+        pidx,
+        cnt,
+        tok,
+        out,
+        out.stride(0),
+        step,
+        pos,
+        b,
+        BV=bv,
+        NCP=triton.next_power_of_2(nc),
+        num_warps=1 if INTERPRET else 4,
+        **pdl_kw(),
+    )

@@ -1,0 +1,85 @@
+"""The decode step's two ends (kernels/triton/ends.py): int8 embedding rows and the greedy argmax + bookkeeping,
+against PyTorch. Under Triton's interpreter on the CPU (CI), compiled on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_interp import DEV, triton_modules
+
+
+def _embed_case(dtype):
+    (ends,) = triton_modules("ends")
+    g = torch.Generator().manual_seed(0)
+    v, k = 50, 40  # k not a power of two
+    q = torch.randint(-127, 128, (v, k), generator=g, dtype=torch.int8).to(DEV)
+    s = (torch.rand(v, generator=g) * 0.1).to(DEV)
+    tok = torch.tensor([3, 49, 3, 0, 17], device=DEV)
+    want = (q[tok].float() * s[tok][:, None]).to(dtype)  # the engine's former PyTorch path
+    got = ends.embed_int8(tok, q, s, dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
+def test_embed_int8_equals_torch():
+    _embed_case(torch.float32)
+
+
+@pytest.mark.gpu
+def test_gpu_embed_int8_bf16_equals_torch():
+    """bf16 rows, rounded to nearest even as PyTorch rounds (the interpreter's bf16 cast truncates)."""
+    _embed_case(torch.bfloat16)
+
+
+def _logits_with_ties(b: int, v: int, g: torch.Generator) -> torch.Tensor:
+    """Random rows whose maximum sits at several places: across chunk and block edges, in the last (short)
+    chunk, and twice inside one block; argmax must give the first."""
+    x = torch.randn(b, v, generator=g)
+    spots = [(0, [5, v - 1]), (1, [v - 1]), (2, [v // 2 - 1, v // 2]), (3, [v // 4 + 7, 3 * v // 4])]
+    for r, cols in spots:
+        if r < b:
+            x[r, cols] = 9.0
+    return x.to(DEV)
+
+
+@pytest.mark.parametrize("b,v,chunks", [(4, 1000, 4), (3, 1000, 0), (1, 257, 2), (5, 300, 1)])
+def test_greedy_step_equals_argmax_and_bookkeeping(b, v, chunks):
+    (ends,) = triton_modules("ends")
+    g = torch.Generator().manual_seed(b * v)
+    s = 6
+    tok = torch.zeros((b, 1), dtype=torch.long, device=DEV)
+    out = torch.full((b, s), -1, dtype=torch.long, device=DEV)
+    step = torch.tensor([2], device=DEV)
+    pos = torch.arange(10, 10 + b, dtype=torch.int32, device=DEV)
+    for i in range(3):  # the counters reset themselves between calls
+        x = _logits_with_ties(b, v, g)
+        want = x.argmax(dim=-1)
+        ends.greedy_step(x, tok, out, step, pos, chunks=chunks)
+        assert torch.equal(tok[:, 0], want), (tok[:, 0], want)
+        assert torch.equal(out[:, 2 + i], want)
+        assert int(step) == 3 + i
+        assert torch.equal(pos.cpu(), torch.arange(11 + i, 11 + i + b, dtype=torch.int32))
+    assert (out[:, :2] == -1).all() and (out[:, 5:] == -1).all()  # no other column written
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b", [1, 8, 64])
+def test_gpu_greedy_step_2b4t_vocab_in_a_graph(b):
+    """The 2B4T vocabulary, default chunking, replayed in a CUDA graph (as the engine's decode step runs it)."""
+    from bitnetlm.engine_cuda import capture
+    from bitnetlm.kernels.triton.ends import greedy_step
+
+    v = 128256
+    g = torch.Generator().manual_seed(b)
+    x = _logits_with_ties(b, v, g)
+    tok = torch.zeros((b, 1), dtype=torch.long, device="cuda")
+    out = torch.zeros((b, 8), dtype=torch.long, device="cuda")
+    step = torch.zeros((1,), dtype=torch.long, device="cuda")
+    pos = torch.zeros((b,), dtype=torch.int32, device="cuda")
+    graph, _ = capture(lambda: greedy_step(x, tok, out, step, pos), before_capture=lambda: step.zero_())
+    pos.zero_()
+    for i in range(4):
+        x.copy_(_logits_with_ties(b, v, g))
+        graph.replay()
+        want = x.argmax(dim=-1)
+        assert torch.equal(tok[:, 0], want) and torch.equal(out[:, i], want), i
+    assert int(step) == 4 and (pos == 4).all()
