@@ -1,14 +1,16 @@
 """Where a CUDA-graph decode step spends its time (device machine): kernel table of one engine's decode.
 
     python benchmarks/gpu_profile.py [--batches 1,8] [--weights ternary] [--attn 0,13/32/1] [--max-seq-len N]
-        [--kv-cache-dtype fp8] [--timeline N] [--quant-warps W]
+        [--kv-cache-dtype fp8] [--head int8] [--timeline N] [--quant-warps W] [--rounds R]
+        [--variants ';engine_cuda.FUSED_ENDS=0']
 
 Random weights of the 2B4T shape; replays the captured decode step under torch.profiler and prints the kernels
 by total time, plus decode ms/step for attention variants (splits per row and kv head / keys per block / pipeline
-stages / warps); --quant-warps sets the quantization launch's warps. The decode kernels use programmatic
-dependent launch: a kernel starts early and waits for its predecessor, so its profiled duration includes that
-wait. For per-kernel durations run with BITNETLM_TRITON_PDL=0 (and BITNETLM_TRITON_TUNE_CACHE= for a fresh
-tune).
+stages / warps) and for --variants (package constants set in-process, so every variant shares one tune: an A/B
+without a second package); --rounds repeats them, interleaved; --quant-warps sets the quantization launch's
+warps. The decode kernels use programmatic dependent launch: a kernel starts early and waits for its
+predecessor, so its profiled duration includes that wait. For per-kernel durations run with
+BITNETLM_TRITON_PDL=0 (and BITNETLM_TRITON_TUNE_CACHE= for a fresh tune).
 """
 
 from __future__ import annotations
@@ -35,11 +37,32 @@ def _timeline(prof, steps: int, n: int) -> None:
     )
     print(f"{'start us':>9} {'dur us':>7} {'gap us':>7}  kernel")
     prev = t0
-    for e in step[:n]:
+    for i, e in enumerate(step):
         s, d = e.time_range.start, e.time_range.elapsed_us()
-        print(f"{s - t0:9.2f} {d:7.2f} {s - prev:7.2f}  {e.name[:70]}")
+        if i < n or i >= len(step) - n:  # the first and the last n
+            print(f"{s - t0:9.2f} {d:7.2f} {s - prev:7.2f}  {e.name[:70]}")
+        elif i == n:
+            print("      ...")
         prev = e.time_range.end
     print(flush=True)
+
+
+_SAVED: dict = {}
+
+
+def _set(var: str, restore: bool = False) -> None:
+    """Apply (or undo) one --variants entry: comma-separated module.NAME=VALUE under bitnetlm."""
+    import importlib
+
+    for item in filter(None, var.split(",")):
+        path, value = item.split("=")
+        mod, name = path.rsplit(".", 1)
+        m = importlib.import_module(f"bitnetlm.{mod}")
+        if restore:
+            setattr(m, name, _SAVED.pop((mod, name)))
+        else:
+            _SAVED[(mod, name)] = getattr(m, name)
+            setattr(m, name, type(_SAVED[(mod, name)])(int(value)))
 
 
 def main() -> int:
@@ -67,9 +90,18 @@ def main() -> int:
         "--timeline",
         type=int,
         default=0,
-        help="also print the first N kernels of one step in launch order: start, duration, gap to the previous",
+        help="also print the first and last N kernels of one step in launch order: start, duration, gap to the "
+        "previous",
     )
     ap.add_argument("--quant-warps", type=int, default=0, help="the quantization launch's warps (0: default)")
+    ap.add_argument("--rounds", type=int, default=1, help="time every variant this many times, interleaved")
+    ap.add_argument(
+        "--variants",
+        default="",
+        help="package constants to A/B in one process: variants separated by ';', each comma-separated "
+        "module.NAME=VALUE under bitnetlm (e.g. 'engine_cuda.HEAD_A16=0,kernels.triton.attention.ATTN_BS=64'); "
+        "an empty variant is the package as it is",
+    )
     args = ap.parse_args()
     from bitnetlm.engine_cuda import CudaEngine, EngineConfig
     from bitnetlm.kernels.triton import attention, launch
@@ -79,6 +111,7 @@ def main() -> int:
     launch.QUANT_WARPS = args.quant_warps
 
     batches = [int(b) for b in args.batches.split(",")]
+    variants = args.variants.split(";") if args.variants else [""]
     eng = CudaEngine.random(
         ModelConfig(),
         EngineConfig(
@@ -90,23 +123,28 @@ def main() -> int:
         ),
     )
     for b in batches:
-        for spec in args.attn.split(","):  # 0 = the launcher's choice
-            attention.set_overrides(spec)
-            eng._graphs.clear()
-            st = eng.decode_state(b)
-            st.pos.fill_(args.context)
-            st.step.fill_(1)
-            for _ in range(3):
-                st.graph.replay()
-            a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            st.pos.fill_(args.context)
-            st.step.fill_(1)
-            a.record()
-            for _ in range(100):
-                st.graph.replay()
-            e.record()
-            e.synchronize()
-            print(f"batch {b} attn {spec}: {a.elapsed_time(e) / 100:.3f} ms/step", flush=True)
+        for _ in range(args.rounds):
+            for var in variants:
+                _set(var)
+                for spec in args.attn.split(","):  # 0 = the launcher's choice
+                    attention.set_overrides(spec)
+                    eng._graphs.clear()
+                    st = eng.decode_state(b)
+                    st.pos.fill_(args.context)
+                    st.step.fill_(1)
+                    for _ in range(3):
+                        st.graph.replay()
+                    a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    st.pos.fill_(args.context)
+                    st.step.fill_(1)
+                    a.record()
+                    for _ in range(100):
+                        st.graph.replay()
+                    e.record()
+                    e.synchronize()
+                    tag = f" [{var}]" if var else ""
+                    print(f"batch {b} attn {spec}{tag}: {a.elapsed_time(e) / 100:.3f} ms/step", flush=True)
+                _set(var, restore=True)
         attention.set_overrides()
         eng._graphs.clear()
         st = eng.decode_state(b)
