@@ -2,10 +2,13 @@
 
     python benchmarks/gpu_int8_head_ppl.py [--model .assets/smollm2-gguf/SmolLM2-135M-Instruct.Q4_1.gguf]
 
-The engine's int8 head stores q = round(w / s) with s = max|w_row| / 127 (bitnetlm.engine_cuda._int8_rows) and
-computes logits = bf16(h) @ q^T * s. This script applies exactly that quantization to the model's embedding and
-head and measures perplexity on the last 4096 tokens of each Austen novel (held out), against the same model with
-a bf16-rounded head (the default). Runs on the CPU: the arithmetic is the kernel's, up to fp32 summation order.
+The engine's int8 head stores q = round(w / s) with s = max|w_row| / 127 (bitnetlm.engine_cuda._int8_rows). Its
+input is the final RMSNorm's output rounded to the activations' dtype (bf16), and it computes logits either from
+those bf16 values, bf16(h) @ q^T * s (launch.w8_linear), or from int16 codes of them, c = round(h * 32639 /
+max|h|) per row, as (c @ q^T) / a * s (launch.w8a16_linear, what the engine runs: engine_cuda.HEAD_A16). This
+script applies exactly those roundings to the model's embedding, final norm output and head and measures
+perplexity on the last --tokens tokens of each Austen novel (held out), against the same model with a bf16 head
+and bf16 activations (the default). Runs on the CPU: the arithmetic is the kernels', up to fp32 summation order.
 """
 
 from __future__ import annotations
@@ -54,20 +57,31 @@ def model_and_heldout(description: str):
     --tokens tokens of each text in --texts."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--model", default=".assets/smollm2-gguf/SmolLM2-135M-Instruct.Q4_1.gguf")
-    ap.add_argument("--tokenizer", default=".assets/carry/teacher_tok", help="directory with tokenizer.json")
+    ap.add_argument(
+        "--tokenizer", default="", help="directory with tokenizer.json (default: the model file's own)"
+    )
     ap.add_argument("--texts", default=".assets/austen")
     ap.add_argument("--tokens", type=int, default=4096, help="held-out tokens per novel (the last ones)")
     args = ap.parse_args()
     from bitnetlm.generate.tokenizer import Tokenizer
-    from bitnetlm.loading import load_model
+    from bitnetlm.loading import load
 
-    model = load_model(args.model).eval()
-    tok = Tokenizer.from_dir(args.tokenizer)
+    model, tok = load(args.model)
+    model.eval()
+    if args.tokenizer:
+        tok = Tokenizer.from_dir(args.tokenizer)
     ids = []
     for f in sorted(os.listdir(args.texts)):
         t = tok.encode(open(os.path.join(args.texts, f), encoding="utf-8").read())
         ids.append(torch.tensor(t[-args.tokens :]))
     return args, model, torch.cat(ids)
+
+
+def codes16(h: torch.Tensor) -> torch.Tensor:
+    """The values the engine's int16-code head multiplies (quant._quant16_kernel): c / a with
+    a = rcp(max|h|) * 32639 and c = round-half-even(h * a), per row."""
+    a = (1.0 / h.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)) * 32639.0
+    return torch.round(h * a).clamp(-32639, 32639) / a
 
 
 def main() -> int:
@@ -76,20 +90,33 @@ def main() -> int:
     args, model, ids = model_and_heldout(__doc__.splitlines()[0])
     emb = model.embed_tokens.weight.data.clone()
     head = None if model.lm_head is None else model.lm_head.weight.data.clone()
+    norm = model.norm.forward
     rows = []
-    for name in ("bf16", "int8"):
+    variants = (
+        ("bf16", "bf16 head, bf16 activations (default)", None),
+        ("int8", "int8, bf16 activations (w8_linear)", None),
+        ("int8", "int8, int16 activation codes (w8a16_linear, the engine's)", codes16),
+    )
+    for weights, name, act in variants:
         for w, p in (
             (emb, model.embed_tokens.weight),
             (head, None if head is None else model.lm_head.weight),
         ):
             if w is None:
                 continue
-            if name == "bf16":
+            if weights == "bf16":
                 p.data.copy_(w.bfloat16().float())
             else:
                 q, s = _int8_rows(w)
                 p.data.copy_(q.float() * s[:, None])
+
+        def final_norm(x, act=act):
+            h = norm(x).bfloat16().float()  # the engine's activations
+            return h if act is None else act(h)
+
+        model.norm.forward = final_norm
         rows.append((name, ppl(model, ids)))
+    model.norm.forward = norm
     report(args, ids, "embedding + LM head", rows)
     return 0
 

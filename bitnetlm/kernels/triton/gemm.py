@@ -253,6 +253,15 @@ def _gemm_kernel(
 # int8 (per-row scaled) weights x float activations: the optional int8 LM head, any M
 # --------------------------------------------------------------------------------------------------------------
 @triton.jit
+def _head_tile(M, N, BM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
+    """The int8 head's (rows, outputs) tile of program (n, m), after the PDL wait: offsets and masks."""
+    _pdl_wait(PDL)
+    offs_m = tl.program_id(1) * BM + tl.arange(0, BM)
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    return offs_m, offs_n, offs_m < M, offs_n < N
+
+
+@triton.jit
 def _w8_kernel(
     x_ptr,
     w_ptr,
@@ -269,13 +278,7 @@ def _w8_kernel(
     PTX: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    _pdl_wait(PDL)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+    offs_m, offs_n, mask_m, mask_n = _head_tile(M, N, BM, BN, PDL)
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K, BK):
         offs_k = k0 + tl.arange(0, BK)
@@ -321,13 +324,7 @@ def _w8a16_kernel(
     BK: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    _pdl_wait(PDL)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+    offs_m, offs_n, mask_m, mask_n = _head_tile(M, N, BM, BN, PDL)
     acc_h = tl.zeros([BM, BN], tl.int32)
     acc_l = tl.zeros([BM, BN], tl.int32)
     for k0 in range(0, K, BK):
