@@ -1,5 +1,5 @@
-"""The decode step's two ends (kernels/triton/ends.py): int8 embedding rows and the greedy argmax + bookkeeping,
-against PyTorch. Under Triton's interpreter on the CPU (CI), compiled on a GPU."""
+"""The decode step's two ends (kernels/triton/ends.py): int8 embedding rows and the greedy argmax +
+bookkeeping, against PyTorch. Under Triton's interpreter on the CPU (CI), compiled on a GPU."""
 
 from __future__ import annotations
 
@@ -38,10 +38,18 @@ def _logits_with_ties(b: int, v: int, g: torch.Generator) -> torch.Tensor:
     for r, cols in spots:
         if r < b:
             x[r, cols] = 9.0
+    if b > 4:  # a NaN beats every number, even an earlier infinity (torch.argmax: the first NaN)
+        x[4, [1, v // 2]] = float("inf")
+        x[4, [v - 2, v - 1]] = float("nan")  # both in the last block
+    if b > 5:  # a row of -inf gives 0
+        x[5] = float("-inf")
+    if b > 6:  # NaNs in two chunks (or blocks): the first
+        x[6, 1] = float("inf")
+        x[6, [v // 3, v - 2]] = float("nan")
     return x.to(DEV)
 
 
-@pytest.mark.parametrize("b,v,chunks", [(4, 1000, 4), (3, 1000, 0), (1, 257, 2), (5, 300, 1)])
+@pytest.mark.parametrize("b,v,chunks", [(4, 1000, 4), (3, 1000, 0), (1, 257, 2), (7, 300, 1), (7, 1000, 4)])
 def test_greedy_step_equals_argmax_and_bookkeeping(b, v, chunks):
     (ends,) = triton_modules("ends")
     g = torch.Generator().manual_seed(b * v)
@@ -64,7 +72,7 @@ def test_greedy_step_equals_argmax_and_bookkeeping(b, v, chunks):
 @pytest.mark.gpu
 @pytest.mark.parametrize("b", [1, 8, 64])
 def test_gpu_greedy_step_2b4t_vocab_in_a_graph(b):
-    """The 2B4T vocabulary, default chunking, replayed in a CUDA graph (as the engine's decode step runs it)."""
+    """The 2B4T vocabulary, default chunking, replayed in a CUDA graph (as the engine's decode step runs)."""
     from bitnetlm.engine_cuda import capture
     from bitnetlm.kernels.triton.ends import greedy_step
 
@@ -80,6 +88,6 @@ def test_gpu_greedy_step_2b4t_vocab_in_a_graph(b):
     for i in range(4):
         x.copy_(_logits_with_ties(b, v, g))
         graph.replay()
-        want = x.argmax(dim=-1)
+        want = x.cpu().argmax(dim=-1).cuda()  # the CPU's semantics: the first NaN, else the first maximum
         assert torch.equal(tok[:, 0], want) and torch.equal(out[:, i], want), i
     assert int(step) == 4 and (pos == 4).all()

@@ -1,12 +1,12 @@
 """The two ends of a captured decode step, one launch each instead of a chain of small PyTorch kernels.
 
-- `embed_int8`: rows of the int8 (per-row scaled) embedding for the step's tokens, dequantized to the activation
-  dtype (PyTorch: two gathers, a conversion, a multiply and a cast; five launches of 1-5 us in a graph);
-- `greedy_step`: argmax of each row's logits (first index of the maximum, as `torch.argmax`), then the step's
-  bookkeeping: the token into `tok` and `out[:, step]`, pos += 1, step += 1 (PyTorch: nine launches). Each row's
-  vocabulary is cut into chunks, one program each; the last program of a row to finish (an atomic counter)
-  reduces the chunks' maxima, and the last row to finish advances `step`. Counters reset themselves, so graph
-  replays need no memset.
+- `embed_int8`: rows of the int8 (per-row scaled) embedding for the step's tokens, dequantized to the
+  activation dtype (PyTorch: two gathers, a conversion, a multiply and a cast; five launches of 1-5 us);
+- `greedy_step`: argmax of each row's logits (first index of the maximum, a NaN above every number, as
+  `torch.argmax`), then the step's bookkeeping: the token into `tok` and `out[:, step]`, pos += 1, step += 1
+  (PyTorch: nine launches). Each row's vocabulary is cut into chunks, one program each; the last program of a
+  row to finish (an atomic counter) reduces the chunks' maxima, and the last row to finish advances `step`.
+  Counters reset themselves, so graph replays need no memset.
 """
 
 from __future__ import annotations
@@ -65,18 +65,25 @@ def _greedy_step_kernel(
     c = tl.program_id(1)
     _pdl_wait(PDL)
     best = tl.full([], float("-inf"), tl.float32)
+    best_nan = tl.full([], 0, tl.int1)
     bi = tl.full([], 0, tl.int32)
     lo = c * CH
     hi = tl.minimum(lo + CH, V)
     for v0 in range(lo, hi, BV):
         offs = v0 + tl.arange(0, BV)
         x = tl.load(x_ptr + r * stride_x + offs, mask=offs < hi, other=float("-inf"))
-        m = tl.max(x, axis=0)
-        i = tl.min(tl.where(x == m, offs, V), axis=0)  # first index of the block's maximum
-        take = m > best  # strictly greater: an earlier block keeps a tie
-        bi = tl.where(take, i, bi)
+        nan = x != x
+        xm = tl.where(nan, float("-inf"), x)
+        m = tl.max(xm, axis=0)
+        i = tl.min(tl.where(xm == m, offs, V), axis=0)  # first index of the block's maximum (a real one)
+        i_nan = tl.min(tl.where(nan, offs, V), axis=0)
+        has_nan = i_nan < V  # as torch.argmax: a NaN beats every number, the first NaN wins
+        # strictly greater: an earlier block keeps a tie
+        take = (has_nan & ~best_nan) | (~has_nan & ~best_nan & (m > best))
+        bi = tl.where(take, tl.where(has_nan, i_nan, i), bi)
         best = tl.where(take, m, best)
-    tl.store(pmax_ptr + r * NC + c, best)
+        best_nan = best_nan | has_nan
+    tl.store(pmax_ptr + r * NC + c, tl.where(best_nan, float("nan"), best))
     tl.store(pidx_ptr + r * NC + c, bi)
     tl.debug_barrier()
     done = tl.atomic_add(cnt_ptr + r, 1, sem="acq_rel")
@@ -87,8 +94,12 @@ def _greedy_step_kernel(
         # .cg: the other programs' partials from L2, never a stale L1 line of an earlier replay
         pm = tl.load(pmax_ptr + r * NC + offs_c, mask=mc, other=float("-inf"), cache_modifier=".cg")
         pi = tl.load(pidx_ptr + r * NC + offs_c, mask=mc, other=0, cache_modifier=".cg")
+        pnan = pm != pm
+        pm = tl.where(pnan, float("-inf"), pm)
         m = tl.max(pm, axis=0)
         first = tl.min(tl.where(pm == m, offs_c, NCP), axis=0)  # chunks are in vocabulary order
+        first_nan = tl.min(tl.where(pnan, offs_c, NCP), axis=0)
+        first = tl.where(first_nan < NCP, first_nan, first)
         token = tl.sum(tl.where(offs_c == first, pi, 0), axis=0).to(tl.int64)
         step = tl.load(step_ptr)
         tl.store(out_ptr + r * stride_out + step, token)
