@@ -123,7 +123,7 @@ def _quant_words(xrow, nw_ptr, K, KW, eps, offs_w, mw, HAS_NORM: tl.constexpr, P
 # the int8 LM head's input: RMSNorm (rounded to the activations' dtype, as `attention.rmsnorm` stores it), then
 # int16 codes per row split into two int8 halves for two int8 MMAs: q = 256 * hi + lo, hi and lo in [-127, 127]
 # --------------------------------------------------------------------------------------------------------------
-Q16_MAX = 32639  # 127 * 256 + 127: the largest code whose halves both fit in [-127, 127]
+Q16_MAX = tl.constexpr(32639)  # 127 * 256 + 127: the largest code whose halves both fit in [-127, 127]
 
 
 @triton.jit
@@ -151,8 +151,8 @@ def _quant16_kernel(
         g = tl.load(nw_ptr + offs, mask=mk, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt_rn(tl.sum(y * y, axis=0) / K + eps)
         y = ((y * rstd) * g).to(x_ptr.dtype.element_ty).to(tl.float32)  # what rmsnorm would store
-    a = _rcp_rn(tl.maximum(tl.max(tl.abs(y), axis=0), 1e-30), PTX) * 32639.0  # Q16_MAX
-    q = tl.minimum(tl.maximum(_rne(y * a, PTX), -32639.0), 32639.0).to(tl.int32)
+    a = _rcp_rn(tl.maximum(tl.max(tl.abs(y), axis=0), 1e-30), PTX) * float(Q16_MAX)
+    q = tl.minimum(tl.maximum(_rne(y * a, PTX), -float(Q16_MAX)), float(Q16_MAX)).to(tl.int32)
     lo = ((q + 128) & 255) - 128
     hi = (q - lo) >> 8
     tl.store(hi_ptr + m * stride_qm + offs, hi.to(tl.int8), mask=mk)
