@@ -60,6 +60,9 @@ HEAD_A16 = True
 # The step's ends as one Triton launch each (kernels/triton/ends.py): the int8 embedding rows and, in a greedy
 # decode_state, argmax + bookkeeping; False: the PyTorch ops (5 and 9 launches).
 FUSED_ENDS = True
+# A greedy decode_state with the int8 head (and HEAD_A16, FUSED_ENDS) reduces the logits inside the head's tiles
+# (launch.w8a16_argmax): the float32 logits (33 MB at batch 64 over a 128k vocabulary) are never written nor read.
+HEAD_ARGMAX = True
 
 
 @dataclass
@@ -381,14 +384,16 @@ class CudaEngine:
 
         return embed_int8(tok, self.embed_q, self.embed_s, self.ecfg.dtype)
 
-    def _head(self, h: torch.Tensor) -> torch.Tensor:
-        """The final RMSNorm and the LM head: float32 logits."""
+    def _head(self, h: torch.Tensor, argmax: bool = False) -> torch.Tensor:
+        """The final RMSNorm and the LM head: float32 logits (argmax: `w8a16_argmax`'s tile maxima and indices)."""
         from bitnetlm.kernels.triton.attention import rmsnorm
 
         if self.head is not None:
             return F.linear(rmsnorm(h, self.final_norm, self.eps), self.head).float()
-        from bitnetlm.kernels.triton.launch import w8_linear, w8a16_linear
+        from bitnetlm.kernels.triton.launch import w8_linear, w8a16_argmax, w8a16_linear
 
+        if argmax:
+            return w8a16_argmax(h, self.final_norm, self.eps, self.head_q, self.head_s)
         if HEAD_A16:  # int16 activations, two int8 MMAs
             return w8a16_linear(h, self.final_norm, self.eps, self.head_q, self.head_s)
         return w8_linear(rmsnorm(h, self.final_norm, self.eps), self.head_q, self.head_s)
@@ -401,13 +406,15 @@ class CudaEngine:
         row0: int = 0,
         start: int = 0,
         last_at: torch.Tensor | None = None,
+        head_argmax: bool = False,
     ) -> torch.Tensor:
         """tok [B, T] at positions pos[b] + t -> float32 logits [B, V] (last token; all T with last_only=False).
 
         T > 1 (prefill): every row starts at position `start`, and pos must hold it; start > 0 continues a
         prompt whose first `start` tokens are already cached (chunked prefill). row0: the first KV-cache row
         these B rows use (a prompt prefilled into one row of a batch; the captured steps run rows 0..B-1).
-        last_at: [1] index of the token whose logits to return (a padded prompt's last real token)."""
+        last_at: [1] index of the token whose logits to return (a padded prompt's last real token).
+        head_argmax (int8 head): (maxima, indices) of the head's vocabulary tiles instead of logits."""
         from bitnetlm.kernels.triton.attention import attn_decode, rope_cache
 
         b, t = tok.shape
@@ -472,7 +479,7 @@ class CudaEngine:
             h = h.view(b, t, -1).index_select(1, last_at)[:, 0]  # [B, hidden]
         elif last_only:
             h = h.view(b, t, -1)[:, -1]  # [B, hidden]
-        return self._head(h)
+        return self._head(h, head_argmax)
 
     # ---- sampling and the captured decode step ---------------------------------------------
     @staticmethod
@@ -521,8 +528,15 @@ class CudaEngine:
         out = torch.zeros((batch, self.ecfg.max_seq_len), dtype=torch.long, device=dev)
 
         def body():
+            greedy = sample and temperature <= 0 and FUSED_ENDS  # argmax + the bookkeeping below, one launch
+            if greedy and self.head is None and HEAD_A16 and HEAD_ARGMAX:  # no logits: the head's tile maxima
+                from bitnetlm.kernels.triton.ends import greedy_step
+
+                maxima, index = self.forward(tok, pos, head_argmax=True)
+                greedy_step(maxima, tok, out, step, pos, index=index)
+                return None
             logits = self.forward(tok, pos)
-            if sample and temperature <= 0 and FUSED_ENDS:  # argmax + the bookkeeping below, one launch
+            if greedy:
                 from bitnetlm.kernels.triton.ends import greedy_step
 
                 greedy_step(logits, tok, out, step, pos)

@@ -337,13 +337,19 @@ def test_gpu_gated_2b4t_and_int8_head():
             hi, lo, a = L.quantize16(xm, nw, 1e-5)
             q = hi.long() * 256 + lo.long()
             exact = ((q.double() @ w.double().T) / a.double()[:, None]) * s.double()
+            logits = L.w8a16_linear(xm, nw, 1e-5, w, s, cfg=cfg)
             torch.testing.assert_close(
-                L.w8a16_linear(xm, nw, 1e-5, w, s, cfg=cfg).double(),
-                exact,
-                rtol=1e-6,
-                atol=1e-6 * float(exact.abs().max()),
-                msg=str(cfg),
+                logits.double(), exact, rtol=1e-6, atol=1e-6 * float(exact.abs().max()), msg=str(cfg)
             )
+            if cfg is None:
+                continue
+            # the same tile reduced in place (the greedy decode step's head): each tile's max and first index
+            maxima, index = L.w8a16_argmax(xm, nw, 1e-5, w, s, cfg=cfg)
+            bn = cfg["BN"]
+            for t in range(maxima.shape[1]):
+                part = logits[:, t * bn : (t + 1) * bn]
+                assert torch.equal(index[:, t].long(), part.argmax(-1) + t * bn), (cfg, t)
+                assert torch.equal(maxima[:, t], part.amax(-1)), (cfg, t)
 
 
 @pytest.mark.parametrize("h,hkv", [(4, 2), (3, 3), (6, 2)])

@@ -91,3 +91,56 @@ def test_gpu_greedy_step_2b4t_vocab_in_a_graph(b):
         want = x.cpu().argmax(dim=-1).cuda()  # the CPU's semantics: the first NaN, else the first maximum
         assert torch.equal(tok[:, 0], want) and torch.equal(out[:, i], want), i
     assert int(step) == 4 and (pos == 4).all()
+
+
+def _head_argmax_case(m: int, n: int, k: int, s: torch.Tensor, w: torch.Tensor, x: torch.Tensor, cfg=None):
+    """`w8a16_argmax`'s tiles against the logits of `w8a16_linear` (same codes, same tile): each tile's maximum
+    and first index as torch.argmax over that tile gives them, and greedy_step(index=) over the tiles gives the
+    argmax of the whole row."""
+    ends, L, T = triton_modules("ends", "launch", "tune")
+    cfg = cfg or T._w8_candidates(m)[0]
+    nw = torch.ones(k, device=DEV, dtype=x.dtype)
+    logits = L.w8a16_linear(x, nw, 1e-5, w, s, cfg=cfg).cpu()
+    _tiles_argmax(L.w8a16_argmax(x, nw, 1e-5, w, s, cfg=cfg), logits, cfg["BN"], ends)
+    return logits
+
+
+def _tiles_argmax(tiles, logits, bn, ends):
+    maxima, index = tiles
+    m, n = logits.shape
+    assert maxima.shape == index.shape == (m, -(-n // bn))
+    for t in range(maxima.shape[1]):  # the CPU's argmax: the first NaN, else the first maximum
+        i = logits[:, t * bn : (t + 1) * bn].argmax(-1) + t * bn
+        assert torch.equal(index[:, t].cpu().long(), i), t
+        want = logits.gather(1, i[:, None])[:, 0]
+        torch.testing.assert_close(maxima[:, t].cpu(), want, rtol=0, atol=0, equal_nan=True)
+    tok = torch.zeros((m, 1), dtype=torch.long, device=DEV)
+    out = torch.zeros((m, 2), dtype=torch.long, device=DEV)
+    step = torch.zeros((1,), dtype=torch.long, device=DEV)
+    pos = torch.zeros((m,), dtype=torch.int32, device=DEV)
+    ends.greedy_step(maxima, tok, out, step, pos, index=index)
+    assert torch.equal(tok[:, 0].cpu(), logits.argmax(-1))
+
+
+def test_head_argmax_in_tiles_ties_nan_inf():
+    """The int8 head reduced inside its tiles: ties inside a tile and across tiles (equal weight rows and scales:
+    the first wins), an infinity before a NaN (the NaN wins), two NaNs (the first), a short last tile; 5 rows."""
+    g = torch.Generator().manual_seed(11)
+    m, n, k = 5, 40, 96
+    x = (torch.rand(m, k, generator=g) + 0.1).to(DEV)  # positive rows: an all-positive weight row scores high
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    w[[3, 20, 21, 37]] = 127  # equal rows: 3 and 20/21 in different tiles, 20 and 21 in one
+    w = w.to(DEV)
+    s = (torch.rand(n, generator=g) * 0.01).to(DEV)
+    s[[3, 20, 21, 37]] = 5.0
+    logits = _head_argmax_case(m, n, k, s, w, x)
+    assert (logits.argmax(-1) == 3).all()  # the ties were real and the first won
+    s2 = s.clone()
+    s2[3] = 1.0  # 20 and 21 now tie for the maximum inside one tile
+    assert (_head_argmax_case(m, n, k, s2, w, x).argmax(-1) == 20).all()
+    s3 = s.clone()
+    s3[5], s3[37] = float("inf"), float("nan")  # w[5] . x > 0 in some rows: +inf; NaN at 37 beats it
+    logits = _head_argmax_case(m, n, k, s3, w, x)
+    assert (logits.argmax(-1) == 37).all()
+    s3[18] = float("nan")
+    assert (_head_argmax_case(m, n, k, s3, w, x).argmax(-1) == 18).all()

@@ -57,9 +57,11 @@ def _greedy_step_kernel(
     step_ptr,
     pos_ptr,
     B,
+    map_ptr,
     BV: tl.constexpr,
     NCP: tl.constexpr,
     PDL: tl.constexpr = False,
+    MAP: tl.constexpr = False,
 ):
     r = tl.program_id(0)
     c = tl.program_id(1)
@@ -100,7 +102,10 @@ def _greedy_step_kernel(
         first = tl.min(tl.where(pm == m, offs_c, NCP), axis=0)  # chunks are in vocabulary order
         first_nan = tl.min(tl.where(pnan, offs_c, NCP), axis=0)
         first = tl.where(first_nan < NCP, first_nan, first)
-        token = tl.sum(tl.where(offs_c == first, pi, 0), axis=0).to(tl.int64)
+        token = tl.sum(tl.where(offs_c == first, pi, 0), axis=0)
+        if MAP:  # x held tiles' maxima: the token is the winning tile's own index
+            token = tl.load(map_ptr + r * stride_x + token)
+        token = token.to(tl.int64)
         step = tl.load(step_ptr)
         tl.store(out_ptr + r * stride_out + step, token)
         tl.store(tok_ptr + r, token)
@@ -114,11 +119,15 @@ def _greedy_step_kernel(
 _ws: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
-def greedy_step(logits, tok, out, step, pos, chunks: int = 0) -> None:
+def greedy_step(logits, tok, out, step, pos, chunks: int = 0, index: torch.Tensor | None = None) -> None:
     """logits float32 [B, V] -> tok[:, 0] = out[:, step] = argmax (first index of the maximum), pos += 1,
     step += 1. tok int64 [B, 1], out int64 [B, S], step int64 [1], pos int32 [B]. chunks: programs a row
-    (default: about 256 programs in all)."""
+    (default: about 256 programs in all). index int32 [B, V] (the shape and strides of logits): logits hold
+    the maxima of vocabulary tiles in order and index their first indices (`launch.w8a16_argmax`); the token is
+    index[b, argmax]."""
     b, v = logits.shape
+    if index is not None and (index.shape != logits.shape or index.stride() != logits.stride()):
+        raise ValueError(f"greedy_step: index {tuple(index.shape)} must have the shape and strides of logits")
     bv = 256 if INTERPRET else 2048
     nc = chunks or max(1, 256 // b)
     ch = triton.cdiv(triton.cdiv(v, nc), bv) * bv  # a chunk: whole BV blocks
@@ -146,8 +155,10 @@ def greedy_step(logits, tok, out, step, pos, chunks: int = 0) -> None:
         step,
         pos,
         b,
+        logits if index is None else index,
         BV=bv,
         NCP=triton.next_power_of_2(nc),
+        MAP=index is not None,
         num_warps=1 if INTERPRET else 4,
         **pdl_kw(),
     )

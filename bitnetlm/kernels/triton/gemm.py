@@ -314,6 +314,7 @@ def _w8a16_kernel(
     w_ptr,
     s_ptr,
     y_ptr,
+    yi_ptr,
     M,
     N,
     K,
@@ -323,7 +324,10 @@ def _w8a16_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     PDL: tl.constexpr = False,
+    ARGMAX: tl.constexpr = False,
 ):
+    """y [M, N] logits; ARGMAX: no logits, each row's maximum over the tile's BN outputs and its first index (a NaN
+    above every number, the first NaN winning, as torch.argmax) into y and yi [M, cdiv(N, BN)]."""
     offs_m, offs_n, mask_m, mask_n = _head_tile(M, N, BM, BN, PDL)
     acc_h = tl.zeros([BM, BN], tl.int32)
     acc_l = tl.zeros([BM, BN], tl.int32)
@@ -342,4 +346,18 @@ def _w8a16_kernel(
     a = tl.load(a_ptr + offs_m, mask=mask_m, other=1.0)
     s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
     y = (acc_h.to(tl.float32) * 256.0 + acc_l.to(tl.float32)) / a[:, None] * s[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=mask_m[:, None] & mask_n[None, :])
+    if ARGMAX:
+        live = mask_n[None, :]
+        nan = (y != y) & live
+        ym = tl.where(live & ~nan, y, float("-inf"))
+        mx = tl.max(ym, axis=1)  # [BM]
+        first = tl.min(tl.where(live & (ym == mx[:, None]), offs_n[None, :], N), axis=1)
+        first_nan = tl.min(tl.where(nan, offs_n[None, :], N), axis=1)
+        has_nan = first_nan < N
+        t = offs_m * stride_ym + tl.program_id(0)
+        tl.store(y_ptr + t, tl.where(has_nan, float("nan"), mx), mask=mask_m)
+        tl.store(yi_ptr + t, tl.where(has_nan, first_nan, first), mask=mask_m)
+    else:
+        tl.store(
+            y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=mask_m[:, None] & mask_n[None, :]
+        )

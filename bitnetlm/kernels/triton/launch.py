@@ -374,8 +374,42 @@ def w8a16_linear(
 
     def launch(cfg: dict, w: torch.Tensor) -> None:
         grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]))
-        _w8a16_kernel[grid](hi, lo, a, w, s, y, m, n, k, hi.stride(0), y.stride(0), **cfg, **pdl_kw())
+        _w8a16_kernel[grid](hi, lo, a, w, s, y, y, m, n, k, hi.stride(0), y.stride(0), **cfg, **pdl_kw())
 
     key = ("w8a16", n, k, min(_next_pow2(m), 1024))
     launch(cfg or _tune(key, lambda: _w8_candidates(m), launch, w), w)
     return y.reshape(*lead, n)
+
+
+def w8a16_argmax(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w: torch.Tensor,
+    s: torch.Tensor,
+    cfg: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`w8a16_linear`'s logits reduced inside its tiles, never stored: (float32 maxima, int32 indices), both
+    [M, T], the maximum of each row over each tile of BN vocabulary entries (T tiles, in vocabulary order) and its
+    first index; a NaN ranks above every number (the first one wins), as `torch.argmax`. The row's argmax is then
+    indices[r, argmax(maxima[r])] (`ends.greedy_step(..., index=)`). x [M, K]."""
+    k = x.shape[-1]
+    hi, lo, a = quantize16(x.reshape(-1, k), norm_weight, eps)
+    m, n = hi.shape[0], w.shape[0]
+    bufs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def launch(cfg: dict, w: torch.Tensor) -> None:
+        t = triton.cdiv(n, cfg["BN"])
+        if t not in bufs:
+            bufs[t] = (
+                torch.empty((m, t), dtype=torch.float32, device=x.device),
+                torch.empty((m, t), dtype=torch.int32, device=x.device),
+            )
+        ym, yi = bufs[t]
+        grid = (t, triton.cdiv(m, cfg["BM"]))
+        _w8a16_kernel[grid](hi, lo, a, w, s, ym, yi, m, n, k, hi.stride(0), t, ARGMAX=True, **cfg, **pdl_kw())
+
+    key = ("w8a16_argmax", n, k, min(_next_pow2(m), 1024))
+    cfg = cfg or _tune(key, lambda: _w8_candidates(m), launch, w)
+    launch(cfg, w)
+    return bufs[triton.cdiv(n, cfg["BN"])]
