@@ -62,6 +62,12 @@ def model_and_heldout(description: str):
     )
     ap.add_argument("--texts", default=".assets/austen")
     ap.add_argument("--tokens", type=int, default=4096, help="held-out tokens per novel (the last ones)")
+    ap.add_argument(
+        "--int4-groups",
+        default="",
+        help="gpu_int8_head_ppl.py: also an int4 LM head (symmetric, one scale per G weights of a row) for each G "
+        "in this comma-separated list, with the int8 embedding and int16 activation codes (not an engine option)",
+    )
     args = ap.parse_args()
     from bitnetlm.generate.tokenizer import Tokenizer
     from bitnetlm.loading import load
@@ -82,6 +88,22 @@ def codes16(h: torch.Tensor) -> torch.Tensor:
     a = rcp(max|h|) * 32639 and c = round-half-even(h * a), per row."""
     a = (1.0 / h.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)) * 32639.0
     return torch.round(h * a).clamp(-32639, 32639) / a
+
+
+def int4_groups(w: torch.Tensor, g: int) -> torch.Tensor:
+    """w [N, K] -> its int4 round trip: q = round(w / s) in [-7, 7], s = max|w| / 7 over each G weights of a row."""
+    wg = w.float().reshape(w.shape[0], -1, g)  # [N, K/G, G]
+    s = wg.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30) / 7.0
+    return (torch.round(wg / s).clamp(-7, 7) * s).reshape(w.shape)
+
+
+class _Head(torch.nn.Module):
+    def __init__(self, w: torch.Tensor):
+        super().__init__()
+        self.w = w
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(h, self.w)
 
 
 def main() -> int:
@@ -116,6 +138,10 @@ def main() -> int:
 
         model.norm.forward = final_norm
         rows.append((name, ppl(model, ids)))
+    for g in (int(v) for v in filter(None, args.int4_groups.split(","))):  # embedding stays int8 (above)
+        model.compact_head = _Head(int4_groups(emb if head is None else head, g))
+        rows.append((f"int4 LM head, groups of {g}; int8 embedding; int16 activation codes", ppl(model, ids)))
+        model.compact_head = None
     model.norm.forward = norm
     report(args, ids, "embedding + LM head", rows)
     return 0
