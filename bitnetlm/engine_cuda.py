@@ -385,7 +385,9 @@ class CudaEngine:
 
         return embed_int8(tok, self.embed_q, self.embed_s, self.ecfg.dtype)
 
-    def _head(self, h: torch.Tensor, argmax: bool = False) -> torch.Tensor:
+    def _head(
+        self, h: torch.Tensor, argmax: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The final RMSNorm and the LM head: float32 logits (argmax: `w8a16_argmax`'s tile maxima and indices)."""
         from bitnetlm.kernels.triton.attention import rmsnorm
 
@@ -408,7 +410,7 @@ class CudaEngine:
         start: int = 0,
         last_at: torch.Tensor | None = None,
         head_argmax: bool = False,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """tok [B, T] at positions pos[b] + t -> float32 logits [B, V] (last token; all T with last_only=False).
 
         T > 1 (prefill): every row starts at position `start`, and pos must hold it; start > 0 continues a

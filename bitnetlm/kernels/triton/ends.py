@@ -6,7 +6,8 @@
   `torch.argmax`), then the step's bookkeeping: the token into `tok` and `out[:, step]`, pos += 1, step += 1
   (PyTorch: nine launches). Each row's vocabulary is cut into chunks, one program each; the last program of a
   row to finish (an atomic counter) reduces the chunks' maxima, and the last row to finish advances `step`.
-  Counters reset themselves, so graph replays need no memset.
+  Counters reset themselves, so graph replays need no memset. With `index=` it reduces the int8 head's tile
+  maxima instead of logits (`launch.w8a16_argmax`: the logits are never stored).
 """
 
 from __future__ import annotations
