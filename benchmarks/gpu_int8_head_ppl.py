@@ -63,10 +63,10 @@ def model_and_heldout(description: str):
     ap.add_argument("--texts", default=".assets/austen")
     ap.add_argument("--tokens", type=int, default=4096, help="held-out tokens per novel (the last ones)")
     ap.add_argument(
-        "--int4-groups",
+        "--narrow-heads",
         default="",
-        help="gpu_int8_head_ppl.py: also an int4 LM head (symmetric, one scale per G weights of a row) for each G "
-        "in this comma-separated list, with the int8 embedding and int16 activation codes (not an engine option)",
+        help="gpu_int8_head_ppl.py: also LM heads of BITS-bit weights (symmetric, one scale per G weights of a row), "
+        "comma-separated BITS:G, with the int8 embedding and int16 activation codes (not engine options)",
     )
     args = ap.parse_args()
     from bitnetlm.generate.tokenizer import Tokenizer
@@ -90,11 +90,13 @@ def codes16(h: torch.Tensor) -> torch.Tensor:
     return torch.round(h * a).clamp(-32639, 32639) / a
 
 
-def int4_groups(w: torch.Tensor, g: int) -> torch.Tensor:
-    """w [N, K] -> its int4 round trip: q = round(w / s) in [-7, 7], s = max|w| / 7 over each G weights of a row."""
+def narrow_groups(w: torch.Tensor, bits: int, g: int) -> torch.Tensor:
+    """w [N, K] -> its round trip through BITS-bit integers: q = round(w / s) in [-L, L], L = 2^(BITS-1) - 1,
+    s = max|w| / L over each G weights of a row."""
+    lim = float(2 ** (bits - 1) - 1)
     wg = w.float().reshape(w.shape[0], -1, g)  # [N, K/G, G]
-    s = wg.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30) / 7.0
-    return (torch.round(wg / s).clamp(-7, 7) * s).reshape(w.shape)
+    s = wg.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30) / lim
+    return (torch.round(wg / s).clamp(-lim, lim) * s).reshape(w.shape)
 
 
 class _Head(torch.nn.Module):
@@ -138,9 +140,11 @@ def main() -> int:
 
         model.norm.forward = final_norm
         rows.append((name, ppl(model, ids)))
-    for g in (int(v) for v in filter(None, args.int4_groups.split(","))):  # embedding stays int8 (above)
-        model.compact_head = _Head(int4_groups(emb if head is None else head, g))
-        rows.append((f"int4 LM head, groups of {g}; int8 embedding; int16 activation codes", ppl(model, ids)))
+    for spec in filter(None, args.narrow_heads.split(",")):  # the embedding stays int8 (above)
+        bits, g = (int(v) for v in spec.split(":"))
+        model.compact_head = _Head(narrow_groups(emb if head is None else head, bits, g))
+        name = f"int{bits} LM head, groups of {g}; int8 embedding; int16 activation codes"
+        rows.append((name, ppl(model, ids)))
         model.compact_head = None
     model.norm.forward = norm
     report(args, ids, "embedding + LM head", rows)
