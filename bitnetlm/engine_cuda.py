@@ -531,19 +531,17 @@ class CudaEngine:
         out = torch.zeros((batch, self.ecfg.max_seq_len), dtype=torch.long, device=dev)
 
         def body():
-            greedy = sample and temperature <= 0 and FUSED_ENDS  # argmax + the bookkeeping below, one launch
-            if greedy and self.head is None and HEAD_A16 and HEAD_ARGMAX:  # no logits: the head's tile maxima
+            if sample and temperature <= 0 and FUSED_ENDS:  # argmax + the bookkeeping below, one launch
                 from bitnetlm.kernels.triton.ends import greedy_step
 
-                maxima, index = self.forward(tok, pos, head_argmax=True)
-                greedy_step(maxima, tok, out, step, pos, index=index)
-                return None
-            logits = self.forward(tok, pos)
-            if greedy:
-                from bitnetlm.kernels.triton.ends import greedy_step
-
+                if self.head is None and HEAD_A16 and HEAD_ARGMAX:  # no logits: the head's tile maxima
+                    maxima, index = self.forward(tok, pos, head_argmax=True)
+                    greedy_step(maxima, tok, out, step, pos, index=index)
+                    return None
+                logits = self.forward(tok, pos)
                 greedy_step(logits, tok, out, step, pos)
                 return logits
+            logits = self.forward(tok, pos)
             if sample:
                 nxt = self.sample(logits, temperature, top_k)  # [B]
                 out.index_copy_(1, step, nxt[:, None])

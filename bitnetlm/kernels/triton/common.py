@@ -3,7 +3,8 @@
 - platform: `INTERPRET` (TRITON_INTERPRET=1, the CPU), programmatic dependent launch (`_pdl_wait`), L2 prefetch;
 - exact arithmetic: correctly rounded reciprocal / division, round-half-even, signed `dp4a`, 2-bit code unpack;
 - the float epilogue: (int32 X@C^T - rowsum(X)) * (s / a), the gated activation act(gate) * up, the gate|up
-  paired tile's split, the residual add and the store.
+  paired tile's split, the residual add and the store;
+- `torch.argmax`'s rule (the first maximum, a NaN above every number) for the int8 head's tiles and `greedy_step`.
 
 Under TRITON_INTERPRET=1 the PTX pieces (dp4a, cvt.rni, div.rn, the packed shift) fall back to plain Triton ops
 with the same integer results.
@@ -235,3 +236,16 @@ def _store_out(
         r = tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask_y, other=0.0)
         y = _add_rn(y, r.to(tl.float32), PTX)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask_y)
+
+
+@triton.jit
+def _argmax_parts(x, idx, live, NONE, AXIS: tl.constexpr):
+    """Along AXIS, over the live entries of x (idx: their indices, ascending along AXIS; broadcast like x): the
+    largest number, the first index holding it, and the first index of a NaN (NONE where there is none).
+    `torch.argmax` takes the NaN index when there is one, else the maximum's."""
+    nan = (x != x) & live
+    xm = tl.where(live & ~nan, x, float("-inf"))
+    m = tl.max(xm, axis=AXIS)
+    first = tl.min(tl.where(live & (xm == tl.expand_dims(m, AXIS)), idx, NONE), axis=AXIS)
+    first_nan = tl.min(tl.where(nan, idx, NONE), axis=AXIS)
+    return m, first, first_nan

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bitnetlm.kernels.triton.common import INTERPRET, _pdl_wait
+from bitnetlm.kernels.triton.common import INTERPRET, _argmax_parts, _pdl_wait
 from bitnetlm.kernels.triton.launch import pdl_kw
 
 
@@ -75,11 +75,7 @@ def _greedy_step_kernel(
     for v0 in range(lo, hi, BV):
         offs = v0 + tl.arange(0, BV)
         x = tl.load(x_ptr + r * stride_x + offs, mask=offs < hi, other=float("-inf"))
-        nan = x != x
-        xm = tl.where(nan, float("-inf"), x)
-        m = tl.max(xm, axis=0)
-        i = tl.min(tl.where(xm == m, offs, V), axis=0)  # first index of the block's maximum (a real one)
-        i_nan = tl.min(tl.where(nan, offs, V), axis=0)
+        m, i, i_nan = _argmax_parts(x, offs, offs < hi, V, 0)
         has_nan = i_nan < V  # as torch.argmax: a NaN beats every number, the first NaN wins
         # strictly greater: an earlier block keeps a tie
         take = (has_nan & ~best_nan) | (~has_nan & ~best_nan & (m > best))
@@ -97,11 +93,7 @@ def _greedy_step_kernel(
         # .cg: the other programs' partials from L2, never a stale L1 line of an earlier replay
         pm = tl.load(pmax_ptr + r * NC + offs_c, mask=mc, other=float("-inf"), cache_modifier=".cg")
         pi = tl.load(pidx_ptr + r * NC + offs_c, mask=mc, other=0, cache_modifier=".cg")
-        pnan = pm != pm
-        pm = tl.where(pnan, float("-inf"), pm)
-        m = tl.max(pm, axis=0)
-        first = tl.min(tl.where(pm == m, offs_c, NCP), axis=0)  # chunks are in vocabulary order
-        first_nan = tl.min(tl.where(pnan, offs_c, NCP), axis=0)
+        _, first, first_nan = _argmax_parts(pm, offs_c, mc, NCP, 0)  # chunks are in vocabulary order
         first = tl.where(first_nan < NCP, first_nan, first)
         token = tl.sum(tl.where(offs_c == first, pi, 0), axis=0)
         if MAP:  # x held tiles' maxima: the token is the winning tile's own index

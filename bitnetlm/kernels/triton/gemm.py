@@ -14,6 +14,7 @@ import triton.language as tl
 
 from bitnetlm.kernels.triton.common import (
     _activate,
+    _argmax_parts,
     _codes8,
     _epilogue,
     _gated_epilogue,
@@ -347,12 +348,7 @@ def _w8a16_kernel(
     s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
     y = (acc_h.to(tl.float32) * 256.0 + acc_l.to(tl.float32)) / a[:, None] * s[None, :]
     if ARGMAX:
-        live = mask_n[None, :]
-        nan = (y != y) & live
-        ym = tl.where(live & ~nan, y, float("-inf"))
-        mx = tl.max(ym, axis=1)  # [BM]
-        first = tl.min(tl.where(live & (ym == mx[:, None]), offs_n[None, :], N), axis=1)
-        first_nan = tl.min(tl.where(nan, offs_n[None, :], N), axis=1)
+        mx, first, first_nan = _argmax_parts(y, offs_n[None, :], mask_n[None, :], N, 1)  # [BM] each
         has_nan = first_nan < N
         t = offs_m * stride_ym + tl.program_id(0)
         tl.store(y_ptr + t, tl.where(has_nan, float("nan"), mx), mask=mask_m)

@@ -394,7 +394,7 @@ def w8a16_argmax(
     first index; a NaN ranks above every number (the first one wins), as `torch.argmax`. The row's argmax is then
     indices[r, argmax(maxima[r])] (`ends.greedy_step(..., index=)`). x [M, K]."""
     k = x.shape[-1]
-    hi, lo, a = quantize16(x.reshape(-1, k), norm_weight, eps)
+    hi, lo, a = quantize16(x, norm_weight, eps)  # [M, K] rows
     m, n = hi.shape[0], w.shape[0]
     bufs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
