@@ -39,13 +39,19 @@ def profile(tree: str, args: list[str]) -> dict[str, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--baseline", required=True, help="a tree with the baseline's bitnetlm/ and benchmarks/")
-    ap.add_argument("--rounds", type=int, default=2, help="processes per package, alternating")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="processes per package, alternating (gpu_profile.py's own --rounds is not passed through)",
+    )
     args, rest = ap.parse_known_args()
     if not os.path.isfile(os.path.join(args.baseline, "benchmarks", "gpu_profile.py")):
         raise SystemExit(
             f"--baseline {args.baseline}: no benchmarks/gpu_profile.py there (expected a package tree)"
         )
-    import torch
+    sys.path.insert(0, HERE)
+    from bitnetlm.kernels.triton.bench import gpu_name
 
     trees = {"base": os.path.abspath(args.baseline), "new": HERE}
     runs: dict[str, list[dict[str, float]]] = {"base": [], "new": []}
@@ -53,7 +59,7 @@ def main() -> int:
         for p in ("base", "new") if i % 2 == 0 else ("new", "base"):
             runs[p].append(profile(trees[p], rest))
     keys = list(dict.fromkeys(k for r in runs["base"] + runs["new"] for k in r))
-    print(f"GPU: {torch.cuda.get_device_name()}; gpu_profile.py {' '.join(rest)}; {args.rounds} rounds\n")
+    print(f"GPU: {gpu_name()}; gpu_profile.py {' '.join(rest)}; {args.rounds} rounds\n")
     head = " | ".join(f"{p} {i + 1}" for i in range(args.rounds) for p in ("base", "new"))
     print(f"| line | {head} | this tree / baseline |")
     print("| --- |" + " ---: |" * (2 * args.rounds + 1))
