@@ -72,6 +72,7 @@ def phases(shapes: list[str], heads: list[str], threads: int, n: int = 64, reps:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from cpu_decode import read_bandwidth, weight_bytes_per_token
 
+    from bitnetlm.kernels import configure_threads
     from bitnetlm.kernels.cpu.decode import PHASES, phase_timers
 
     dev = torch.device("cpu")
@@ -85,7 +86,9 @@ def phases(shapes: list[str], heads: list[str], threads: int, n: int = 64, reps:
         for hd in heads:
             model = bench.random_model(shape, head_dtype=hd)
             tern, headb = weight_bytes_per_token(model)
-            bench._setup_threads(dev, threads, decode=True)
+            configure_threads(
+                model, threads
+            )  # torch at 1 thread beside the kernels' pool, as the CLI sets it
             gen = torch.Generator().manual_seed(0)
             bench.time_decode(model, 8, dev, model.config.vocab_size, gen)
             best = None

@@ -19,7 +19,7 @@ PROMPTS = [
 ]
 
 
-def tiny_llama3_bitnet(seed: int = 0, max_pos: int = 128):
+def tiny_llama3_bitnet(seed: int = 0, max_pos: int = 128, backend: str = "reference"):
     """2-layer BitNet with the full LLaMA-3 vocabulary, random weights with a realistic spread."""
     cfg = ModelConfig(
         arch="bitnet", vocab_size=128256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -36,8 +36,8 @@ def tiny_llama3_bitnet(seed: int = 0, max_pos: int = 128):
                 p.copy_(torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))
-    # the reference kernels: this file tests generation logic, not a kernel backend
-    return prepare(to_inference_(m).eval(), "cpu", "reference")
+    # the reference kernels by default: this file tests generation logic, not a kernel backend
+    return prepare(to_inference_(m).eval(), "cpu", backend)
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +189,36 @@ def test_cuda_batched_equals_individual_and_oracle(tok):
     batch = batch_generate(model, tok, PROMPTS, params)
     for prompt, p, b in zip(PROMPTS, params, batch, strict=True):
         assert b.tokens == generate(model, tok, prompt, p).tokens
+
+
+def test_generation_runs_torch_on_one_thread_beside_the_c_kernels(model, tok):
+    """With the C kernels torch's own ops run on one thread while a generation runs (libgomp's workers spin
+    after each parallel op and take the kernel threads' cores), and the caller's count comes back after it;
+    the reference backend's generation leaves torch's threads alone."""
+    from bitnetlm.kernels import uses_c_kernels
+
+    c_model = tiny_llama3_bitnet(backend="cpu")
+    assert uses_c_kernels(c_model) and not uses_c_kernels(model)
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for m, inside in ((c_model, 1), (model, 2)):
+            seen = [
+                torch.get_num_threads() for _ in stream_generate(m, tok, "Hi", max_tokens=3, ignore_eos=True)
+            ]
+            assert seen == [inside] * 3 and torch.get_num_threads() == 2
+        it = stream_generate(c_model, tok, "Hi", max_tokens=8, ignore_eos=True)
+        next(it)
+        it.close()  # a stream the caller abandons restores the count too
+        assert torch.get_num_threads() == 2
+        # the same greedy tokens as the reference kernels (bit-identical integer products)
+        ref = generate(model, tok, PROMPTS[0], max_tokens=8, temperature=0, ignore_eos=True)
+        assert (
+            generate(c_model, tok, PROMPTS[0], max_tokens=8, temperature=0, ignore_eos=True).tokens
+            == ref.tokens
+        )
+    finally:
+        torch.set_num_threads(n)
 
 
 def test_engine_config_follows_the_model(tiny_model):

@@ -19,6 +19,7 @@ import torch
 
 from bitnetlm.generate.detok import StreamDetokenizer
 from bitnetlm.generate.sampling import SamplingParams, sample
+from bitnetlm.kernels import torch_threads_beside_c
 
 _ALIASES = {
     "temp": "temperature",
@@ -271,7 +272,7 @@ def _engine(
     n_prompt = int(lens.sum())
     top_n = max(r.params.top_logprobs for r in rows)
 
-    with torch.inference_mode():
+    with torch.inference_mode(), torch_threads_beside_c(model):
         for s in range(0, lmax, prefill_chunk):
             e = min(s + prefill_chunk, lmax)
             logits = model(

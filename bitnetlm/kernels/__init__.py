@@ -16,6 +16,7 @@ beside the weight load (`warm_up_async`; BITNETLM_WARM_UP=0 turns that off).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import threading
@@ -177,6 +178,33 @@ def prepare(model: torch.nn.Module, device: torch.device | str | None = None, ba
     return model
 
 
+def uses_c_kernels(model: torch.nn.Module) -> bool:
+    """Whether `model`'s ternary layers run on the C kernels (inference mode, CPU backend)."""
+    from bitnetlm.quant.bitlinear import BitLinear
+
+    return any(
+        isinstance(m, BitLinear) and not m.training_mode and getattr(m._backend, "name", None) == "cpu"
+        for m in model.modules()
+    )
+
+
+@contextlib.contextmanager
+def torch_threads_beside_c(model: torch.nn.Module):
+    """Inside: torch's own ops on one thread while `model`'s C kernels run on their pool (as `configure_threads`
+    sets for good); the previous count is restored on exit. libgomp's workers spin for milliseconds after each
+    parallel torch op and take the cores from the kernel threads (2-core EPYC, 2B4T: 11% of a decoded token,
+    docs/PERF_LOG.md stop 27)."""
+    n = torch.get_num_threads()
+    if n == 1 or not uses_c_kernels(model):
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 def configure_threads(model: torch.nn.Module, threads: int | None = None) -> None:
     """Thread settings for CPU inference of `model`.
 
@@ -184,13 +212,7 @@ def configure_threads(model: torch.nn.Module, threads: int | None = None) -> Non
     small ops run single-threaded beside them: two pools on the same cores slow a decode step down ~1.7x
     (benchmarks/cpu_profile.py). Otherwise `threads` is torch's thread count.
     """
-    from bitnetlm.quant.bitlinear import BitLinear
-
-    uses_c = any(
-        isinstance(m, BitLinear) and not m.training_mode and getattr(m._backend, "name", None) == "cpu"
-        for m in model.modules()
-    )
-    if uses_c:
+    if uses_c_kernels(model):
         from bitnetlm.kernels import cpu
 
         cpu.set_num_threads(threads)
