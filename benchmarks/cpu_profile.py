@@ -86,9 +86,8 @@ def phases(shapes: list[str], heads: list[str], threads: int, n: int = 64, reps:
         for hd in heads:
             model = bench.random_model(shape, head_dtype=hd)
             tern, headb = weight_bytes_per_token(model)
-            configure_threads(
-                model, threads
-            )  # torch at 1 thread beside the kernels' pool, as the CLI sets it
+            # torch at 1 thread beside the kernels' pool, as the CLI sets it
+            configure_threads(model, threads)
             gen = torch.Generator().manual_seed(0)
             bench.time_decode(model, 8, dev, model.config.vocab_size, gen)
             best = None

@@ -129,31 +129,21 @@ def model_bytes(model) -> int:
 
 
 # ---- device-specific parts ------------------------------------------------------------------------
-def _setup_threads(device: torch.device, n: int, decode: bool = False) -> int:
-    """CPU: n threads for the C kernels and 1 for torch's own ops while the C kernels are in use: those ops
+def _setup_threads(device: torch.device, n: int, model: torch.nn.Module) -> int:
+    """CPU: n threads for the C kernels and 1 for torch's own ops while `model` runs on the C kernels: those ops
     are small next to the projections, and libgomp workers spinning after each of them steal the cores the
     kernel threads need (measured on 2 cores, 2B4T shape: decode step 92 ms with torch at 1 thread vs
     156 ms at 2; pp128 100 tok/s vs 75). Without the C kernels torch gets the n threads."""
     if device.type == "cpu":
-        from bitnetlm.kernels import cpu
+        from bitnetlm.kernels import configure_threads
 
-        kernels = cpu.available() and _backend_name_is_cpu()
-        torch.set_num_threads(1 if kernels else n)
-        if kernels:
-            cpu.set_num_threads(n)
+        configure_threads(model, n)  # C kernels: n kernel threads, torch 1; otherwise torch n
     return n
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-_ACTIVE_BACKEND = {"name": ""}
-
-
-def _backend_name_is_cpu() -> bool:
-    return _ACTIVE_BACKEND["name"].startswith("cpu")
 
 
 def default_threads() -> list[int]:
@@ -204,17 +194,15 @@ def bench(
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     backend = _backend_name(model)
-    _ACTIVE_BACKEND["name"] = backend
     rows = []
     for nt in threads:
-        _setup_threads(device, nt)
+        _setup_threads(device, nt, model)
         if warmup:
             time_decode(model, 4, device, vocab, gen)
             time_prefill(model, 16, device, vocab, gen)
         tests = [(f"pp{n}", n, time_prefill) for n in n_prompt if n > 0]
         tests += [(f"tg{n}", n, time_decode) for n in n_gen if n > 0]
         for name, n, fn in tests:
-            _setup_threads(device, nt, decode=fn is time_decode)
             speeds = [n / fn(model, n, device, vocab, gen) for _ in range(repetitions)]
             rows.append(
                 dict(

@@ -192,8 +192,8 @@ def uses_c_kernels(model: torch.nn.Module) -> bool:
 def torch_threads_beside_c(model: torch.nn.Module):
     """Inside: torch's own ops on one thread while `model`'s C kernels run on their pool (as `configure_threads`
     sets for good); the previous count is restored on exit. libgomp's workers spin for milliseconds after each
-    parallel torch op and take the cores from the kernel threads (2-core EPYC, 2B4T: 11% of a decoded token,
-    docs/PERF_LOG.md stop 27)."""
+    parallel torch op and take the cores from the kernel threads (2-core EPYC, 2B4T: 11% more decode tokens/s
+    with it, benchmarks/cpu_generate.py; docs/PERF_LOG.md stop 27)."""
     n = torch.get_num_threads()
     if n == 1 or not uses_c_kernels(model):
         yield
