@@ -243,16 +243,31 @@ def _head_name(model) -> str:
     return str(model.lm_head_weight().dtype).replace("torch.", "")
 
 
-def cpu_model_name() -> str:
-    """The CPU's model name from /proc/cpuinfo (platform's answer where that file is missing)."""
+# AMD's x86 families by core generation: a VM's model name is often only "AMD EPYC", which hides it
+_AMD_FAMILIES = {23: "Zen/Zen 2", 25: "Zen 3/Zen 4", 26: "Zen 5"}
+
+
+def cpu_model_name(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name from /proc/cpuinfo, with its x86 family and model (and AMD's core generation);
+    platform's answer where that file is missing."""
+    fields: dict[str, str] = {}
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                if not key.strip():  # the first processor's block ends here
+                    break
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    name = fields.get("model name")
+    if not name:
+        return platform.processor() or platform.machine()
+    fam, model = fields.get("cpu family", ""), fields.get("model", "")
+    if fam.isdigit() and model.isdigit():
+        gen = _AMD_FAMILIES.get(int(fam)) if fields.get("vendor_id") == "AuthenticAMD" else None
+        name += f" (family {fam} model {model}{', ' + gen if gen else ''})"
+    return name
 
 
 def machine_name() -> str:

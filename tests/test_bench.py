@@ -77,3 +77,20 @@ def test_cli_json_on_a_checkpoint(oracle_dirs, capsys):
 def test_cli_rejects_model_and_shape_together(capsys):
     assert main(["bench", "-m", "x", "--shape", "2b4t"]) == 2
     assert "exactly one" in capsys.readouterr().err
+
+
+def test_cpu_model_name_names_the_family(tmp_path):
+    """A VM's model name can be only "AMD EPYC": the family and model (and AMD's generation) tell Zen 3 from 5."""
+    from bitnetlm.bench import cpu_model_name
+
+    block = "processor\t: {p}\nvendor_id\t: {v}\ncpu family\t: {f}\nmodel\t\t: {m}\nmodel name\t: {n}\n\n"
+    zen5 = tmp_path / "zen5"
+    zen5.write_text(
+        block.format(p=0, v="AuthenticAMD", f=26, m=2, n="AMD EPYC")
+        + block.format(p=1, v="AuthenticAMD", f=25, m=1, n="other")
+    )
+    assert cpu_model_name(str(zen5)) == "AMD EPYC (family 26 model 2, Zen 5)"
+    intel = tmp_path / "intel"
+    intel.write_text(block.format(p=0, v="GenuineIntel", f=6, m=143, n="Intel(R) Xeon(R) Platinum 8480+"))
+    assert cpu_model_name(str(intel)) == "Intel(R) Xeon(R) Platinum 8480+ (family 6 model 143)"
+    assert cpu_model_name(str(tmp_path / "missing"))  # platform's answer, never empty

@@ -194,6 +194,30 @@ def test_sentencepiece_style_tokenizer_round_trip(tmp_path):
     assert derived.encode("hello world").ids == tk.encode("hello world").ids
 
 
+def test_tokenizer_without_merges_writes_and_reads_back(tmp_path):
+    """A byte-fallback BPE with no merges (byte tokens only): GGUF cannot hold an empty array, so the merges key
+    is left out (gguf-py refused the whole file before), and the file reads back to the same encodings."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}, "\u2581": 259}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    tk.normalizer = normalizers.Replace(" ", "\u2581")
+    tk.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
+    d = tmp_path / "tok"
+    d.mkdir()
+    tk.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    path = save_gguf(_tiny("1bitllm").eval(), tmp_path / "m.gguf", "tq2_0", tokenizer=d)
+    meta = read_gguf(path).metadata
+    assert "tokenizer.ggml.merges" not in meta and len(meta["tokenizer.ggml.tokens"]) >= 260
+    back, _ = tokenizer_from_gguf_metadata(meta)
+    for text in ["hi there", "\u00e9t\u00e9 \U0001f642"]:
+        assert back.encode(text).ids == tk.encode(text).ids, text
+
+
 def test_bf16_embedding_and_bitnet25_arch(hf_model, tmp_path):
     model, _ = hf_model
     m = copy.deepcopy(model)

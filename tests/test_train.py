@@ -83,9 +83,16 @@ def test_export_loads_with_identical_outputs(data, trained):
     with torch.no_grad():
         want = ref(x)
         got = model(x)
-    # same ternary weights and int8 activations; only float rounding order differs
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # Same ternary weights and int8 activations; the float rounding order differs (CPU kernels vary by machine),
+    # and a last-bit difference can carry an activation across an int8 rounding boundary: one code moves, a few
+    # logits move by ~1e-3 (seen on a Zen 5 CPU). Such flips are rare and small; a wrong export is neither.
+    d = (got - want).abs()
+    assert (d <= 1e-4).float().mean() > 0.99 and d.max() < 0.05, (d.max(), (d > 1e-4).float().mean())
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.999
+    # in float64 no activation lies that close to a boundary: the two agree to the stored scales' rounding
+    m64, _ = bitnetlm.load(out / "final", dtype=torch.float64, backend="reference")
+    with torch.no_grad():
+        torch.testing.assert_close(m64(x), ref.double()(x), atol=1e-5, rtol=1e-5)
 
 
 def _small_run_args(data: Path, out: Path, max_steps: int) -> list[str]:

@@ -262,13 +262,14 @@ def tokenizer_metadata(tok, cfg=None) -> tuple[dict[str, Any], dict[str, tuple[i
         "tokenizer.ggml.model": kind,
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.merges": merges,
     }
     vtypes = {
         "tokenizer.ggml.tokens": (ARRAY, STRING),
         "tokenizer.ggml.token_type": (ARRAY, INT32),
-        "tokenizer.ggml.merges": (ARRAY, STRING),
     }
+    if merges:  # GGUF has no empty arrays (gguf-py refuses them); readers treat a missing key as no merges
+        meta["tokenizer.ggml.merges"] = merges
+        vtypes["tokenizer.ggml.merges"] = (ARRAY, STRING)
     if kind == "gpt2":
         meta["tokenizer.ggml.pre"] = _pre_name(tj.get("pre_tokenizer"))
     else:
