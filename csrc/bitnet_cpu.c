@@ -7,6 +7,13 @@
 
 #include "bn_internal.h"
 
+#if defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD) && defined(__linux__)
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20) /* Linux's arch/arm64 hwcap bit for the dot-product instructions */
+#endif
+#endif
+
 static int g_isa = -2; /* -2: not initialised */
 static const bn_kernels *g_k = &bn_kernels_scalar;
 /* one call at a time: the pool and the scratch buffers are shared */
@@ -38,7 +45,13 @@ int bn_isa_supported(int isa) {
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 #endif
 #ifdef BN_ARM
-    case BN_ISA_NEON: return 1; /* baseline on AArch64 */
+    case BN_ISA_NEON:
+#if defined(__ARM_FEATURE_DOTPROD) && defined(__linux__)
+        /* a dotprod build's kernel uses sdot, which ARMv8.0-8.1 CPUs lack: then the scalar path runs */
+        return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+#else
+        return 1; /* baseline on AArch64 */
+#endif
 #endif
     default: return 0;
     }
