@@ -236,16 +236,22 @@ def _attn_gqa_kernel(
 
 
 # Overrides for the --attn sweeps of benchmarks/gpu_profile.py and gpu_attention.py (0 = the launcher's choice):
-ATTN_SPLITS = 0  # splits of each row's context (default: about 4 programs per SM, at most 32)
+ATTN_SPLITS = 0  # splits of each row's context (default: ATTN_PROGRAMS_PER_SM programs per SM, at most 32)
 ATTN_BS = 0  # keys per K/V block (default 64)
 ATTN_STAGES = 0  # software-pipeline stages of the block loop (default: Triton's)
 ATTN_WARPS = 0  # default 4
 ATTN_MAXNREG = 0  # registers per thread cap (default: the compiler's choice)
-ATTN_PROGRAMS = 528
-# From this batch on the attention lets the next kernels launch (PDL) only at its end, so its K/V reads no longer
-# compete with the next projections' early weight loads: 1.2% faster a step at batch 64 on an H100
-# (benchmarks/gpu_profile.py), while at batch 1 and 8 the early launch measured faster.
-ATTN_LATE_MIN_B = 64
+ATTN_PROGRAMS = 0  # programs per launch to aim the splits at (default: ATTN_PROGRAMS_PER_SM x the SMs)
+# An SM holds 3 of the attention's programs (its registers and shared memory: Nsight Compute, stop 22), so 3 per SM
+# is one wave. With ATTN_LATE_MIN_B = 8 it is 9% / 2% / 11% faster a step than 528 programs at batch 8 / 16 / 32
+# on an H200 (benchmarks/gpu_profile.py --variants, docs/PERF_LOG.md stop 29); batch 1, 2 and 64 are unchanged.
+ATTN_PROGRAMS_PER_SM = 3
+# From this batch on the attention lets the next kernels launch (PDL) only at its end, so its programs have the
+# SMs to themselves and its K/V reads no longer compete with the next projections' early weight loads. Measured
+# faster from batch 8 on an H200 (stop 29; 64 on an H100 at stop 17, whose batch-8 step then measured slower);
+# at batch 1 and 2 the early launch stays faster.
+ATTN_LATE_MIN_B = 8
+_sm_count: dict[str, int] = {}
 _attn_ws: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
@@ -257,12 +263,21 @@ def set_overrides(spec: str = "0") -> None:
     )[:5]
 
 
-def _attn_splits(b: int, hkv: int, s: int) -> int:
+def _attn_programs(device: torch.device) -> int:
+    if ATTN_PROGRAMS:
+        return ATTN_PROGRAMS
+    key = str(device)
+    if key not in _sm_count:
+        _sm_count[key] = torch.cuda.get_device_properties(device).multi_processor_count
+    return ATTN_PROGRAMS_PER_SM * _sm_count[key]
+
+
+def _attn_splits(b: int, hkv: int, s: int, device: torch.device) -> int:
     """Programs per (row, kv head): fixed by the batch when the step is captured, while the context they share
     grows step by step (each takes a 1/NSPLIT span of it, a multiple of 16 keys)."""
     if INTERPRET:
         return 4
-    want = ATTN_SPLITS or max(1, ATTN_PROGRAMS // (b * hkv))
+    want = ATTN_SPLITS or max(1, _attn_programs(device) // (b * hkv))
     return max(1, min(want, 32, triton.cdiv(s, 16)))
 
 
@@ -273,7 +288,7 @@ def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float) -> None:
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     g = h // hkv
     gp = max(16, triton.next_power_of_2(g))  # tl.dot needs >= 16 rows
-    nsplit = _attn_splits(b, hkv, s)
+    nsplit = _attn_splits(b, hkv, s, q.device)
     key = (str(q.device), b, hkv, nsplit, gp, d)
     if key not in _attn_ws:  # partials + zeroed counters, allocated before any graph capture (warm-up call)
         _attn_ws[key] = (
