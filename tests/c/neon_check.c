@@ -89,6 +89,18 @@ static uint32_t fbits(float f) {
     return u;
 }
 
+/* Compare an m x n float32 result with the expected one bit for bit; name each differing element (prefix[i,j]). */
+static void check_bits(const char *what, int isa, int nt, const char *shape, const char *prefix, const float *got,
+                       const float *want, int64_t m, int64_t n) {
+    for (int64_t e = 0; e < m * n; e++)
+        if (fbits(got[e]) != fbits(want[e])) {
+            char idx[48];
+            snprintf(idx, sizeof idx, "%s[%lld,%lld]", prefix, (long long)(e / n), (long long)(e % n));
+            report(what, isa, nt, shape, idx, "got %.9g (0x%08x) want %.9g (0x%08x)", got[e], fbits(got[e]), want[e],
+                   fbits(want[e]));
+        }
+}
+
 static void set_path(int isa, int nt) {
     int r = bn_set_isa(isa);
     if (r != isa || bn_get_isa() != isa) {
@@ -226,13 +238,7 @@ static void check_ternary(int64_t m, int64_t n, int64_t k, uint64_t case_id) {
             int rc = bn_ternary_linear_f32(x, m, k, p, n, scale, yg);
             g_checks++;
             if (rc != 0) report("bn_ternary_linear_f32 rc", PATHS[pi], THREADS[ti], shape, "-", "got %d want 0", rc);
-            for (int64_t e = 0; e < m * n; e++)
-                if (fbits(yg[e]) != fbits(yw[e])) {
-                    char idx[48];
-                    snprintf(idx, sizeof idx, "[%lld,%lld]", (long long)(e / n), (long long)(e % n));
-                    report("bn_ternary_linear_f32", PATHS[pi], THREADS[ti], shape, idx, "got %.9g (0x%08x) want %.9g (0x%08x)",
-                           yg[e], fbits(yg[e]), yw[e], fbits(yw[e]));
-                }
+            check_bits("bn_ternary_linear_f32", PATHS[pi], THREADS[ti], shape, "", yg, yw, m, n);
         }
     free(t); free(xq); free(p); free(want); free(got); free(x); free(qw); free(qg); free(aw); free(ag); free(sw);
     free(sg); free(yw); free(yg);
@@ -337,12 +343,7 @@ static void check_i8row(int64_t m, int64_t n, int64_t k, uint64_t case_id) {
         int rc = bn_gemm_i8row(x, m, k, w, ws, n, y);
         g_checks++;
         if (rc != 0) report("bn_gemm_i8row rc", BN_ISA_NEON, THREADS[ti], shape, "-", "got %d want 0", rc);
-        for (int64_t e = 0; e < m * n; e++)
-            if (fbits(y[e]) != fbits(y0[e])) {
-                char idx[48];
-                snprintf(idx, sizeof idx, "[%lld,%lld]", (long long)(e / n), (long long)(e % n));
-                report("bn_gemm_i8row vs scalar", BN_ISA_NEON, THREADS[ti], shape, idx, "got %.9g want %.9g", y[e], y0[e]);
-            }
+        check_bits("bn_gemm_i8row vs scalar", BN_ISA_NEON, THREADS[ti], shape, "", y, y0, m, n);
     }
     free(x); free(ws); free(y0); free(y); free(w);
 }
@@ -491,13 +492,7 @@ static void check_decode(int act, int kv_dtype, int sub_norms, int64_t b, int64_
             rc = run_decode(&D, hg, kg, vg);
             g_checks++;
             if (rc != 0) report("bn_decode_forward_f32 rc", PATHS[pi], THREADS[ti], shape, "-", "got %d want 0", rc);
-            for (int64_t e = 0; e < m * H; e++)
-                if (fbits(hg[e]) != fbits(hw[e])) {
-                    char idx[48];
-                    snprintf(idx, sizeof idx, "h[%lld,%lld]", (long long)(e / H), (long long)(e % H));
-                    report("bn_decode_forward_f32 vs scalar", PATHS[pi], THREADS[ti], shape, idx, "got %.9g want %.9g",
-                           hg[e], hw[e]);
-                }
+            check_bits("bn_decode_forward_f32 vs scalar", PATHS[pi], THREADS[ti], shape, "h", hg, hw, m, H);
             for (int l = 0; l < 2; l++) {
                 if (memcmp(kg[l], kw[l], D.cache_bytes) || memcmp(vg[l], vw[l], D.cache_bytes)) {
                     char idx[48];
