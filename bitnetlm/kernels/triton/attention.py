@@ -243,15 +243,15 @@ ATTN_WARPS = 0  # default 4
 ATTN_MAXNREG = 0  # registers per thread cap (default: the compiler's choice)
 ATTN_PROGRAMS = 0  # programs per launch to aim the splits at (default: ATTN_PROGRAMS_PER_SM x the SMs)
 # An SM holds 3 of the attention's programs (its registers and shared memory: Nsight Compute, stop 22), so 3 per SM
-# is one wave. With ATTN_LATE_MIN_B = 8 it is 9% / 2% / 11% faster a step than 528 programs at batch 8 / 16 / 32
-# on an H200 (benchmarks/gpu_profile.py --variants, docs/PERF_LOG.md stop 29); batch 1, 2 and 64 are unchanged.
+# is one wave. Together with ATTN_LATE_MIN_B = 8 it is 9% / 2% / 11% faster a step at batch 8 / 16 / 32 than the
+# earlier 528 programs with the late launch from 64, on an H200 (benchmarks/gpu_profile.py --variants,
+# docs/PERF_LOG.md stop 29); batch 1, 2 and 64 are unchanged.
 ATTN_PROGRAMS_PER_SM = 3
 # From this batch on the attention lets the next kernels launch (PDL) only at its end, so its programs have the
 # SMs to themselves and its K/V reads no longer compete with the next projections' early weight loads. Measured
 # faster from batch 8 on an H200 (stop 29; 64 on an H100 at stop 17, whose batch-8 step then measured slower);
 # at batch 1 and 2 the early launch stays faster.
 ATTN_LATE_MIN_B = 8
-_sm_count: dict[str, int] = {}
 _attn_ws: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
@@ -266,10 +266,8 @@ def set_overrides(spec: str = "0") -> None:
 def _attn_programs(device: torch.device) -> int:
     if ATTN_PROGRAMS:
         return ATTN_PROGRAMS
-    key = str(device)
-    if key not in _sm_count:
-        _sm_count[key] = torch.cuda.get_device_properties(device).multi_processor_count
-    return ATTN_PROGRAMS_PER_SM * _sm_count[key]
+    # torch caches the properties per device; this runs only when a step is launched eagerly or captured
+    return ATTN_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _attn_splits(b: int, hkv: int, s: int, device: torch.device) -> int:
