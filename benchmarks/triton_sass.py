@@ -1,8 +1,9 @@
 """What the decode attention compiles to, without a GPU: `_attn_gqa_kernel` built for sm_90 by the installed
 Triton at the 2B4T batch-64 shape (4 query heads a KV head, head dim 128, 64-key blocks, float8 or bf16 cache),
-then disassembled with Triton's own cuobjdump: registers, shared memory and the instructions of the K/V block loop.
+then disassembled with Triton's own cuobjdump: registers, shared memory, spills and the instructions of the K/V block
+loop.
 
-    python benchmarks/triton_sass.py [--cache fp8|bf16] [--constexpr NAME=VALUE ...]
+    python benchmarks/triton_sass.py [--cache fp8|bf16] [--warps W] [--stages S] [--constexpr NAME=VALUE ...]
 
 Counts depend on the Triton version (the device machine has 3.6: `pip install triton==3.6.0` in a venv).
 """
@@ -37,6 +38,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cache", default="fp8", choices=["fp8", "bf16"])
     ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--stages", type=int, default=0, help="software-pipeline stages (0: Triton's default)")
     ap.add_argument(
         "--constexpr", nargs="*", default=[], help="extra kernel constexprs, NAME=INT (a branch's)"
     )
@@ -68,7 +70,11 @@ def main() -> int:
     src = ASTSource(
         _attn_gqa_kernel, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs
     )
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=a.warps))
+    k = triton.compile(
+        src,
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=a.warps, **({"num_stages": a.stages} if a.stages else {})),
+    )
     path = "/tmp/bitnetlm_attn.cubin"
     with open(path, "wb") as f:
         f.write(k.asm["cubin"])
@@ -82,7 +88,11 @@ def main() -> int:
         f"_attn_gqa_kernel for sm_90, Triton {triton.__version__}, {a.cache} cache, {a.warps} warps, "
         f"constexprs {const}\n"
     )
-    print(f"registers a thread: {regs}; shared memory a program: {k.metadata.shared} bytes")
+    stack = re.search(r"STACK:(\d+)", res)
+    print(
+        f"registers a thread: {regs}; shared memory a program: {k.metadata.shared} bytes; "
+        f"stack (spills) a thread: {stack.group(1) if stack else '?'} bytes"
+    )
     print(f"instructions a warp in the K/V block loop (one {const['BS']}-key block): {len(body)}\n")
     print("| instruction | count |\n| --- | ---: |")
     for op, n in ops.most_common(16):
