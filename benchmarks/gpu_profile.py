@@ -1,7 +1,7 @@
 """Where a CUDA-graph decode step spends its time (device machine): kernel table of one engine's decode.
 
-    python benchmarks/gpu_profile.py [--batches 1,8] [--weights ternary] [--attn 0,13/32/1] [--max-seq-len N]
-        [--kv-cache-dtype fp8] [--head int8] [--timeline N] [--quant-warps W] [--rounds R]
+    python benchmarks/gpu_profile.py [--batches 1,8] [--context 512[,2048]] [--attn 0,13/32/1] [--max-seq-len N]
+        [--weights ternary] [--kv-cache-dtype fp8] [--head int8] [--timeline N] [--quant-warps W] [--rounds R]
         [--variants ';engine_cuda.FUSED_ENDS=0']
 
 Random weights of the 2B4T shape; replays the captured decode step under torch.profiler and prints the kernels
@@ -69,7 +69,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--weights", default="ternary")
-    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument(
+        "--context", default="512", help="cache positions before the timed steps; a comma list times each"
+    )
     ap.add_argument(
         "--attn",
         default="0",
@@ -111,12 +113,13 @@ def main() -> int:
     launch.QUANT_WARPS = args.quant_warps
 
     batches = [int(b) for b in args.batches.split(",")]
+    contexts = [int(c) for c in args.context.split(",")]
     variants = args.variants.split(";") if args.variants else [""]
     eng = CudaEngine.random(
         ModelConfig(),
         EngineConfig(
             max_batch=max(batches),
-            max_seq_len=args.max_seq_len or args.context + 200,
+            max_seq_len=args.max_seq_len or max(contexts) + 200,
             weights=args.weights,
             head=args.head,
             kv_dtype=parse_kv_cache_dtype(args.kv_cache_dtype),
@@ -126,16 +129,16 @@ def main() -> int:
         for _ in range(args.rounds):
             for var in variants:
                 _set(var)
-                for spec in args.attn.split(","):  # 0 = the launcher's choice
+                for c, spec in ((c, sp) for c in contexts for sp in args.attn.split(",")):  # 0: the default
                     attention.set_overrides(spec)
                     eng._graphs.clear()
                     st = eng.decode_state(b)
-                    st.pos.fill_(args.context)
+                    st.pos.fill_(c)
                     st.step.fill_(1)
                     for _ in range(3):
                         st.graph.replay()
                     a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    st.pos.fill_(args.context)
+                    st.pos.fill_(c)
                     st.step.fill_(1)
                     a.record()
                     for _ in range(100):
@@ -143,12 +146,15 @@ def main() -> int:
                     e.record()
                     e.synchronize()
                     tag = f" [{var}]" if var else ""
-                    print(f"batch {b} attn {spec}{tag}: {a.elapsed_time(e) / 100:.3f} ms/step", flush=True)
+                    ctx = f" context {c}" if len(contexts) > 1 else ""
+                    print(
+                        f"batch {b}{ctx} attn {spec}{tag}: {a.elapsed_time(e) / 100:.3f} ms/step", flush=True
+                    )
                 _set(var, restore=True)
         attention.set_overrides()
         eng._graphs.clear()
         st = eng.decode_state(b)
-        st.pos.fill_(args.context)
+        st.pos.fill_(contexts[0])
         st.step.fill_(1)
         from torch.profiler import ProfilerActivity, profile
 
