@@ -1,8 +1,8 @@
 """Where a CUDA-graph decode step spends its time (device machine): kernel table of one engine's decode.
 
     python benchmarks/gpu_profile.py [--batches 1,8] [--context 512[,2048]] [--attn 0,13/32/1] [--max-seq-len N]
-        [--weights ternary] [--kv-cache-dtype fp8] [--head int8] [--timeline N] [--quant-warps W] [--rounds R]
-        [--variants ';engine_cuda.FUSED_ENDS=0']
+        [--max-keys K] [--weights ternary] [--kv-cache-dtype fp8] [--head int8] [--timeline N]
+        [--quant-warps W] [--rounds R] [--variants ';engine_cuda.FUSED_ENDS=0']
 
 Random weights of the 2B4T shape; replays the captured decode step under torch.profiler and prints the kernels
 by total time, plus decode ms/step for attention variants (splits per row and kv head / keys per block / pipeline
@@ -73,6 +73,13 @@ def main() -> int:
         "--context", default="512", help="cache positions before the timed steps; a comma list times each"
     )
     ap.add_argument(
+        "--max-keys",
+        type=int,
+        default=0,
+        help="the captured steps' key bound (decode_state's max_keys: a short one picks the attention's "
+        "short-context splits; the timed steps run from the context to 100 keys past it)",
+    )
+    ap.add_argument(
         "--attn",
         default="0",
         help="attention variants to time: comma-separated SPLITS[/BS[/STAGES[/WARPS[/MAXNREG]]]] (0 = the default)",
@@ -132,7 +139,7 @@ def main() -> int:
                 for c, spec in ((c, sp) for c in contexts for sp in args.attn.split(",")):  # 0: the default
                     attention.set_overrides(spec)
                     eng._graphs.clear()
-                    st = eng.decode_state(b)
+                    st = eng.decode_state(b, max_keys=args.max_keys)
                     st.pos.fill_(c)
                     st.step.fill_(1)
                     for _ in range(3):
@@ -153,7 +160,7 @@ def main() -> int:
                 _set(var, restore=True)
         attention.set_overrides()
         eng._graphs.clear()
-        st = eng.decode_state(b)
+        st = eng.decode_state(b, max_keys=args.max_keys)
         st.pos.fill_(contexts[0])
         st.step.fill_(1)
         from torch.profiler import ProfilerActivity, profile

@@ -410,6 +410,7 @@ class CudaEngine:
         start: int = 0,
         last_at: torch.Tensor | None = None,
         head_argmax: bool = False,
+        keys: int = 0,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """tok [B, T] at positions pos[b] + t -> float32 logits [B, V] (last token; all T with last_only=False).
 
@@ -417,7 +418,8 @@ class CudaEngine:
         prompt whose first `start` tokens are already cached (chunked prefill). row0: the first KV-cache row
         these B rows use (a prompt prefilled into one row of a batch; the captured steps run rows 0..B-1).
         last_at: [1] index of the token whose logits to return (a padded prompt's last real token).
-        head_argmax (int8 head): (maxima, indices) of the head's vocabulary tiles instead of logits."""
+        head_argmax (int8 head): (maxima, indices) of the head's vocabulary tiles instead of logits.
+        keys (T = 1): the decode attention's key range (`attention.key_range`; 0: the default splits)."""
         from bitnetlm.kernels.triton.attention import attn_decode, rope_cache
 
         b, t = tok.shape
@@ -459,7 +461,7 @@ class CudaEngine:
                 rope_cache(qkv, self.cos, self.sin, pos, q, kc, vc, nh, nkv, t)
             if t == 1:
                 o = torch.empty((b, nh, hd), device=h.device, dtype=h.dtype)
-                attn_decode(q.view(b, nh, hd), kc, vc, pos, o, scale)
+                attn_decode(q.view(b, nh, hd), kc, vc, pos, o, scale, keys)
                 o = o.view(b, nh * hd)
             elif mask is None:  # from position 0: queries and keys padded to tp (see PREFILL_ALIGN)
                 qp = q
@@ -516,11 +518,15 @@ class CudaEngine:
             raise ValueError(f"CudaEngine: {t} positions exceed max_seq_len {self.ecfg.max_seq_len}")
 
     def decode_state(
-        self, batch: int, temperature: float = 0.0, top_k: int = 0, sample: bool = True
+        self, batch: int, temperature: float = 0.0, top_k: int = 0, sample: bool = True, max_keys: int = 0
     ) -> _DecodeState:
         """The captured decode step for this batch size and sampler (captured on first use); sample=False:
-        see logits_state."""
-        key = (batch, float(temperature), int(top_k), sample)
+        see logits_state. max_keys: the most keys (prompt + generated tokens) a row will reach while this step
+        is replayed, or 0 (unknown); a short one picks faster attention splits, and any context stays exact."""
+        from bitnetlm.kernels.triton.attention import key_range
+
+        keys = key_range(batch, max_keys)
+        key = (batch, float(temperature), int(top_k), sample, keys)
         if key in self._graphs:
             return self._graphs[key]
         self._check_batch(batch, 1)
@@ -535,13 +541,13 @@ class CudaEngine:
                 from bitnetlm.kernels.triton.ends import greedy_step
 
                 if self.head is None and HEAD_A16 and HEAD_ARGMAX:  # no logits: the head's tile maxima
-                    maxima, index = self.forward(tok, pos, head_argmax=True)
+                    maxima, index = self.forward(tok, pos, head_argmax=True, keys=keys)
                     greedy_step(maxima, tok, out, step, pos, index=index)
                     return None
-                logits = self.forward(tok, pos)
+                logits = self.forward(tok, pos, keys=keys)
                 greedy_step(logits, tok, out, step, pos)
                 return logits
-            logits = self.forward(tok, pos)
+            logits = self.forward(tok, pos, keys=keys)
             if sample:
                 nxt = self.sample(logits, temperature, top_k)  # [B]
                 out.index_copy_(1, step, nxt[:, None])
@@ -605,11 +611,11 @@ class CudaEngine:
         self._graphs[key] = st
         return st
 
-    def logits_state(self, batch: int) -> _DecodeState:
+    def logits_state(self, batch: int, max_keys: int = 0) -> _DecodeState:
         """A captured step without sampling: logits [B, V] of tok [B, 1] at pos [B], then pos += 1. The caller
         samples (any sampler, on the host's schedule) and writes the next tokens into `tok`. Capture it before
         prefilling: its eager warm-up runs write KV-cache slots 0-2, which the prefill then overwrites."""
-        return self.decode_state(batch, sample=False)
+        return self.decode_state(batch, sample=False, max_keys=max_keys)
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0):
@@ -617,7 +623,7 @@ class CudaEngine:
         prompt = prompt.to(self.device)
         b, t0 = prompt.shape
         self._check_batch(b, t0 + max_new_tokens)
-        st = self.decode_state(b, temperature, top_k)
+        st = self.decode_state(b, temperature, top_k, max_keys=t0 + max_new_tokens)
         pos0 = torch.zeros((b,), dtype=torch.int32, device=self.device)
         first = self.sample(self.forward(prompt, pos0), temperature, top_k)  # [B]
         st.out[:, 0] = first

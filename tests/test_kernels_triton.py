@@ -352,11 +352,13 @@ def test_gpu_gated_2b4t_and_int8_head():
                 assert torch.equal(maxima[:, t], part.amax(-1)), (cfg, t)
 
 
+@pytest.mark.parametrize("keys", [0, 16, 32])
 @pytest.mark.parametrize("h,hkv", [(4, 2), (3, 3), (6, 2)])
-def test_decode_attention_split_merge(h, hkv):
+def test_decode_attention_split_merge(h, hkv, keys):
     """Split-KV decode attention (the live context cut into spans, merged by the last program holding keys) vs
     softmax attention; GQA groups of 2, 1 (MHA) and 3 (not a power of two) query heads per KV head. Contexts of
-    1 key, a few keys (one split busy), a span boundary and the whole cache (every split busy)."""
+    1 key, a few keys (one split busy), a span boundary and the whole cache (every split busy). keys: a
+    short-context step's range (one or two splits of one 16-key block here), which most rows outgrow."""
     from bitnetlm.kernels.triton.attention import attn_decode
 
     g = torch.Generator().manual_seed(3)
@@ -367,7 +369,7 @@ def test_decode_attention_split_merge(h, hkv):
     pos = torch.tensor([37, 4, 0, 47, 63], dtype=torch.int32, device=DEV)
     for _ in range(2):  # twice: the merge counters must be reset by the first call
         out = torch.full((b, h, d), float("nan"), device=DEV)
-        attn_decode(q, kc, vc, pos, out, d**-0.5)
+        attn_decode(q, kc, vc, pos, out, d**-0.5, keys)
         for i in range(b):
             n = int(pos[i]) + 1
             k = kc[i, :, :n].repeat_interleave(h // hkv, 0)  # [H, n, D]
@@ -384,7 +386,7 @@ def test_gpu_decode_attention_2b4t_bf16(kv):
     from bitnetlm.kernels.triton.attention import attn_decode
 
     h, hkv, s, d = 20, 5, 700, 128
-    for b in (1, 64):
+    for b, keys in ((1, 0), (64, 0), (1, 256), (8, 512)):  # keys: short-context ranges, outgrown by most rows
         g = torch.Generator(device="cuda").manual_seed(b)
         q = torch.randn(b, h, d, device="cuda", generator=g).bfloat16()
         kc = torch.randn(b, hkv, s, d, device="cuda", generator=g).to(kv)
@@ -393,7 +395,7 @@ def test_gpu_decode_attention_2b4t_bf16(kv):
         pos[0] = s - 1
         for _ in range(2):
             out = torch.full((b, h, d), float("nan"), device="cuda", dtype=torch.bfloat16)
-            attn_decode(q, kc, vc, pos, out, d**-0.5)
+            attn_decode(q, kc, vc, pos, out, d**-0.5, keys)
             for i in range(b):
                 n = int(pos[i]) + 1
                 k = kc[i, :, :n].double().repeat_interleave(h // hkv, 0)
@@ -401,7 +403,28 @@ def test_gpu_decode_attention_2b4t_bf16(kv):
                 w = torch.softmax((k @ q[i].double()[:, :, None]).squeeze(-1) * d**-0.5, dim=-1)
                 ref = (w[:, None, :] @ v).squeeze(1)
                 err = (out[i].double() - ref).norm() / ref.norm()
-                assert err < 1e-2, (b, i, float(err))
+                assert err < 1e-2, (b, keys, i, float(err))
+
+
+def test_key_range_picks_one_or_two_blocks_for_short_steps(monkeypatch):
+    """A captured step's key range: one block up to one block of keys, two up to two, else 0 (the default
+    splits), and 0 for an unknown bound or a batch past ATTN_RANGE_MAX_B."""
+    from bitnetlm.kernels.triton import attention
+
+    bs = attention.key_ranges()[0]
+    assert attention.key_ranges() == [bs, 2 * bs]
+    assert [attention.key_range(1, n) for n in (0, 1, bs, bs + 1, 2 * bs, 2 * bs + 1)] == [
+        0,
+        bs,
+        bs,
+        2 * bs,
+        2 * bs,
+        0,
+    ]
+    big = attention.ATTN_RANGE_MAX_B
+    assert attention.key_range(big, 1) == bs and attention.key_range(big + 1, 1) == 0
+    monkeypatch.setattr(attention, "ATTN_RANGE_MAX_B", 0)
+    assert attention.key_range(1, 1) == 0
 
 
 def test_engine_argmax_first_index():

@@ -126,8 +126,10 @@ def run_graph(eng, rows, t0: float) -> Iterator:
 
     dev = eng.device
     b = len(rows)
-    st = eng.logits_state(b)  # captured before the prefill: its warm-up writes KV slots 0-2 of every row
     lens = [len(r.ids) for r in rows]
+    # captured before the prefill (its warm-up writes KV slots 0-2 of every row); finished rows keep stepping
+    # until the last one ends, so no row passes the longest prompt + the most new tokens
+    st = eng.logits_state(b, max_keys=max(lens) + max(r.max_new for r in rows))
     logits = torch.stack([eng.prefill(r.ids, i) for i, r in enumerate(rows)])  # [B, V], a graph replay each
     st.pos.copy_(torch.tensor(lens, dtype=torch.int32))
     torch.cuda.synchronize(dev)

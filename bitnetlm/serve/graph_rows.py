@@ -6,13 +6,15 @@ of one request, and one decode forward over rows [0, hi). Only the three tensor 
 - prefill: a chunk of one row's prompt, at the position where its cached part ends: the first chunk through
   a captured prefill (`CudaEngine.prefill`), later ones through `CudaEngine.forward` with row0 / start;
 - copy_prompt: a prefilled prompt's keys and values into a sibling's row;
-- decode: one replay of a captured step over the smallest captured batch that covers rows [0, hi).
+- decode: one replay of a captured step over the smallest captured batch that covers rows [0, hi), built for
+  the shortest key range that holds their contexts (`attention.key_range`: fewer attention splits while short).
 
-Every batch size is captured when the server starts, before any row holds a sequence: a capture's eager
-warm-up runs write KV slots 0-2 of each row. So is the prefill of the shortest prompts: a GEMM shape the tuner
-meets for the first time on a GPU costs seconds of timing, better spent before /health says ready. For the same
-reason the scheduler (engine.py) splits only the first prompt of a step, at `prefill_chunk` boundaries: chunks
-that continue a prompt (the eager `forward` with a start) then come in few shapes.
+Every batch size, and each short key range of it, is captured when the server starts, before any row holds a
+sequence: a capture's eager warm-up runs write KV slots 0-2 of each row. So is the prefill of the shortest
+prompts: a GEMM shape the tuner meets for the first time on a GPU costs seconds of timing, better spent before
+/health says ready. For the same reason the scheduler (engine.py) splits only the first prompt of a step, at
+`prefill_chunk` boundaries: chunks that continue a prompt (the eager `forward` with a start) then come in few
+shapes.
 
 Rows that are free or still prefilling decode a padding token at their next free slot, which their own prefill
 or next token overwrites, as in the eager engine.
@@ -32,9 +34,12 @@ class GraphRows:
     def __init__(self, eng, max_batch: int):
         self.eng = eng
         self.device = eng.device
+        from bitnetlm.kernels.triton.attention import key_ranges  # (Triton: only once a CUDA engine exists)
+
         self.sizes = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
-        for b in self.sizes:  # capture now, while no row is in use
-            eng.logits_state(b)
+        for b in self.sizes:  # capture now, while no row is in use: every size, and its short-context steps
+            for keys in [0, *key_ranges()]:
+                eng.logits_state(b, max_keys=keys)
         eng.prefill_state(PREFILL_ALIGN)  # and the shortest prompts' prefill (tuning its GEMMs on a new GPU)
 
     @classmethod
@@ -61,11 +66,11 @@ class GraphRows:
         """One step of rows [0, hi): each sequence of `dec` feeds its last token at its next slot; the other
         rows (free, prefilling) feed token 0 at their next free slot -> logits [hi, V]."""
         size = next(s for s in self.sizes if s >= hi)
-        st = self.eng.logits_state(size)
         toks, at = [0] * size, [0] * size
         for r, s in rows.items():
             if r < size:
                 at[r] = min(s.n_cached, self.eng.ecfg.max_seq_len - 1)
+        st = self.eng.logits_state(size, max_keys=max(at) + 1)  # a captured one: each size's ranges exist
         for s in dec:
             toks[s.row] = s.tokens[-1]
         st.tok.copy_(torch.tensor(toks, dtype=torch.long).pin_memory()[:, None], non_blocking=True)

@@ -252,7 +252,30 @@ ATTN_PROGRAMS_PER_SM = 3
 # faster from batch 8 on an H200 (stop 29; 64 on an H100 at stop 17, whose batch-8 step then measured slower);
 # at batch 1 and 2 the early launch stays faster.
 ATTN_LATE_MIN_B = 8
+# A captured step told that its rows stay within 256 or 512 keys (`key_range`) runs one or two splits of one
+# 256-key block each, at 8 warps in one stage, up to batch ATTN_RANGE_MAX_B: a small grid and a merge of at most
+# two. On an H200 a step took 5-10% less time at batch 1-8 within 256 keys and 0-4% within 512; from about 1,000
+# keys the default splits are faster (benchmarks/gpu_profile.py --max-keys, docs/PERF_LOG.md stop 30). Any
+# context stays exact: a range outgrown only makes each split loop over more blocks.
+ATTN_RANGE_MAX_B = 8
+ATTN_RANGE_BS = 256
+ATTN_RANGE_WARPS = 8
 _attn_ws: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def key_ranges() -> list[int]:
+    """Every key range `key_range` picks but 0 (a server captures a step for each)."""
+    bs = 16 if INTERPRET else ATTN_RANGE_BS
+    return [bs, 2 * bs]
+
+
+def key_range(batch: int, max_keys: int) -> int:
+    """The key range a captured decode step of `batch` rows, none past `max_keys` keys, is built for: one or two
+    range blocks, or 0 (the default splits; also for max_keys 0, unknown)."""
+    bs = 16 if INTERPRET else ATTN_RANGE_BS
+    if batch > ATTN_RANGE_MAX_B or not 0 < max_keys <= 2 * bs:
+        return 0
+    return bs * triton.cdiv(max_keys, bs)
 
 
 def set_overrides(spec: str = "0") -> None:
@@ -279,14 +302,20 @@ def _attn_splits(b: int, hkv: int, s: int, device: torch.device) -> int:
     return max(1, min(want, 32, triton.cdiv(s, 16)))
 
 
-def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float) -> None:
+def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float, keys: int = 0) -> None:
     """One query per row: q [B, H, D] attends to cache slots 0..pos[b]; out [B, H, D]. GQA: the H // Hkv
-    query heads of a KV head share one program's K/V loads."""
+    query heads of a KV head share one program's K/V loads. keys: `key_range`'s range (0: the default splits)."""
     b, h, d = q.shape[0], q.shape[1], q.shape[-1]
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     g = h // hkv
     gp = max(16, triton.next_power_of_2(g))  # tl.dot needs >= 16 rows
     nsplit = _attn_splits(b, hkv, s, q.device)
+    bs, warps, stages = (16, 1, 0) if INTERPRET else (ATTN_BS or 64, ATTN_WARPS or 4, ATTN_STAGES)
+    if (
+        keys and ATTN_RANGE_BS * d * q.element_size() <= 65536
+    ):  # a block's K (and V) in 64 KB of shared memory
+        bs = 16 if INTERPRET else ATTN_RANGE_BS
+        nsplit, warps, stages = keys // bs, 1 if INTERPRET else ATTN_RANGE_WARPS, 1
     key = (str(q.device), b, hkv, nsplit, gp, d)
     if key not in _attn_ws:  # partials + zeroed counters, allocated before any graph capture (warm-up call)
         _attn_ws[key] = (
@@ -313,12 +342,12 @@ def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float) -> None:
         GP=gp,
         GM=triton.next_power_of_2(g),
         D=d,
-        BS=16 if INTERPRET else ATTN_BS or 64,
+        BS=bs,
         NS2=triton.next_power_of_2(nsplit),
         IEEE=q.dtype == torch.float32,
         KV8=k_cache.element_size() == 1,
-        num_warps=1 if INTERPRET else ATTN_WARPS or 4,
-        **({"num_stages": ATTN_STAGES} if ATTN_STAGES else {}),
+        num_warps=warps,
+        **({"num_stages": stages} if stages else {}),
         **({"maxnreg": ATTN_MAXNREG} if ATTN_MAXNREG and not INTERPRET else {}),
         LATE=b >= ATTN_LATE_MIN_B,
         **pdl_kw(),

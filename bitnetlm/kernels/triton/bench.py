@@ -44,7 +44,7 @@ def bench_engine(eng, batches=(1, 8, 64), n_prompt: int = 512, n_gen: int = 128,
         pos0 = torch.zeros((b,), dtype=torch.int32, device=eng.device)
         graph, _ = capture(lambda tok=tok, pos0=pos0: eng.forward(tok, pos0))
         pre = _events_ms(graph.replay, reps)
-        st = eng.decode_state(b)
+        st = eng.decode_state(b, max_keys=n_prompt + n_gen)
 
         def decode(st=st):
             st.tok.random_(0, vocab)
