@@ -263,16 +263,19 @@ ATTN_RANGE_WARPS = 8
 _attn_ws: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
+def _range_bs() -> int:
+    return 16 if INTERPRET else ATTN_RANGE_BS  # the interpreter's small blocks
+
+
 def key_ranges() -> list[int]:
     """Every key range `key_range` picks but 0 (a server captures a step for each)."""
-    bs = 16 if INTERPRET else ATTN_RANGE_BS
-    return [bs, 2 * bs]
+    return [_range_bs(), 2 * _range_bs()]
 
 
 def key_range(batch: int, max_keys: int) -> int:
     """The key range a captured decode step of `batch` rows, none past `max_keys` keys, is built for: one or two
     range blocks, or 0 (the default splits; also for max_keys 0, unknown)."""
-    bs = 16 if INTERPRET else ATTN_RANGE_BS
+    bs = _range_bs()
     if batch > ATTN_RANGE_MAX_B or not 0 < max_keys <= 2 * bs:
         return 0
     return bs * triton.cdiv(max_keys, bs)
@@ -311,11 +314,10 @@ def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float, keys: int = 0) -
     gp = max(16, triton.next_power_of_2(g))  # tl.dot needs >= 16 rows
     nsplit = _attn_splits(b, hkv, s, q.device)
     bs, warps, stages = (16, 1, 0) if INTERPRET else (ATTN_BS or 64, ATTN_WARPS or 4, ATTN_STAGES)
-    if (
-        keys and ATTN_RANGE_BS * d * q.element_size() <= 65536
-    ):  # a block's K (and V) in 64 KB of shared memory
-        bs = 16 if INTERPRET else ATTN_RANGE_BS
-        nsplit, warps, stages = keys // bs, 1 if INTERPRET else ATTN_RANGE_WARPS, 1
+    # a range's block of K (and one of V) must fit 64 KB of shared memory: not so for float32 at 128 dims
+    if keys and ATTN_RANGE_BS * d * q.element_size() <= 65536:
+        bs, stages = _range_bs(), 1
+        nsplit, warps = triton.cdiv(keys, bs), 1 if INTERPRET else ATTN_RANGE_WARPS
     key = (str(q.device), b, hkv, nsplit, gp, d)
     if key not in _attn_ws:  # partials + zeroed counters, allocated before any graph capture (warm-up call)
         _attn_ws[key] = (
