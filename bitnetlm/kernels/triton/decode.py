@@ -311,6 +311,17 @@ def quantize_into(x: torch.Tensor, norm_weight: torch.Tensor | None, buf: QuantB
     launch_quant(x, norm_weight, buf.q, buf.a, buf.rs, eps)
 
 
+def qkv_rope_candidates(m: int, n: int, k: int, preq: bool) -> list[dict]:
+    """`qkv_rope`'s candidate tiles for M rows of K values through N = (H + 2 Hkv) * D weight rows."""
+    kp = packed_row_bytes(k)
+    row = _row_candidates(kp // 4, False, "qkv_rope")  # row tiles: BN even, >= 2
+    if not preq or m <= ROW_MAX_M:
+        return row
+    # from 3 rows: the split-K tensor-core tiles (BN weight rows = BN/2 pairs), the row GEMV's last
+    mma = [c for c in _splitk_candidates(m, n, kp, False) if not c.get("PAIR")]
+    return mma + (row[:2] if m <= GEMV_MAX_M else [])
+
+
 def qkv_rope(
     src: QuantBuf | torch.Tensor,
     m: int,
@@ -420,14 +431,6 @@ def qkv_rope(
             **pdl_kw(),
         )
 
-    def candidates() -> list[dict]:
-        row = _row_candidates(kw, False, "qkv_rope")  # row tiles: BN even, >= 2
-        if not preq or m <= ROW_MAX_M:
-            return row
-        # from 3 rows: the split-K tensor-core tiles (BN weight rows = BN/2 pairs), the row GEMV's last
-        mma = [c for c in _splitk_candidates(m, n, packed.shape[1], False) if not c.get("PAIR")]
-        return mma + (row[:2] if m <= GEMV_MAX_M else [])
-
     # tuned per power-of-two bucket of rows, as ternary_linear
     bucket = m if m <= ROW_MAX_M else min(_next_pow2(m), 1024)
     key = ("qkv_rope", n, k, bucket, scale.numel() != 1, d, k_cache.dtype, preq)
@@ -435,4 +438,4 @@ def qkv_rope(
     def launch(cfg, w=packed):
         (launch_mma if cfg["path"] == "splitk" else launch_row)(cfg, w)
 
-    launch(_tune(key, candidates, launch, packed))
+    launch(_tune(key, lambda: qkv_rope_candidates(m, n, k, preq), launch, packed))

@@ -78,6 +78,43 @@ def check_packed(packed: torch.Tensor, rows: int, k: int, where: str) -> None:
         raise ValueError(f"{where}: packed weights must be contiguous")
 
 
+def linear_candidates(m: int, out_features: int, k: int, gated: bool, path: str | None = None) -> list[dict]:
+    """`ternary_linear`'s candidate tiles for M rows (path None: every path its M allows; the first is the
+    untuned default)."""
+    bm, kp = _next_pow2(m), packed_row_bytes(k)
+    gemv = [dict(path="gemv", **c) for c in _gemv_candidates(bm, gated, k)]
+    splitk = (
+        _splitk_candidates(m, out_features, kp, gated)
+        if m <= SPLITK_MAX_M or path in ("splitk", "splitk_t", "splitk_pair")
+        else []
+    )
+    gemm = [dict(path="gemm", **c) for c in _gemm_candidates(m, gated)]
+    gemv8 = _gemv8_candidates(bm, gated)
+    row = _row_candidates(kp // 4, gated, "row")
+    rowq = _row_candidates(kp // 4, gated, "rowq")
+    swapped = [c for c in splitk if c["SWAP"] and not c.get("PAIR")]
+    unswapped = [c for c in splitk if not c["SWAP"]]
+    pair = [c for c in splitk if c.get("PAIR")]
+    if path is None:
+        if m <= ROW_MAX_M:
+            return row + rowq[:3] + swapped[:2] + gemv8[:1]
+        if m <= GEMV_MAX_M:
+            return swapped + unswapped[:1] + pair + rowq[:2] + gemv8[:2] + gemv[:1]
+        return splitk if m <= SPLITK_MAX_M else gemm
+    return {
+        "gemv": gemv,
+        "gemv8": gemv8,
+        "splitk": unswapped,
+        "splitk_t": swapped,
+        "splitk_pair": pair,
+        "gemm": [c for c in gemm if not c.get("SWAP")],
+        "gemm_t": [c for c in gemm if c.get("SWAP") and not c.get("PAIR")],
+        "gemm_pair": [c for c in gemm if c.get("PAIR")],
+        "row": row,
+        "rowq": rowq,
+    }[path]
+
+
 def ternary_linear(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -219,45 +256,9 @@ def ternary_linear(
         else:
             launch_gemm(cfg, w)
 
-    def candidates() -> list[dict]:
-        gemv = [dict(path="gemv", **c) for c in _gemv_candidates(bm, gated, k)]
-        splitk = (
-            _splitk_candidates(m, out_features, kp, gated)
-            if m <= SPLITK_MAX_M or path in ("splitk", "splitk_t", "splitk_pair")
-            else []
-        )
-        gemm = [dict(path="gemm", **c) for c in _gemm_candidates(m, gated)]
-        gemv8 = _gemv8_candidates(bm, gated)
-        row = _row_candidates(kp // 4, gated, "row")
-        rowq = _row_candidates(kp // 4, gated, "rowq")
-        swapped = [c for c in splitk if c["SWAP"] and not c.get("PAIR")]
-        unswapped = [c for c in splitk if not c["SWAP"]]
-        pair = [c for c in splitk if c.get("PAIR")]
-        if path is None:  # the first candidate is the untuned default
-            if m <= ROW_MAX_M:
-                cands = row + rowq[:3] + swapped[:2] + gemv8[:1]
-            elif m <= GEMV_MAX_M:
-                cands = swapped + unswapped[:1] + pair + rowq[:2] + gemv8[:2] + gemv[:1]
-            else:
-                cands = splitk if m <= SPLITK_MAX_M else gemm
-        else:
-            cands = {
-                "gemv": gemv,
-                "gemv8": gemv8,
-                "splitk": unswapped,
-                "splitk_t": swapped,
-                "splitk_pair": pair,
-                "gemm": [c for c in gemm if not c.get("SWAP")],
-                "gemm_t": [c for c in gemm if c.get("SWAP") and not c.get("PAIR")],
-                "gemm_pair": [c for c in gemm if c.get("PAIR")],
-                "row": row,
-                "rowq": rowq,
-            }[path]
-        return cands
-
     mb = min(bm, 1024)  # tune per power-of-two bucket of M
     key = (path or "auto", out_features, k, mb, *flags)
-    launch(_tune(key, candidates, launch, packed))
+    launch(_tune(key, lambda: linear_candidates(m, out_features, k, gated, path), launch, packed))
     return out.reshape(*lead, out_features)
 
 

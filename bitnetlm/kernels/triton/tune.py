@@ -4,6 +4,11 @@ with CUDA events; the winner is cached in memory and on disk.
 Choices persist across processes (a later load skips the timing): one JSON file per user, keyed by the GPU, the
 Triton version, a hash of this package's sources and the tuning key (an edited kernel is re-tuned); a stored
 choice is used only if it is still a candidate.
+
+Ahead of both comes a table shipped with the package per GPU model (configs/<GPU name>.json, written by
+`benchmarks/gpu_step_tune.py --write`): the tile of each key that made the whole captured decode step fastest.
+A chain of one projection's calls cannot see the kernel that runs before it in the step (whether that one lets
+it launch early, how many SMs it leaves free); on an H200 its picks cost the step 1-5% at batch 2-64.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -20,6 +26,7 @@ import triton
 from bitnetlm.kernels.triton.common import INTERPRET
 
 _choice: dict[tuple, dict] = {}
+_candidates: dict[tuple, list[dict]] = {}  # each key's candidate list, as built (benchmarks/gpu_step_tune.py)
 # BITNETLM_TRITON_TUNE: 0 = first candidate, no timing (tests); chain (default) = time calls back to back inside
 # a CUDA graph, each over its own copy of the weights (`_chain_time`), as the captured decode step runs them;
 # graph = time single calls inside CUDA graphs with L2 flushed between them; 1 = triton's do_bench (charges each
@@ -96,6 +103,25 @@ def _chain_time(launch, copies: list[torch.Tensor], reps: int = 3) -> float:
     return _replay_ms(g, reps) / (reps * n)
 
 
+# the shipped step-tuned tables (False: benchmarks' A/B against the chain's own choices)
+SHIPPED = True
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+def config_file(device_name: str) -> Path:
+    """The shipped table of a GPU model: its name with every run of other characters as one underscore."""
+    return CONFIG_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json")
+
+
+@functools.cache
+def _shipped(device_name: str) -> dict:
+    try:
+        with open(config_file(device_name)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
 # the disk cache (BITNETLM_TRITON_TUNE_CACHE=: none)
 TUNE_CACHE = os.environ.get(
     "BITNETLM_TRITON_TUNE_CACHE",
@@ -150,10 +176,13 @@ def _tune(key: tuple, make_candidates, launch, weight: torch.Tensor) -> dict:
     for a key not chosen yet: building it costs about 0.5 ms on the host, every call."""
     if key in _choice:
         return _choice[key]
-    candidates = make_candidates()
+    candidates = _candidates[key] = make_candidates()
     if INTERPRET or len(candidates) == 1 or not TUNE or torch.cuda.is_current_stream_capturing():
         _choice[key] = candidates[0]
         return candidates[0]
+    if SHIPPED and (cfg := _shipped(torch.cuda.get_device_name()).get(str(key))) in candidates:
+        _choice[key] = cfg
+        return cfg
     _disk_load()
     stored = _disk.get(_disk_key(key))
     if stored in candidates:
