@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("bitnetlm.commands.eval", "perplexity and multiple-choice accuracy"),
     "data": ("bitnetlm.commands.data", "prepare tokenized training data"),
     "bench": ("bitnetlm.commands.bench", "prefill/decode speed, llama-bench style"),
+    "tune": ("bitnetlm.commands.tune", "tune the CUDA decode step's kernel tiles on this GPU"),
     "models": ("bitnetlm.commands.models", "list bundled and known models"),
 }
 

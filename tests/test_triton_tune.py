@@ -1,5 +1,5 @@
-"""The tuner's shipped step-tuned tables (kernels/triton/configs/): named per GPU model, holding only candidates,
-and taken ahead of any timing on the GPU they name."""
+"""The step-tuned tables (the user's from `bitnet tune`, the shipped kernels/triton/configs/): named per GPU model,
+holding only candidates, taken ahead of any timing on the GPU they name, the user's first; `bitnet tune` itself."""
 
 from __future__ import annotations
 
@@ -54,14 +54,77 @@ def test_shipped_tables_hold_only_candidates():
     assert files >= 1 and entries >= 30  # the H200's table: batch buckets 1-64 of the 2B4T shape
 
 
+def _tables_in(monkeypatch, tmp_path, user: dict, shipped: dict, name: str = "Test GPU 9"):
+    from bitnetlm.kernels.triton import tune
+
+    monkeypatch.setattr(tune, "CONFIG_DIR", tmp_path / "shipped")
+    monkeypatch.setattr(tune, "USER_TABLE_DIR", str(tmp_path / "user"))
+    for d, table in ((tmp_path / "shipped", shipped), (tmp_path / "user", user)):
+        d.mkdir()
+        if table is not None:
+            (d / "Test_GPU_9.json").write_text(json.dumps(table))
+    tune._tables.cache_clear()
+    return tune
+
+
+def test_user_table_first_then_shipped_and_stale_entries_skipped(monkeypatch, tmp_path):
+    cands = [dict(BN=8), dict(BN=16), dict(BN=32)]
+    k1, k2, k3 = ("a", 1), ("b", 2), ("c", 3)
+    user = {str(k1): dict(BN=32), str(k2): dict(BN=64)}  # k2: a tile no longer among the candidates
+    shipped = {str(k1): dict(BN=8), str(k2): dict(BN=16)}
+    tune = _tables_in(monkeypatch, tmp_path, user, shipped)
+    try:
+        assert tune.table_choice(k1, cands, "Test GPU 9") == dict(BN=32)
+        assert tune.table_choice(k2, cands, "Test GPU 9") == dict(BN=16)
+        assert tune.table_choice(k3, cands, "Test GPU 9") is None
+        assert tune.table_choice(k1, cands, "Other GPU") is None
+    finally:
+        tune._tables.cache_clear()
+
+
+def test_unreadable_user_table_falls_back_to_shipped(monkeypatch, tmp_path):
+    tune = _tables_in(monkeypatch, tmp_path, None, {str(("a", 1)): dict(BN=16)})
+    (tmp_path / "user" / "Test_GPU_9.json").write_text("{not json")
+    try:
+        assert tune.table_choice(("a", 1), [dict(BN=8), dict(BN=16)], "Test GPU 9") == dict(BN=16)
+    finally:
+        tune._tables.cache_clear()
+
+
+def test_write_table_merges_and_never_clobbers_a_foreign_file(tmp_path):
+    from bitnetlm.kernels.triton.step_tune import write_table
+
+    path = tmp_path / "t" / "GPU.json"
+    write_table(path, {"k1": dict(BN=8), "k2": dict(BN=16)})
+    write_table(path, {"k2": dict(BN=32), "k3": dict(BN=4)})
+    assert json.loads(path.read_text()) == {"k1": dict(BN=8), "k2": dict(BN=32), "k3": dict(BN=4)}
+    bad = tmp_path / "notes.json"
+    bad.write_text("my notes, not a table")
+    with pytest.raises(ValueError, match="notes.json: not a JSON table"):
+        write_table(bad, {"k": dict(BN=8)})
+    assert bad.read_text() == "my notes, not a table"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.json", "t"]  # no temporary file left
+
+
+def test_tune_command_needs_a_gpu_and_one_shape(monkeypatch, capsys):
+    from bitnetlm.cli import main
+
+    assert main(["tune"]) == 2
+    assert "exactly one of -m/--model or --shape" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["tune", "--shape", "2b4t"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
 @pytest.mark.gpu
 def test_shipped_choice_is_taken_without_timing(monkeypatch, tmp_path):
     from bitnetlm.kernels.triton import tune
 
     monkeypatch.setattr(tune, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(tune, "USER_TABLE_DIR", "")
     monkeypatch.setattr(tune, "TUNE", True)
     monkeypatch.setattr(tune, "TUNE_CACHE", "")
-    tune._shipped.cache_clear()
+    tune._tables.cache_clear()
     cands = [dict(BN=8), dict(BN=16), dict(BN=32)]
     table = {str(("test-shipped", 1)): dict(BN=16), str(("test-stale", 1)): dict(BN=64)}
     tune.config_file(torch.cuda.get_device_name()).write_text(json.dumps(table))
@@ -74,7 +137,37 @@ def test_shipped_choice_is_taken_without_timing(monkeypatch, tmp_path):
         assert tune._tune(("test-stale", 1), lambda: cands, lambda c, w: timed.append(c), w) in cands
         assert {c["BN"] for c in timed} == {8, 16, 32}
     finally:
-        tune._shipped.cache_clear()
+        tune._tables.cache_clear()
         for k in (("test-shipped", 1), ("test-stale", 1)):
             tune._choice.pop(k, None)
             tune._candidates.pop(k, None)
+
+
+@pytest.mark.gpu
+def test_tune_shape_writes_a_table_the_tuner_then_takes(monkeypatch, tmp_path):
+    """`bitnet tune`'s library function on a small shape: every key of the step gets one of its candidates into
+    the table, which the tuner then takes."""
+    from bitnetlm.kernels.triton import step_tune, tune
+    from bitnetlm.models import ModelConfig
+
+    monkeypatch.setattr(tune, "USER_TABLE_DIR", str(tmp_path))
+    monkeypatch.setattr(tune, "TUNE", True)
+    monkeypatch.setattr(tune, "TUNE_CACHE", "")
+    cfg = ModelConfig(
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    )
+    rows = step_tune.tune_shape(cfg, batches=(1, 4), context=64, reps=5, rounds=1)
+    path = tune.config_file(torch.cuda.get_device_name(), tmp_path)
+    assert [r["batch"] for r in rows] == [1, 4] and rows[0]["table"] == str(path)
+    table = json.loads(path.read_text())
+    assert len(table) == sum(r["keys"] for r in rows) > 0
+    for key, cands in tune._candidates.items():  # the last batch's keys
+        if len(cands) > 1:
+            assert table[str(key)] in cands
+            assert tune.table_choice(key, cands, torch.cuda.get_device_name()) == table[str(key)]
+    tune._choice.clear()
+    tune._tables.cache_clear()

@@ -5,8 +5,9 @@ Choices persist across processes (a later load skips the timing): one JSON file 
 Triton version, a hash of this package's sources and the tuning key (an edited kernel is re-tuned); a stored
 choice is used only if it is still a candidate.
 
-Ahead of both comes a table shipped with the package per GPU model (configs/<GPU name>.json, written by
-`benchmarks/gpu_step_tune.py --write`): the tile of each key that made the whole captured decode step fastest.
+Ahead of both come the step-tuned tables of the GPU model (step_tune.py): the user's (written by `bitnet tune`),
+then the one shipped with the package (configs/<GPU name>.json): the tile of each key that made the whole
+captured decode step fastest.
 A chain of one projection's calls cannot see the kernel that runs before it in the step (whether that one lets
 it launch early, how many SMs it leaves free); on an H200 its picks cost the step 1-5% at batch 2-64.
 """
@@ -103,23 +104,45 @@ def _chain_time(launch, copies: list[torch.Tensor], reps: int = 3) -> float:
     return _replay_ms(g, reps) / (reps * n)
 
 
-# the shipped step-tuned tables (False: benchmarks' A/B against the chain's own choices)
+# the step-tuned tables (False: benchmarks' A/B against the chain's own choices)
 SHIPPED = True
-CONFIG_DIR = Path(__file__).parent / "configs"
+CONFIG_DIR = Path(__file__).parent / "configs"  # shipped with the package
+# what `bitnet tune` writes (BITNETLM_TRITON_STEP_TABLES=: none), taken ahead of the shipped table
+USER_TABLE_DIR = os.environ.get(
+    "BITNETLM_TRITON_STEP_TABLES", os.path.join(os.path.expanduser("~"), ".cache", "bitnetlm", "step_tune")
+)
 
 
-def config_file(device_name: str) -> Path:
-    """The shipped table of a GPU model: its name with every run of other characters as one underscore."""
-    return CONFIG_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json")
+def config_file(device_name: str, directory: str | os.PathLike | None = None) -> Path:
+    """A GPU model's table in `directory` (default: the shipped one): its name with every run of other
+    characters as one underscore."""
+    name = re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json"
+    return Path(CONFIG_DIR if directory is None else directory) / name
+
+
+def _read_table(path: Path) -> dict:
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return table if isinstance(table, dict) else {}
 
 
 @functools.cache
-def _shipped(device_name: str) -> dict:
-    try:
-        with open(config_file(device_name)) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
+def _tables(device_name: str) -> tuple[dict, ...]:
+    """The user's table, then the shipped one, of this GPU model (missing or unreadable: empty)."""
+    user = [config_file(device_name, USER_TABLE_DIR)] if USER_TABLE_DIR else []
+    return tuple(_read_table(p) for p in [*user, config_file(device_name)])
+
+
+def table_choice(key: tuple, candidates: list[dict], device_name: str) -> dict | None:
+    """The step-tuned tile of `key` on this GPU model, if a table holds one that is still a candidate."""
+    for table in _tables(device_name):
+        cfg = table.get(str(key))
+        if cfg in candidates:
+            return cfg
+    return None
 
 
 # the disk cache (BITNETLM_TRITON_TUNE_CACHE=: none)
@@ -180,7 +203,7 @@ def _tune(key: tuple, make_candidates, launch, weight: torch.Tensor) -> dict:
     if INTERPRET or len(candidates) == 1 or not TUNE or torch.cuda.is_current_stream_capturing():
         _choice[key] = candidates[0]
         return candidates[0]
-    if SHIPPED and (cfg := _shipped(torch.cuda.get_device_name()).get(str(key))) in candidates:
+    if SHIPPED and (cfg := table_choice(key, candidates, torch.cuda.get_device_name())) is not None:
         _choice[key] = cfg
         return cfg
     _disk_load()
