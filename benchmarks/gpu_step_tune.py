@@ -43,7 +43,7 @@ def main() -> int:
     from bitnetlm.models import ModelConfig
     from bitnetlm.models.cache import parse_kv_cache_dtype
 
-    tune.SHIPPED = False  # start from the chain's own choices
+    tune.STEP_TABLES = False  # start from the chain's own choices
     batches = [int(b) for b in args.batches.split(",")]
     eng = CudaEngine.random(
         ModelConfig(),

@@ -27,7 +27,7 @@ import triton
 from bitnetlm.kernels.triton.common import INTERPRET
 
 _choice: dict[tuple, dict] = {}
-_candidates: dict[tuple, list[dict]] = {}  # each key's candidate list, as built (benchmarks/gpu_step_tune.py)
+_candidates: dict[tuple, list[dict]] = {}  # each key's candidate list, as built (step_tune.py walks them)
 # BITNETLM_TRITON_TUNE: 0 = first candidate, no timing (tests); chain (default) = time calls back to back inside
 # a CUDA graph, each over its own copy of the weights (`_chain_time`), as the captured decode step runs them;
 # graph = time single calls inside CUDA graphs with L2 flushed between them; 1 = triton's do_bench (charges each
@@ -104,8 +104,8 @@ def _chain_time(launch, copies: list[torch.Tensor], reps: int = 3) -> float:
     return _replay_ms(g, reps) / (reps * n)
 
 
-# the step-tuned tables (False: benchmarks' A/B against the chain's own choices)
-SHIPPED = True
+# consult the step-tuned tables (False: the chain timing alone, as benchmarks/gpu_step_tune.py starts from)
+STEP_TABLES = True
 CONFIG_DIR = Path(__file__).parent / "configs"  # shipped with the package
 # what `bitnet tune` writes (BITNETLM_TRITON_STEP_TABLES=: none), taken ahead of the shipped table
 USER_TABLE_DIR = os.environ.get(
@@ -203,7 +203,7 @@ def _tune(key: tuple, make_candidates, launch, weight: torch.Tensor) -> dict:
     if INTERPRET or len(candidates) == 1 or not TUNE or torch.cuda.is_current_stream_capturing():
         _choice[key] = candidates[0]
         return candidates[0]
-    if SHIPPED and (cfg := table_choice(key, candidates, torch.cuda.get_device_name())) is not None:
+    if STEP_TABLES and (cfg := table_choice(key, candidates, torch.cuda.get_device_name())) is not None:
         _choice[key] = cfg
         return cfg
     _disk_load()
