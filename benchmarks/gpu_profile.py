@@ -114,6 +114,7 @@ def main() -> int:
     args = ap.parse_args()
     from bitnetlm.engine_cuda import CudaEngine, EngineConfig
     from bitnetlm.kernels.triton import attention, launch
+    from bitnetlm.kernels.triton.step_tune import step_ms
     from bitnetlm.models import ModelConfig
     from bitnetlm.models.cache import parse_kv_cache_dtype
 
@@ -138,25 +139,10 @@ def main() -> int:
                 _set(var)
                 for c, spec in ((c, sp) for c in contexts for sp in args.attn.split(",")):  # 0: the default
                     attention.set_overrides(spec)
-                    eng._graphs.clear()
-                    st = eng.decode_state(b, max_keys=args.max_keys)
-                    st.pos.fill_(c)
-                    st.step.fill_(1)
-                    for _ in range(3):
-                        st.graph.replay()
-                    a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    st.pos.fill_(c)
-                    st.step.fill_(1)
-                    a.record()
-                    for _ in range(100):
-                        st.graph.replay()
-                    e.record()
-                    e.synchronize()
+                    ms = step_ms(eng, b, c, args.max_keys, reps=100, tries=1)
                     tag = f" [{var}]" if var else ""
                     ctx = f" context {c}" if len(contexts) > 1 else ""
-                    print(
-                        f"batch {b}{ctx} attn {spec}{tag}: {a.elapsed_time(e) / 100:.3f} ms/step", flush=True
-                    )
+                    print(f"batch {b}{ctx} attn {spec}{tag}: {ms:.3f} ms/step", flush=True)
                 _set(var, restore=True)
         attention.set_overrides()
         eng._graphs.clear()

@@ -13,10 +13,9 @@ import sys
 
 
 def _ints(s: str) -> list[int]:
-    try:
-        out = [int(v) for v in s.split(",") if v]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, found {s!r}") from None
+    from bitnetlm.bench import _int_list
+
+    out = _int_list(s)
     if not out or min(out) < 1:
         raise argparse.ArgumentTypeError(f"expected batch sizes >= 1, found {s!r}")
     return out

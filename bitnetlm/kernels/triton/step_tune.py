@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,7 +27,6 @@ class StepTune:
     batch: int
     chain: dict[tuple, dict]  # each key's choice before (the chain timing's, or a table's)
     step: dict[tuple, dict]  # after the descent
-    times: dict[tuple, list[tuple[float, dict]]] = field(default_factory=dict)  # ms/step of each candidate
 
     def changed(self) -> list[tuple]:
         return [k for k in self.chain if self.chain[k] != self.step[k]]
@@ -37,16 +36,19 @@ class StepTune:
         return {str(k): v for k, v in self.step.items()}
 
 
-def step_ms(eng, batch: int, context: int, max_keys: int = 0, reps: int = 50) -> float:
-    """ms per replay of a freshly captured decode step at `context` keys: the better of two timings of `reps`."""
+def step_ms(eng, batch: int, context: int, max_keys: int = 0, reps: int = 50, tries: int = 2) -> float:
+    """ms per replay of a freshly captured decode step from `context` keys: the best of `tries` timings of
+    `reps` replays (a one-off stall is not a tile's fault), each after three warm-up replays."""
     eng._graphs.clear()
     st = eng.decode_state(batch, max_keys=max_keys)
     best = float("inf")
-    for _ in range(2):  # a one-off stall is not a tile's fault
+    for _ in range(tries):
         st.pos.fill_(context)
         st.step.fill_(1)
         for _ in range(3):
             st.graph.replay()
+        st.pos.fill_(context)
+        st.step.fill_(1)
         a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         for _ in range(reps):
@@ -95,7 +97,6 @@ def tune_step(
             t, cfg = min(times, key=lambda tc: tc[0])
             now = next((tc for tc, c in times if c == cur), float("inf"))
             tune._choice[k] = cfg if t < now * (1 - min_gain) else cur
-            res.times[k] = times
             if log:
                 log(f"- {k}")
                 for tc, c in times:
@@ -138,10 +139,7 @@ def write_table(path: str | os.PathLike, choices: dict[str, dict]) -> Path:
         if not isinstance(table, dict):
             raise ValueError(f"{path}: expected a JSON object of key -> tile, found {type(table).__name__}")
     table.update(choices)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(dict(sorted(table.items())), indent=1) + "\n")
-    os.replace(tmp, path)
+    tune.write_json(path, dict(sorted(table.items())))
     tune._tables.cache_clear()
     return path
 

@@ -184,13 +184,18 @@ def _disk_store(key: tuple, cfg: dict) -> None:
         return
     _disk[_disk_key(key)] = cfg
     try:
-        os.makedirs(os.path.dirname(TUNE_CACHE) or ".", exist_ok=True)
-        tmp = f"{TUNE_CACHE}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({k: v for k, v in _disk.items() if k != "__loaded__"}, f, indent=1)
-        os.replace(tmp, TUNE_CACHE)
+        write_json(TUNE_CACHE, {k: v for k, v in _disk.items() if k != "__loaded__"})
     except OSError:
         pass
+
+
+def write_json(path: str | os.PathLike, obj) -> None:
+    """obj as indented JSON at path, its folder made: a temporary file, then a rename (a reader never sees half)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
 
 
 def _tune(key: tuple, make_candidates, launch, weight: torch.Tensor) -> dict:
