@@ -82,6 +82,29 @@ def test_default_dispatch_exact():
         assert torch.equal(L.ternary_linear(x, layout.pack_triton(t), s, 24), int_matmul_f32(xq, t) * (s / a))
 
 
+def test_row_gemv_norm_weights_before_the_wait_change_nothing(monkeypatch):
+    """The quantizing row GEMV loads its norm weights before its PDL wait (EARLY_NORM_MAX_K) or after it, with
+    bit-identical outputs: plain with a residual, and gated; one row and two."""
+    n, k = 24, 200  # K = 200: the last word of each slab part padding
+
+    def run(early, m):
+        monkeypatch.setattr(L, "EARLY_NORM_MAX_K", early)
+        t, x, _ = _case(m, 2 * n, k, seed=40 + m)
+        g = torch.Generator().manual_seed(m)
+        norm = (1 + 0.1 * torch.randn(k, generator=g)).to(x.device)
+        srow = (0.01 + torch.rand(2 * n, generator=g)).to(x.device)
+        res = torch.randn(m, n, generator=g).to(x.device)
+        p, p1 = layout.pack_triton(t), layout.pack_triton(t[:n])
+        return (
+            L.ternary_linear(x, p1, srow[:n], n, norm_weight=norm, residual=res, path="row"),
+            L.ternary_linear(x, p, srow, n, norm_weight=norm, gated=True, path="row"),
+        )
+
+    for m in (1, 2):
+        for a, b in zip(run(4096, m), run(0, m)):
+            assert torch.equal(a, b)
+
+
 def test_quantize_rows_exact():
     _, x, _ = _case(5, 1, 70, seed=3)
     x[2] = 0  # all-zero row: the 1e-5 clamp

@@ -64,8 +64,11 @@ def _check_qkv_rope(m, hidden, nh, nkv, hd, dtype, dev, seed=0, per_row=True):
     assert not torch.equal(kc2, kc)  # the slots were written
 
 
+@pytest.mark.parametrize("early", [4096, 0])
 @pytest.mark.parametrize("m", [1, 2, 5])
-def test_qkv_rope_exact(m):
+def test_qkv_rope_exact(m, early, monkeypatch):
+    # early: the quantizing kernels load their norm weights before (or after) the PDL wait, EARLY_NORM_MAX_K
+    monkeypatch.setattr(L, "EARLY_NORM_MAX_K", early)
     # K not a multiple of 16 (padding), GQA group of 2, head_dim 16; per-row and single scales
     _check_qkv_rope(m, hidden=72, nh=4, nkv=2, hd=16, dtype=torch.float32, dev=DEV, seed=m)
     _check_qkv_rope(m, hidden=64, nh=2, nkv=1, hd=32, dtype=torch.float32, dev=DEV, seed=m + 7, per_row=False)

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bitnetlm.kernels.triton import launch as launch_mod
 from bitnetlm.kernels.triton.common import _epilogue, _pdl_wait, _rotate
 from bitnetlm.kernels.triton.gemm import _mma_loop, _prefetch_rows, _splitk_sum
 from bitnetlm.kernels.triton.gemv import _load_qrow, _row_out
@@ -35,7 +36,7 @@ from bitnetlm.kernels.triton.launch import (
     pdl_kw,
 )
 from bitnetlm.kernels.triton.layout import packed_row_bytes
-from bitnetlm.kernels.triton.quant import _quant_words
+from bitnetlm.kernels.triton.quant import _norm_slabs, _quant_words, _quant_words_g
 from bitnetlm.kernels.triton.tune import _next_pow2, _row_candidates, _splitk_candidates, _tune
 
 
@@ -159,6 +160,7 @@ def _qkv_rope_kernel(
     KV_SAME: tl.constexpr = True,
     PREQ: tl.constexpr = True,
     HAS_NORM: tl.constexpr = True,
+    EARLY_NORM: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     HALF: tl.constexpr = D // 2
@@ -171,14 +173,24 @@ def _qkv_rope_kernel(
         s = tl.load(s_ptr + offs_n, mask=mask_n, other=1.0)
     else:
         s = tl.load(s_ptr) + tl.zeros([BN], tl.float32)
+    if EARLY_NORM:  # (a quantizing program with a norm) constant too: off the critical path after the wait
+        g0, g1, g2, g3 = _norm_slabs(nw_ptr, K, KW, offs_w, mw)
     _pdl_wait(PDL)  # the weight and scale loads above overlap the previous kernel
     # `_rope_store` for one row, kept one-dimensional: its [1, P] form measured 4% slower a batch-1 step
     head, d, mp, rot, is_q, is_k, kvh = _pair_roles(pid, N, H, HKV, HALF, P)
     cache = tl.where(is_k, kc_ptr, vc_ptr)
     for m in range(M):
+        if EARLY_NORM:  # the position and its cos / sin issued with the row's loads, not after the dots
+            pos = tl.load(pos_ptr + m)
+            c = tl.load(cos_ptr + pos * HALF + d)
+            sn = tl.load(sin_ptr + pos * HALF + d)
         if PREQ:
             xw0, xw1, xw2, xw3, a, rs = _load_qrow(
                 q_ptr + m * stride_qw, a_ptr + m, rs_ptr + m, KW, offs_w, mw
+            )
+        elif EARLY_NORM:
+            xw0, xw1, xw2, xw3, a, rs = _quant_words_g(
+                x_ptr + m * stride_xm, g0, g1, g2, g3, K, KW, eps, offs_w, mw, PTX
             )
         else:  # rmsnorm? + quantization of the whole row in every program (no separate launch)
             xw0, xw1, xw2, xw3, a, rs = _quant_words(
@@ -187,9 +199,10 @@ def _qkv_rope_kernel(
         y = _row_out(xw0, xw1, xw2, xw3, wv, rs, a, s, PTX)
         yq = y.to(qo_ptr.dtype.element_ty).to(tl.float32)  # the q|k|v row as the unfused step stores it
         f1, f2 = tl.split(tl.permute(tl.reshape(yq, [2, P]), (1, 0)))
-        pos = tl.load(pos_ptr + m)
-        c = tl.load(cos_ptr + pos * HALF + d)
-        sn = tl.load(sin_ptr + pos * HALF + d)
+        if not EARLY_NORM:
+            pos = tl.load(pos_ptr + m)
+            c = tl.load(cos_ptr + pos * HALF + d)
+            sn = tl.load(sin_ptr + pos * HALF + d)
         r1, r2 = _rotate(f1, f2, c, sn, PTX)
         o1 = tl.where(rot, r1, f1)
         o2 = tl.where(rot, r2, f2)
@@ -395,6 +408,7 @@ def qkv_rope(
             KV_SAME=k_cache.dtype == q_out.dtype,
             PREQ=preq,
             HAS_NORM=norm_weight is not None,
+            EARLY_NORM=not preq and norm_weight is not None and k <= launch_mod.EARLY_NORM_MAX_K,
             **pdl_kw(),
         )
 

@@ -23,7 +23,7 @@ from bitnetlm.kernels.triton.common import (
     _pdl_wait,
     _store_out,
 )
-from bitnetlm.kernels.triton.quant import _act_scale, _q8, _quant_words
+from bitnetlm.kernels.triton.quant import _act_scale, _norm_slabs, _q8, _quant_words, _quant_words_g
 
 
 @triton.jit
@@ -210,6 +210,7 @@ def _gemv_row_kernel(
     BN: tl.constexpr,
     KWP: tl.constexpr,
     PDL: tl.constexpr = False,
+    EARLY_NORM: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BN + tl.arange(0, BN)
@@ -227,11 +228,19 @@ def _gemv_row_kernel(
     else:
         s = tl.load(s_ptr) + tl.zeros([BN], tl.float32)
         s2 = s
+    if EARLY_NORM:  # (a quantizing program with a norm) constant too: off the critical path after the wait
+        g0, g1, g2, g3 = _norm_slabs(nw_ptr, K, KW, offs_w, mw)
     _pdl_wait(PDL)  # the weight and scale loads above overlap the previous kernel
     for m in range(M):
+        if EARLY_NORM and HAS_RES:  # issued with the row's loads, not after its reductions
+            res = tl.load(r_ptr + m * stride_rm + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         if PREQ:
             xw0, xw1, xw2, xw3, a, rs = _load_qrow(
                 q_ptr + m * stride_qw, a_ptr + m, rs_ptr + m, KW, offs_w, mw
+            )
+        elif EARLY_NORM:
+            xw0, xw1, xw2, xw3, a, rs = _quant_words_g(
+                x_ptr + m * stride_xm, g0, g1, g2, g3, K, KW, eps, offs_w, mw, PTX
             )
         else:
             xw0, xw1, xw2, xw3, a, rs = _quant_words(
@@ -241,7 +250,7 @@ def _gemv_row_kernel(
         if GATED:
             y = _activate(y, ACT) * _row_out(xw0, xw1, xw2, xw3, wv2, rs, a, s2, PTX)
         if HAS_RES:
-            y = _add_rn(
-                y, tl.load(r_ptr + m * stride_rm + offs_n, mask=mask_n, other=0.0).to(tl.float32), PTX
-            )
+            if not EARLY_NORM:
+                res = tl.load(r_ptr + m * stride_rm + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            y = _add_rn(y, res, PTX)
         tl.store(y_ptr + m * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)

@@ -31,6 +31,10 @@ ROW_MAX_M = 2  # rows up to this try the row GEMV first (dp4a work grows with M;
 GEMV_MAX_M = 16  # rows up to this may use the fused dp4a GEMV (the tuner decides against split-K)
 SPLITK_MAX_M = 64  # rows up to this use split-K tensor-core GEMM; above it, the plain tiled GEMM
 QUANT_WARPS = 0  # benchmarks' override of the quantization launch's warps (0: the default, 16)
+# Row GEMVs that quantize their input in every program load the norm weights before their PDL wait, so that only
+# the row itself is fetched after it, up to this K (float32 weights held across the wait: 16 registers a thread at
+# K = 2560 and 8 warps, 43 at 6912). 0: after the wait, as before. (Branch exp/early-loads, not measured yet.)
+EARLY_NORM_MAX_K = 4096
 PTX = not INTERPRET
 
 
@@ -250,7 +254,8 @@ def ternary_linear(
         if cfg["path"] in ("gemv", "gemv8"):
             launch_dp4a(_gemv_kernel, cfg, w, BM=bm)
         elif cfg["path"] in ("row", "rowq"):
-            launch_dp4a(_gemv_row_kernel, cfg, w, KWP=_next_pow2(kp // 4), **pdl_kw())
+            early = cfg["path"] == "row" and norm_weight is not None and k <= EARLY_NORM_MAX_K
+            launch_dp4a(_gemv_row_kernel, cfg, w, KWP=_next_pow2(kp // 4), EARLY_NORM=early, **pdl_kw())
         elif cfg["path"] == "splitk":
             launch_splitk(cfg, w)
         else:

@@ -119,6 +119,43 @@ def _quant_words(xrow, nw_ptr, K, KW, eps, offs_w, mw, HAS_NORM: tl.constexpr, P
     return w0, w1, w2, w3, a, tl.sum(r0 + r1 + r2 + r3, axis=0)  # one block reduction for the rowsum
 
 
+@triton.jit
+def _norm_slabs(nw_ptr, K, KW, offs_w, mw):
+    """The RMSNorm weights of the four slabs (float32 [KWP, 4] each), as `_quant_words` indexes them: constant
+    data, which a row kernel may load before its PDL wait (`_quant_words_g`)."""
+    kk = offs_w[:, None] * 4 + tl.arange(0, 4)[None, :]  # [KWP, 4] index in slab 0
+    kp = 4 * KW
+    g0 = tl.load(nw_ptr + kk, mask=(kk < K) & mw[:, None], other=0.0).to(tl.float32)
+    g1 = tl.load(nw_ptr + kk + kp, mask=(kk + kp < K) & mw[:, None], other=0.0).to(tl.float32)
+    g2 = tl.load(nw_ptr + kk + 2 * kp, mask=(kk + 2 * kp < K) & mw[:, None], other=0.0).to(tl.float32)
+    g3 = tl.load(nw_ptr + kk + 3 * kp, mask=(kk + 3 * kp < K) & mw[:, None], other=0.0).to(tl.float32)
+    return g0, g1, g2, g3
+
+
+@triton.jit
+def _quant_words_g(xrow, g0, g1, g2, g3, K, KW, eps, offs_w, mw, PTX: tl.constexpr):
+    """`_quant_words` with a norm whose slab weights g* are already loaded (`_norm_slabs`): the same operations
+    in the same order, so the same words, a and rowsum."""
+    offs_j = tl.arange(0, 4)
+    kk = offs_w[:, None] * 4 + offs_j[None, :]  # [KWP, 4] index in slab 0
+    kp = 4 * KW
+    x0 = tl.load(xrow + kk, mask=(kk < K) & mw[:, None], other=0.0).to(tl.float32)
+    x1 = tl.load(xrow + kk + kp, mask=(kk + kp < K) & mw[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(xrow + kk + 2 * kp, mask=(kk + 2 * kp < K) & mw[:, None], other=0.0).to(tl.float32)
+    x3 = tl.load(xrow + kk + 3 * kp, mask=(kk + 3 * kp < K) & mw[:, None], other=0.0).to(tl.float32)
+    ss = tl.sum(tl.sum(x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3, axis=1), axis=0)
+    am = tl.maximum(
+        tl.maximum(tl.abs(x0 * g0), tl.abs(x1 * g1)), tl.maximum(tl.abs(x2 * g2), tl.abs(x3 * g3))
+    )
+    rstd = 1.0 / tl.sqrt_rn(ss / K + eps)
+    a = _act_scale(tl.max(tl.max(am, axis=1), axis=0) * rstd, PTX)
+    w0, r0 = _slab_q(x0, g0, rstd, a, offs_j, True, PTX)
+    w1, r1 = _slab_q(x1, g1, rstd, a, offs_j, True, PTX)
+    w2, r2 = _slab_q(x2, g2, rstd, a, offs_j, True, PTX)
+    w3, r3 = _slab_q(x3, g3, rstd, a, offs_j, True, PTX)
+    return w0, w1, w2, w3, a, tl.sum(r0 + r1 + r2 + r3, axis=0)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # the int8 LM head's input: RMSNorm (rounded to the activations' dtype, as `attention.rmsnorm` stores it), then
 # int16 codes per row split into two int8 halves for two int8 MMAs: q = 256 * hi + lo, hi and lo in [-127, 127]
