@@ -375,14 +375,19 @@ def test_gpu_gated_2b4t_and_int8_head():
                 assert torch.equal(maxima[:, t], part.amax(-1)), (cfg, t)
 
 
+@pytest.mark.parametrize("pos_early", [1, 0])
 @pytest.mark.parametrize("keys", [0, 16, 32])
 @pytest.mark.parametrize("h,hkv", [(4, 2), (3, 3), (6, 2)])
-def test_decode_attention_split_merge(h, hkv, keys):
+def test_decode_attention_split_merge(h, hkv, keys, pos_early, monkeypatch):
     """Split-KV decode attention (the live context cut into spans, merged by the last program holding keys) vs
     softmax attention; GQA groups of 2, 1 (MHA) and 3 (not a power of two) query heads per KV head. Contexts of
     1 key, a few keys (one split busy), a span boundary and the whole cache (every split busy). keys: a
-    short-context step's range (one or two splits of one 16-key block here), which most rows outgrow."""
+    short-context step's range (one or two splits of one 16-key block here), which most rows outgrow.
+    pos_early: pos read before the PDL wait (the default) or after it."""
+    from bitnetlm.kernels.triton import attention
     from bitnetlm.kernels.triton.attention import attn_decode
+
+    monkeypatch.setattr(attention, "ATTN_POS_EARLY", pos_early)
 
     g = torch.Generator().manual_seed(3)
     b, s, d = 5, 64, 16

@@ -134,6 +134,7 @@ def _attn_gqa_kernel(
     PDL: tl.constexpr = False,
     KV8: tl.constexpr = False,
     LATE: tl.constexpr = False,
+    POS_EARLY: tl.constexpr = False,
 ):
     """Flash-decoding over a GQA group: program (b, kv head, split) loads each K/V block of its keys once for
     all G query heads sharing it (scores and P@V on tensor cores, the G rows padded to GP >= 16). The row's live
@@ -146,10 +147,17 @@ def _attn_gqa_kernel(
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     base = (b * HKV + kvh) * S * D
-    if PDL:  # this program's first K/V block into L2 while waiting (a hint only: pos read this early may be
-        # stale, the rows past it still being written; the real loads come later)
+    # pos is constant for the whole step: its first kernel (F.embedding or `ends.embed_int8`) lets the next one
+    # launch only after the previous step's sampler has written it
+    if POS_EARLY:
+        n = tl.load(pos_ptr + b) + 1
+    if PDL:  # this program's first K/V block into L2 while waiting (a hint only: the rows past pos are still
+        # being written; the real loads come later)
         LP: tl.constexpr = D // 64 if D >= 64 else 1  # 128-byte lines of a bf16 row
-        pos_early = tl.load(pos_ptr + b, cache_modifier=".cg")  # not into L1: the real load comes later
+        if POS_EARLY:
+            pos_early = n - 1
+        else:
+            pos_early = tl.load(pos_ptr + b, cache_modifier=".cg")  # not into L1: the real load comes later
         span_e = _span(pos_early + 1, NSPLIT)
         pf_s = sp * span_e + tl.arange(0, BS)
         pf_kv = base + pf_s[:, None] * D + (tl.arange(0, LP) * 64)[None, :]
@@ -157,7 +165,8 @@ def _attn_gqa_kernel(
         _prefetch_l2(k_ptr + pf_kv, pf_m, True)
         _prefetch_l2(v_ptr + pf_kv, pf_m, True)
     _pdl_wait(PDL, TRIGGER=not LATE)  # LATE: the next kernels launch at this one's end (ATTN_LATE_MIN_B)
-    n = tl.load(pos_ptr + b) + 1  # keys 0..pos[b] are this row's context
+    if not POS_EARLY:
+        n = tl.load(pos_ptr + b) + 1  # keys 0..pos[b] are this row's context
     span = _span(n, NSPLIT)
     nact = tl.cdiv(n, span)  # splits holding keys; the rest have nothing to do
     lo = sp * span
@@ -258,6 +267,9 @@ ATTN_LATE_MIN_B = 8
 # keys the default splits are faster (benchmarks/gpu_profile.py --max-keys, docs/PERF_LOG.md stop 30). Any
 # context stays exact: a range outgrown only makes each split loop over more blocks.
 ATTN_RANGE_MAX_B = 8
+# The attention reads pos before its PDL wait (constant for a step: its first kernel lets the next launch only
+# after the previous step's sampler wrote it), so that only q and the K/V loads wait for q|k|v.
+ATTN_POS_EARLY = 1
 ATTN_RANGE_BS = 256
 ATTN_RANGE_WARPS = 8
 _attn_ws: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -352,6 +364,7 @@ def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float, keys: int = 0) -
         **({"num_stages": stages} if stages else {}),
         **({"maxnreg": ATTN_MAXNREG} if ATTN_MAXNREG and not INTERPRET else {}),
         LATE=b >= ATTN_LATE_MIN_B,
+        POS_EARLY=bool(ATTN_POS_EARLY),
         **pdl_kw(),
     )
 
