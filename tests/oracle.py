@@ -7,6 +7,7 @@ and forward are checked against the oracle, not against our own output.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -83,6 +84,7 @@ def make_checkpoint(path: Path, variant: str, seed: int = 0) -> Path:
     _build_fp(oracle, variant, seed)
     cfg = json.loads((oracle / "config.json").read_text())
     if variant in ("online", "1bitllm"):
+        _clear_weight_ties(oracle / "model.safetensors")
         cfg["quantization_config"] = {
             "quant_method": "bitnet",
             "linear_class": "autobitlinear",
@@ -117,6 +119,27 @@ def make_checkpoint(path: Path, variant: str, seed: int = 0) -> Path:
     return oracle
 
 
+def _clear_weight_ties(file: Path, margin: float = 1e-4) -> None:
+    """Move float master weights off the ternarization ties |w| / mean|W| = 0.5 (by `margin` of the scale).
+
+    transformers ternarizes online weights in a torch.compile'd WeightQuant whose mean|W| reduction order depends
+    on the CPU's vector width and the thread count, so a weight within a float32 ulp of a tie gets a ternary value
+    that depends on the machine (about one weight in 2*10^7 disagrees with our eager mean). With no weight that
+    close the checkpoint means one ternary model everywhere; ~10 of ~7*10^4 weights move, it stays an ordinary one.
+    """
+    sd = load_file(str(file))
+    for k, w in sd.items():
+        if any(k.endswith(f"{p}.weight") for p in PROJ):
+            s = w.abs().mean()
+            near = ((w.abs() / s) - 0.5).abs() < margin
+            w[near] = (
+                w[near].sign() * torch.where(w[near].abs() / s < 0.5, 0.5 - 2 * margin, 0.5 + 2 * margin) * s
+            )
+            r = w.abs() / w.abs().mean()
+            assert ((r - 0.5).abs() >= margin / 2).all(), k
+    save_file(sd, str(file), metadata={"format": "pt"})
+
+
 def _write_1bitllm(path: Path, oracle: Path, cfg: dict) -> None:
     path.mkdir(parents=True, exist_ok=True)
     sd = load_file(str(oracle / "model.safetensors"))
@@ -144,6 +167,61 @@ def oracle_model(oracle_dir: Path):
         transformers.LlamaForCausalLM if cfg.get("model_type") == "llama" else transformers.BitNetForCausalLM
     )
     return cls.from_pretrained(oracle_dir, dtype=torch.float32).eval()
+
+
+@contextmanager
+def pinned_quantizer_inputs(ref, model, ids: torch.Tensor, atol: float = 1e-4):
+    """Feed `model`'s int8 activation quantizers the exact inputs transformers' quantizers get on `ids`.
+
+    Both sides round x * 127 / max|x| to int8 with the same formula, but their float32 rounding differs (HF's
+    AutoBitLinear multiplies dequantized floats where we scale an exact integer product; attention, norms, GEMM
+    blocking and the thread count move last bits): x * 127 / max|x| differs by up to ~1e-4 between the two, while
+    ~10 activations of a 2x24-token forward lie within 1e-4 of a k + 0.5 tie. When one rounds to different codes
+    the logits move by ~1e-3..1e-2 (same model, no bug: 36 of 600 random inputs on a 2-thread Zen 5). Inside this
+    context each of our BitLinears first checks that its own input equals transformers' within `atol` (so every
+    norm / attention / RoPE / MLP segment between quantizers is still compared with the oracle), then computes
+    from transformers' input. Yields a dict: module name -> max |input diff|.
+    """
+    from transformers.integrations.bitnet import AutoBitLinear
+    from transformers.integrations.bitnet import BitLinear as HFBitLinear
+
+    from bitnetlm.quant import BitLinear
+
+    seen: dict[str, torch.Tensor] = {}
+    handles = [
+        m.register_forward_pre_hook(
+            lambda m, a, n=n.removeprefix("model."): seen.__setitem__(n, a[0].detach())
+        )
+        for n, m in ref.named_modules()
+        if isinstance(m, (AutoBitLinear, HFBitLinear))
+    ]
+    try:
+        with torch.no_grad():
+            ref(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    ours = {n: m for n, m in model.named_modules() if isinstance(m, BitLinear)}
+    if set(ours) != set(seen):
+        raise AssertionError(f"quantizing linears differ: ours {sorted(ours)}, transformers {sorted(seen)}")
+    diffs: dict[str, float] = {}
+
+    def pin(name):
+        def hook(m, args):
+            x, want = args[0], seen[name]
+            assert x.shape == want.shape, (name, x.shape, want.shape)
+            diffs[name] = (x - want.to(x.dtype)).abs().max().item()
+            assert diffs[name] <= atol, f"{name}: max |input diff| = {diffs[name]} (allowed {atol})"
+            return (want.to(x.dtype),) + tuple(args[1:])
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(pin(n)) for n, m in ours.items()]
+    try:
+        yield diffs
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def random_model(arch: str = "bitnet", seed: int = 0, hidden: int = 256, inter: int = 512, **overrides):
