@@ -13,7 +13,7 @@ The activation rows come pre-quantized (`quantize_into`, one launch before) or a
 normalizes and quantizes the whole row itself (`quant._quant_words`, as the row GEMV's PREQ=False path), which
 the batch-1 step uses. (A quantizing tail -- the last program of o / gate|up / down / attention quantizing the
 whole output row for the next projection -- was measured slower than the separate `_quant_kernel` launch on an
-H100, 1-2 us a projection, and is not used.)
+H100, 1-2 us a projection, and for o -> gate|up at batch 1 on an H200: docs/PERF_LOG.md stop 32; not used.)
 """
 
 from __future__ import annotations
