@@ -2,8 +2,12 @@
 real offline-packed format, written by benchmarks/make_checkpoint.py if absent) -> load_model on CUDA ->
 CudaEngine -> prefill of a prompt -> first token on the host.
 
-    python benchmarks/gpu_first_token.py [--dir DIR] [--prompt 16] [--runs 2] [--via engine|generate]
+    python benchmarks/gpu_first_token.py [--dir DIR] [--prompt 16] [--runs 2] [--via engine|generate|serve]
         [--compile-bytecode]
+
+--via serve: what `bitnet serve` does on CUDA before /health reports ready (load_model, then the server's
+`GraphRows`: its engine for 8 rows of the full context and every capture), then the first prompt's captured
+prefill into row 0 and its greedy token.
 
 --via engine (default): load_model, CudaEngine.from_model, one eager forward of `--prompt` random token ids,
 greedy token. --via generate: what `bitnet generate` does, as a user of the library sees it: the CLI's own
@@ -144,6 +148,61 @@ def child_generate(path: str) -> None:
     )
 
 
+def child_serve(path: str, prompt: int, max_batch: int = 8) -> None:
+    """What `bitnet serve` does on CUDA before it reports ready (`serve/graph_rows.GraphRows`: the engine for
+    `max_batch` rows of the model's full context, every batch size's decode steps and short key ranges captured,
+    the shortest prefill), then one prompt's prefill into row 0 and its greedy token."""
+    t0_wall = time.time()
+    t0 = time.perf_counter()
+    import torch
+
+    sys.path.insert(0, ROOT)
+    from bitnetlm.generate import graph
+    from bitnetlm.loading import load_model
+    from bitnetlm.serve.graph_rows import GraphRows
+
+    t_import = time.perf_counter()
+    model = load_model(path, device="cuda", dtype=torch.bfloat16, backend="triton").eval()
+    torch.cuda.synchronize()
+    t_load = time.perf_counter()
+    built = {}
+    build = graph.build_engine
+
+    def timed_build(*args, **kwargs):
+        t = time.perf_counter()
+        eng = build(*args, **kwargs)
+        torch.cuda.synchronize()
+        built["s"] = time.perf_counter() - t
+        return eng
+
+    graph.build_engine = timed_build  # GraphRows.create looks it up at call time
+    with torch.no_grad():
+        rows = GraphRows.create(model, max_batch, model.config.max_position_embeddings)
+        torch.cuda.synchronize()
+        t_rows = time.perf_counter()
+        ids = torch.randint(0, model.config.vocab_size, (prompt,), generator=torch.Generator().manual_seed(0))
+        first = int(rows.prefill(0, ids.tolist(), 0).argmax())  # host sync
+    t_first = time.perf_counter()
+    t_first_wall = time.time()
+    print(
+        json.dumps(
+            dict(
+                import_s=t_import - t0,
+                load_s=t_load - t_import,
+                engine_s=built["s"],
+                captures_s=t_rows - t_load - built["s"],
+                graphs=len(rows.eng._graphs),
+                first_token_s=t_first - t_rows,
+                in_process_s=t_first - t0,
+                t0_wall=t0_wall,
+                first_wall=t_first_wall,
+                token=first,
+                gpu=torch.cuda.get_device_name(),
+            )
+        )
+    )
+
+
 def compile_bytecode() -> None:
     """compileall over the imported packages. Python reads .pyc files even under PYTHONDONTWRITEBYTECODE=1 (which
     only stops it writing them): an image built that way compiles torch's Python from source in every process."""
@@ -166,9 +225,10 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument(
         "--via",
-        choices=["engine", "generate"],
+        choices=["engine", "generate", "serve"],
         default="engine",
-        help="engine: CudaEngine directly; generate: bitnetlm.load + stream_generate as the CLI (default: %(default)s)",
+        help="engine: CudaEngine directly; generate: bitnetlm.load + stream_generate as the CLI; serve: the "
+        "server's engine rows (8, full context, every capture) then one prefill (default: %(default)s)",
     )
     ap.add_argument(
         "--tokenizer",
@@ -186,10 +246,12 @@ def main() -> int:
     if a._child:
         if a.via == "generate":
             child_generate(a.dir)
+        elif a.via == "serve":
+            child_serve(a.dir, a.prompt)
         else:
             child(a.dir, a.prompt)
         return 0
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]  # (write_checkpoint imports bitnetlm)
     from make_checkpoint import write_checkpoint
 
     if a.compile_bytecode:
@@ -230,6 +292,9 @@ def main() -> int:
     what = (
         f"prompt {a.prompt} random token ids, CudaEngine.from_model + eager forward, greedy"
         if a.via == "engine"
+        else f"--via serve: the server's GraphRows (8 rows, full context, {rows[0]['graphs']} graphs captured), then "
+        f"a captured prefill of {a.prompt} random token ids into row 0, greedy"
+        if a.via == "serve"
         else f"--via generate: bitnetlm.load + stream_generate, text prompt of {rows[0]['prompt_tokens']} tokens, "
         f"CLI default sampling, backend {rows[0]['backend']}, graph engine {'yes' if rows[0]['graph'] else 'NO'}"
     )
