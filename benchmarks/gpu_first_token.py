@@ -39,6 +39,34 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT_TEXT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 
 
+def _timed(spent: dict, key: str, fn, sync: bool = False):
+    """fn, adding the seconds each call takes (to a CUDA sync when `sync`) to spent[key]."""
+
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if sync:
+                import torch
+
+                torch.cuda.synchronize()
+            spent[key] += time.perf_counter() - t
+
+    return wrapper
+
+
+def _load_cuda(path: str):
+    """The checkpoint on CUDA in bfloat16 with the Triton kernels, as the engine paths load it (synced)."""
+    import torch
+
+    from bitnetlm.loading import load_model
+
+    model = load_model(path, device="cuda", dtype=torch.bfloat16, backend="triton").eval()
+    torch.cuda.synchronize()
+    return model
+
+
 def child(path: str, prompt: int) -> None:
     t0_wall = time.time()
     t0 = time.perf_counter()
@@ -46,11 +74,9 @@ def child(path: str, prompt: int) -> None:
 
     sys.path.insert(0, ROOT)
     from bitnetlm.engine_cuda import CudaEngine, EngineConfig
-    from bitnetlm.loading import load_model
 
     t_import = time.perf_counter()
-    model = load_model(path, device="cuda", dtype=torch.bfloat16, backend="triton").eval()
-    torch.cuda.synchronize()
+    model = _load_cuda(path)
     t_load = time.perf_counter()
     eng = CudaEngine.from_model(model, EngineConfig(max_batch=1, max_seq_len=prompt + 64), device="cuda")
     del model
@@ -94,24 +120,11 @@ def child_generate(path: str) -> None:
 
     t_import = time.perf_counter()
     spent = dict(tokenizer_s=0.0, engine_s=0.0, captures_s=0.0)
-
-    def timed(key, fn, sync=False):
-        def wrapper(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                if sync:
-                    torch.cuda.synchronize()
-                spent[key] += time.perf_counter() - t
-
-        return wrapper
-
     # the library's own functions, timed in place (each module looks them up as a global at call time)
-    bitnetlm.loading.load_tokenizer = timed("tokenizer_s", bitnetlm.loading.load_tokenizer)
-    graph.build_engine = timed("engine_s", graph.build_engine, sync=True)
-    CudaEngine.decode_state = timed("captures_s", CudaEngine.decode_state, sync=True)
-    CudaEngine.prefill_state = timed("captures_s", CudaEngine.prefill_state, sync=True)
+    bitnetlm.loading.load_tokenizer = _timed(spent, "tokenizer_s", bitnetlm.loading.load_tokenizer)
+    graph.build_engine = _timed(spent, "engine_s", graph.build_engine, sync=True)
+    CudaEngine.decode_state = _timed(spent, "captures_s", CudaEngine.decode_state, sync=True)
+    CudaEngine.prefill_state = _timed(spent, "captures_s", CudaEngine.prefill_state, sync=True)
 
     model, tok = load_model_and_tokenizer(path, device="cuda")
     torch.cuda.synchronize()
@@ -158,24 +171,13 @@ def child_serve(path: str, prompt: int, max_batch: int = 8) -> None:
 
     sys.path.insert(0, ROOT)
     from bitnetlm.generate import graph
-    from bitnetlm.loading import load_model
     from bitnetlm.serve.graph_rows import GraphRows
 
     t_import = time.perf_counter()
-    model = load_model(path, device="cuda", dtype=torch.bfloat16, backend="triton").eval()
-    torch.cuda.synchronize()
+    model = _load_cuda(path)
     t_load = time.perf_counter()
-    built = {}
-    build = graph.build_engine
-
-    def timed_build(*args, **kwargs):
-        t = time.perf_counter()
-        eng = build(*args, **kwargs)
-        torch.cuda.synchronize()
-        built["s"] = time.perf_counter() - t
-        return eng
-
-    graph.build_engine = timed_build  # GraphRows.create looks it up at call time
+    spent = dict(engine_s=0.0)
+    graph.build_engine = _timed(spent, "engine_s", graph.build_engine, sync=True)  # looked up at call time
     with torch.no_grad():
         rows = GraphRows.create(model, max_batch, model.config.max_position_embeddings)
         torch.cuda.synchronize()
@@ -189,8 +191,8 @@ def child_serve(path: str, prompt: int, max_batch: int = 8) -> None:
             dict(
                 import_s=t_import - t0,
                 load_s=t_load - t_import,
-                engine_s=built["s"],
-                captures_s=t_rows - t_load - built["s"],
+                engine_s=spent["engine_s"],
+                captures_s=t_rows - t_load - spent["engine_s"],
                 graphs=len(rows.eng._graphs),
                 first_token_s=t_first - t_rows,
                 in_process_s=t_first - t0,
