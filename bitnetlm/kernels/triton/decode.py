@@ -185,18 +185,20 @@ def _qkv_rope_kernel(
             c = tl.load(cos_ptr + pos * HALF + d)
             sn = tl.load(sin_ptr + pos * HALF + d)
         if PREQ:
-            xw0, xw1, xw2, xw3, a, rs = _load_qrow(
+            xw0, xw1, xw2, xw3, a, rw, rs = _load_qrow(
                 q_ptr + m * stride_qw, a_ptr + m, rs_ptr + m, KW, offs_w, mw
             )
         elif EARLY_NORM:
-            xw0, xw1, xw2, xw3, a, rs = _quant_words_g(
+            xw0, xw1, xw2, xw3, a, rw = _quant_words_g(
                 x_ptr + m * stride_xm, g0, g1, g2, g3, K, KW, eps, offs_w, mw, PTX
             )
+            rs = 0  # the row sum comes in rw's parts
         else:  # rmsnorm? + quantization of the whole row in every program (no separate launch)
-            xw0, xw1, xw2, xw3, a, rs = _quant_words(
+            xw0, xw1, xw2, xw3, a, rw = _quant_words(
                 x_ptr + m * stride_xm, nw_ptr, K, KW, eps, offs_w, mw, HAS_NORM, PTX
             )
-        y = _row_out(xw0, xw1, xw2, xw3, wv, rs, a, s, PTX)
+            rs = 0  # the row sum comes in rw's parts
+        y = _row_out(xw0, xw1, xw2, xw3, wv, rw, rs, a, s, PTX)
         yq = y.to(qo_ptr.dtype.element_ty).to(tl.float32)  # the q|k|v row as the unfused step stores it
         f1, f2 = tl.split(tl.permute(tl.reshape(yq, [2, P]), (1, 0)))
         if not EARLY_NORM:

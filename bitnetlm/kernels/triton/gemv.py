@@ -155,29 +155,34 @@ def _gemv_kernel(
 # or read pre-quantized from `_quant_kernel` (PREQ=True), and dp4a runs over the four slabs.
 # --------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _row_dot(xw0, xw1, xw2, xw3, wv, PTX: tl.constexpr):
-    """sum_k x_k * c_k for each of the BN weight rows (codes c = t + 1) -> [BN] int32."""
+def _row_dot(xw0, xw1, xw2, xw3, wv, rw, PTX: tl.constexpr):
+    """sum_k x_k * c_k - rw-parts for each of the BN weight rows (codes c = t + 1) -> [BN] int32. rw [KWP]: the
+    activation codes' sums per word position (`quant._quant_words`), subtracted before the one reduction so that
+    it yields X @ T directly; zeros when the row sum comes whole (`_load_qrow`)."""
     acc = _dp4a(tl.broadcast_to(xw0[None, :], wv.shape), wv & 0x03030303, tl.zeros_like(wv), PTX)
     acc = _dp4a(tl.broadcast_to(xw1[None, :], wv.shape), (wv >> 2) & 0x03030303, acc, PTX)
     acc = _dp4a(tl.broadcast_to(xw2[None, :], wv.shape), (wv >> 4) & 0x03030303, acc, PTX)
     acc = _dp4a(tl.broadcast_to(xw3[None, :], wv.shape), (wv >> 6) & 0x03030303, acc, PTX)
-    return tl.sum(acc, axis=1)
+    return tl.sum(acc - rw[None, :], axis=1)
 
 
 @triton.jit
-def _row_out(xw0, xw1, xw2, xw3, wv, rs, a, s, PTX: tl.constexpr):
-    """Float outputs [BN] of one activation row (words xw*, scale a, rowsum rs) through weight words wv."""
-    return (_row_dot(xw0, xw1, xw2, xw3, wv, PTX) - rs).to(tl.float32) * _div_rn(s, a + tl.zeros_like(s), PTX)
+def _row_out(xw0, xw1, xw2, xw3, wv, rw, rs, a, s, PTX: tl.constexpr):
+    """Float outputs [BN] of one activation row (words xw*, scale a, row sum rw-parts + rs) through weight words wv."""
+    return (_row_dot(xw0, xw1, xw2, xw3, wv, rw, PTX) - rs).to(tl.float32) * _div_rn(
+        s, a + tl.zeros_like(s), PTX
+    )
 
 
 @triton.jit
 def _load_qrow(qrow, a_ptr, rs_ptr, KW, offs_w, mw):
-    """One pre-quantized row (`_quant_kernel` output viewed as int32 words): the four slabs' words, a, rowsum."""
+    """One pre-quantized row (`_quant_kernel` output viewed as int32 words): the four slabs' words, a, no row sum
+    parts (zeros [KWP]), the row sum."""
     xw0 = tl.load(qrow + offs_w, mask=mw, other=0)
     xw1 = tl.load(qrow + KW + offs_w, mask=mw, other=0)
     xw2 = tl.load(qrow + 2 * KW + offs_w, mask=mw, other=0)
     xw3 = tl.load(qrow + 3 * KW + offs_w, mask=mw, other=0)
-    return xw0, xw1, xw2, xw3, tl.load(a_ptr), tl.load(rs_ptr)
+    return xw0, xw1, xw2, xw3, tl.load(a_ptr), tl.zeros_like(offs_w), tl.load(rs_ptr)
 
 
 @triton.jit
@@ -235,20 +240,22 @@ def _gemv_row_kernel(
         if EARLY_NORM and HAS_RES:  # issued with the row's loads, not after its reductions
             res = tl.load(r_ptr + m * stride_rm + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         if PREQ:
-            xw0, xw1, xw2, xw3, a, rs = _load_qrow(
+            xw0, xw1, xw2, xw3, a, rw, rs = _load_qrow(
                 q_ptr + m * stride_qw, a_ptr + m, rs_ptr + m, KW, offs_w, mw
             )
         elif EARLY_NORM:
-            xw0, xw1, xw2, xw3, a, rs = _quant_words_g(
+            xw0, xw1, xw2, xw3, a, rw = _quant_words_g(
                 x_ptr + m * stride_xm, g0, g1, g2, g3, K, KW, eps, offs_w, mw, PTX
             )
+            rs = 0  # the row sum comes in rw's parts
         else:
-            xw0, xw1, xw2, xw3, a, rs = _quant_words(
+            xw0, xw1, xw2, xw3, a, rw = _quant_words(
                 x_ptr + m * stride_xm, nw_ptr, K, KW, eps, offs_w, mw, HAS_NORM, PTX
             )
-        y = _row_out(xw0, xw1, xw2, xw3, wv, rs, a, s, PTX)
+            rs = 0  # the row sum comes in rw's parts
+        y = _row_out(xw0, xw1, xw2, xw3, wv, rw, rs, a, s, PTX)
         if GATED:
-            y = _activate(y, ACT) * _row_out(xw0, xw1, xw2, xw3, wv2, rs, a, s2, PTX)
+            y = _activate(y, ACT) * _row_out(xw0, xw1, xw2, xw3, wv2, rw, rs, a, s2, PTX)
         if HAS_RES:
             if not EARLY_NORM:
                 res = tl.load(r_ptr + m * stride_rm + offs_n, mask=mask_n, other=0.0).to(tl.float32)

@@ -24,6 +24,18 @@ def _act_scale(amax, PTX: tl.constexpr):
 
 
 @triton.jit
+def _sum_max(s0, m0, s1, m1):
+    return s0 + s1, tl.maximum(m0, m1)
+
+
+@triton.jit
+def _ss_gmax(xx, xg, axis: tl.constexpr):
+    """(sum of xx, max of xg) along axis in one reduction: the two block-wide reductions of an RMSNorm before an
+    absmax quantization share one pass through shared memory and one barrier (the sum in tl.sum's order)."""
+    return tl.reduce((xx, xg), axis, _sum_max)
+
+
+@triton.jit
 def _q8(x, a, PTX: tl.constexpr):
     """int8 codes (as int32) of x at scale a: round half to even, clamped to [-128, 127]."""
     q = _rne(x * a, PTX)
@@ -57,8 +69,9 @@ def _quant_kernel(
     x = tl.load(x_ptr + m * stride_xm + offs, mask=mk, other=0.0).to(tl.float32)
     if HAS_NORM:
         g = tl.load(nw_ptr + offs, mask=mk, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / K + eps)
-        amax = tl.max(tl.abs(x * g), axis=0) * rstd
+        ss, gmax = _ss_gmax(x * x, tl.abs(x * g), 0)
+        rstd = 1.0 / tl.sqrt_rn(ss / K + eps)
+        amax = gmax * rstd
         x = (x * rstd) * g
     else:
         amax = tl.max(tl.abs(x), axis=0)
@@ -92,7 +105,9 @@ def _slab_q(x, g, rstd, a, offs_j, HAS_NORM: tl.constexpr, PTX: tl.constexpr):
 
 @triton.jit
 def _quant_words(xrow, nw_ptr, K, KW, eps, offs_w, mw, HAS_NORM: tl.constexpr, PTX: tl.constexpr):
-    """One activation row -> int8 words of the four slabs ([KWP] int32 each), a, rowsum (as `_quant_kernel`)."""
+    """One activation row -> int8 words of the four slabs ([KWP] int32 each), a, and the codes' sums per word
+    position ([KWP]: the row sum in parts, which `gemv._row_dot` subtracts before its own reduction, so that no
+    block-wide reduction runs for the row sum; codes and a as `_quant_kernel`'s)."""
     offs_j = tl.arange(0, 4)
     kk = offs_w[:, None] * 4 + offs_j[None, :]  # [KWP, 4] index in slab 0
     kp = 4 * KW
@@ -101,12 +116,12 @@ def _quant_words(xrow, nw_ptr, K, KW, eps, offs_w, mw, HAS_NORM: tl.constexpr, P
     x2, g2 = _slab_x(xrow, nw_ptr, kk + 2 * kp, (kk + 2 * kp < K) & mw[:, None], HAS_NORM)
     x3, g3 = _slab_x(xrow, nw_ptr, kk + 3 * kp, (kk + 3 * kp < K) & mw[:, None], HAS_NORM)
     if HAS_NORM:
-        ss = tl.sum(tl.sum(x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3, axis=1), axis=0)
         am = tl.maximum(
             tl.maximum(tl.abs(x0 * g0), tl.abs(x1 * g1)), tl.maximum(tl.abs(x2 * g2), tl.abs(x3 * g3))
         )
+        ss, gmax = _ss_gmax(tl.sum(x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3, axis=1), tl.max(am, axis=1), 0)
         rstd = 1.0 / tl.sqrt_rn(ss / K + eps)
-        amax = tl.max(tl.max(am, axis=1), axis=0) * rstd
+        amax = gmax * rstd
     else:
         am = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
         amax = tl.max(tl.max(am, axis=1), axis=0)
@@ -116,7 +131,7 @@ def _quant_words(xrow, nw_ptr, K, KW, eps, offs_w, mw, HAS_NORM: tl.constexpr, P
     w1, r1 = _slab_q(x1, g1, rstd, a, offs_j, HAS_NORM, PTX)
     w2, r2 = _slab_q(x2, g2, rstd, a, offs_j, HAS_NORM, PTX)
     w3, r3 = _slab_q(x3, g3, rstd, a, offs_j, HAS_NORM, PTX)
-    return w0, w1, w2, w3, a, tl.sum(r0 + r1 + r2 + r3, axis=0)  # one block reduction for the rowsum
+    return w0, w1, w2, w3, a, r0 + r1 + r2 + r3  # the row sum per word: `gemv._row_dot` folds it in
 
 
 @triton.jit
@@ -135,7 +150,7 @@ def _norm_slabs(nw_ptr, K, KW, offs_w, mw):
 @triton.jit
 def _quant_words_g(xrow, g0, g1, g2, g3, K, KW, eps, offs_w, mw, PTX: tl.constexpr):
     """`_quant_words` with a norm whose slab weights g* are already loaded (`_norm_slabs`): the same operations
-    in the same order, so the same words, a and rowsum."""
+    in the same order, so the same words, a and row sums."""
     offs_j = tl.arange(0, 4)
     kk = offs_w[:, None] * 4 + offs_j[None, :]  # [KWP, 4] index in slab 0
     kp = 4 * KW
@@ -143,17 +158,17 @@ def _quant_words_g(xrow, g0, g1, g2, g3, K, KW, eps, offs_w, mw, PTX: tl.constex
     x1 = tl.load(xrow + kk + kp, mask=(kk + kp < K) & mw[:, None], other=0.0).to(tl.float32)
     x2 = tl.load(xrow + kk + 2 * kp, mask=(kk + 2 * kp < K) & mw[:, None], other=0.0).to(tl.float32)
     x3 = tl.load(xrow + kk + 3 * kp, mask=(kk + 3 * kp < K) & mw[:, None], other=0.0).to(tl.float32)
-    ss = tl.sum(tl.sum(x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3, axis=1), axis=0)
     am = tl.maximum(
         tl.maximum(tl.abs(x0 * g0), tl.abs(x1 * g1)), tl.maximum(tl.abs(x2 * g2), tl.abs(x3 * g3))
     )
+    ss, gmax = _ss_gmax(tl.sum(x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3, axis=1), tl.max(am, axis=1), 0)
     rstd = 1.0 / tl.sqrt_rn(ss / K + eps)
-    a = _act_scale(tl.max(tl.max(am, axis=1), axis=0) * rstd, PTX)
+    a = _act_scale(gmax * rstd, PTX)
     w0, r0 = _slab_q(x0, g0, rstd, a, offs_j, True, PTX)
     w1, r1 = _slab_q(x1, g1, rstd, a, offs_j, True, PTX)
     w2, r2 = _slab_q(x2, g2, rstd, a, offs_j, True, PTX)
     w3, r3 = _slab_q(x3, g3, rstd, a, offs_j, True, PTX)
-    return w0, w1, w2, w3, a, tl.sum(r0 + r1 + r2 + r3, axis=0)
+    return w0, w1, w2, w3, a, r0 + r1 + r2 + r3
 
 
 # --------------------------------------------------------------------------------------------------------------
