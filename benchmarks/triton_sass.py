@@ -4,11 +4,13 @@ after the kernel's programmatic-dependent-launch wait (`griddepcontrol.wait`, SA
 step's latency is: barriers (each block-wide reduction or layout conversion through shared memory costs one or
 two), shuffles, shared-memory and global traffic.
 
-    python benchmarks/triton_sass.py [--kernel attn|o_row|down_row|gateup_rowq|qkv_row|quant ...]
+    python benchmarks/triton_sass.py [--kernel attn|o_row|down_row|gateup_rowq|qkv_row|quant|o_splitk8|gateup_pair8
+        ...]
         [--cache fp8|bf16] [--warps W] [--stages S] [--constexpr NAME=VALUE ...]
 
 `attn` (the default) also prints the instructions of the K/V block loop (one 64-key block, batch 64's shape). The
-row kernels are batch 1's shipped tiles on the H200 (`kernels/triton/configs/`); `--constexpr` overrides a
+row kernels are batch 1's shipped tiles on the H200 (`kernels/triton/configs/`), the split-K GEMMs batch 8's
+(o: 5 splits; gate|up: paired, 2 splits; down is o's kernel); `--constexpr` overrides a
 kernel's constexprs (a branch's switch), `--warps` its warps. Counts depend on the Triton version (the device
 machine has 3.6: `pip install triton==3.6.0` in a venv).
 """
@@ -52,8 +54,23 @@ def kernels(cache: str) -> dict[str, tuple]:
     qkv = dict(PER_ROW=True, PTX=True, D=128, BN=16, KWP=256, PDL=True, KV_SAME=False, PREQ=False)
     qkv.update(HAS_NORM=True, EARLY_NORM=True)
     row = dict(ROW, PREQ=False, HAS_NORM=True, HAS_RES=True, GATED=False, BN=32)
+    mma_ptrs = dict(q_ptr="*i8", a_ptr="*fp32", rs_ptr="*i32", w_ptr="*u8", s_ptr="*fp32", r_ptr="*bf16")
+    mma_ptrs.update(y_ptr="*bf16", ws_ptr="*i32", cnt_ptr="*i32")
+    mma_div = ("N", "KP", "stride_qm", "stride_rm", "stride_ym")
+    mma = dict(
+        ROW, BM=16, BN=64, BKB=128, GROUP_M=0, SWAP=True, PAIR=False, GATED=False, HAS_RES=True, SPLIT=5
+    )
     return {
         "attn": ("attention", "_attn_gqa_kernel", attn_ptrs, (), attn, 4),
+        "o_splitk8": ("gemm", "_gemm_kernel", mma_ptrs, mma_div, mma, 4),
+        "gateup_pair8": (
+            "gemm",
+            "_gemm_kernel",
+            mma_ptrs,
+            mma_div,
+            dict(mma, GATED=True, PAIR=True, HAS_RES=False, SPLIT=2),
+            4,
+        ),
         "o_row": ("gemv", "_gemv_row_kernel", ROW_PTRS, ROW_DIV, dict(row, KWP=256, EARLY_NORM=True), 8),
         "down_row": ("gemv", "_gemv_row_kernel", ROW_PTRS, ROW_DIV, dict(row, KWP=512, EARLY_NORM=False), 8),
         "gateup_rowq": (
@@ -163,7 +180,7 @@ def main() -> int:
         "--kernel",
         nargs="*",
         default=["attn"],
-        help="attn, o_row, down_row, gateup_rowq, qkv_row, quant; all",
+        help="attn, o_row, down_row, gateup_rowq, qkv_row, quant, o_splitk8, gateup_pair8; all",
     )
     ap.add_argument("--cache", default="fp8", choices=["fp8", "bf16"])
     ap.add_argument("--warps", type=int, default=0, help="0: the kernel's shipped warps")
