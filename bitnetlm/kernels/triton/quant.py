@@ -86,13 +86,8 @@ def _quant_kernel(
 # one row -> int32 words of the four slabs (four int8 codes a word), inside the fused row GEMV
 # --------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _slab_x(xrow, nw_ptr, kk, mk, HAS_NORM: tl.constexpr):
-    x = tl.load(xrow + kk, mask=mk, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        g = tl.load(nw_ptr + kk, mask=mk, other=0.0).to(tl.float32)
-    else:
-        g = x
-    return x, g
+def _slab_x(xrow, kk, mk):
+    return tl.load(xrow + kk, mask=mk, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -107,31 +102,28 @@ def _slab_q(x, g, rstd, a, offs_j, HAS_NORM: tl.constexpr, PTX: tl.constexpr):
 def _quant_words(xrow, nw_ptr, K, KW, eps, offs_w, mw, HAS_NORM: tl.constexpr, PTX: tl.constexpr):
     """One activation row -> int8 words of the four slabs ([KWP] int32 each), a, and the codes' sums per word
     position ([KWP]: the row sum in parts, which `gemv._row_dot` subtracts before its own reduction, so that no
-    block-wide reduction runs for the row sum; codes and a as `_quant_kernel`'s)."""
-    offs_j = tl.arange(0, 4)
-    kk = offs_w[:, None] * 4 + offs_j[None, :]  # [KWP, 4] index in slab 0
-    kp = 4 * KW
-    x0, g0 = _slab_x(xrow, nw_ptr, kk, (kk < K) & mw[:, None], HAS_NORM)
-    x1, g1 = _slab_x(xrow, nw_ptr, kk + kp, (kk + kp < K) & mw[:, None], HAS_NORM)
-    x2, g2 = _slab_x(xrow, nw_ptr, kk + 2 * kp, (kk + 2 * kp < K) & mw[:, None], HAS_NORM)
-    x3, g3 = _slab_x(xrow, nw_ptr, kk + 3 * kp, (kk + 3 * kp < K) & mw[:, None], HAS_NORM)
+    block-wide reduction runs for the row sum; codes and a as `_quant_kernel`'s). With a norm: its weights, then
+    `_quant_words_g`."""
     if HAS_NORM:
-        am = tl.maximum(
-            tl.maximum(tl.abs(x0 * g0), tl.abs(x1 * g1)), tl.maximum(tl.abs(x2 * g2), tl.abs(x3 * g3))
-        )
-        ss, gmax = _ss_gmax(tl.sum(x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3, axis=1), tl.max(am, axis=1), 0)
-        rstd = 1.0 / tl.sqrt_rn(ss / K + eps)
-        amax = gmax * rstd
+        g0, g1, g2, g3 = _norm_slabs(nw_ptr, K, KW, offs_w, mw)
+        w0, w1, w2, w3, a, rw = _quant_words_g(xrow, g0, g1, g2, g3, K, KW, eps, offs_w, mw, PTX)
     else:
+        offs_j = tl.arange(0, 4)
+        kk = offs_w[:, None] * 4 + offs_j[None, :]  # [KWP, 4] index in slab 0
+        kp = 4 * KW
+        x0 = _slab_x(xrow, kk, (kk < K) & mw[:, None])
+        x1 = _slab_x(xrow, kk + kp, (kk + kp < K) & mw[:, None])
+        x2 = _slab_x(xrow, kk + 2 * kp, (kk + 2 * kp < K) & mw[:, None])
+        x3 = _slab_x(xrow, kk + 3 * kp, (kk + 3 * kp < K) & mw[:, None])
         am = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
         amax = tl.max(tl.max(am, axis=1), axis=0)
-        rstd = amax
-    a = _act_scale(amax, PTX)
-    w0, r0 = _slab_q(x0, g0, rstd, a, offs_j, HAS_NORM, PTX)
-    w1, r1 = _slab_q(x1, g1, rstd, a, offs_j, HAS_NORM, PTX)
-    w2, r2 = _slab_q(x2, g2, rstd, a, offs_j, HAS_NORM, PTX)
-    w3, r3 = _slab_q(x3, g3, rstd, a, offs_j, HAS_NORM, PTX)
-    return w0, w1, w2, w3, a, r0 + r1 + r2 + r3  # the row sum per word: `gemv._row_dot` folds it in
+        a = _act_scale(amax, PTX)
+        w0, r0 = _slab_q(x0, x0, amax, a, offs_j, False, PTX)
+        w1, r1 = _slab_q(x1, x1, amax, a, offs_j, False, PTX)
+        w2, r2 = _slab_q(x2, x2, amax, a, offs_j, False, PTX)
+        w3, r3 = _slab_q(x3, x3, amax, a, offs_j, False, PTX)
+        rw = r0 + r1 + r2 + r3
+    return w0, w1, w2, w3, a, rw
 
 
 @triton.jit
