@@ -25,7 +25,7 @@ import triton.language as tl
 from bitnetlm.kernels.triton import launch as launch_mod
 from bitnetlm.kernels.triton.common import _epilogue, _pdl_wait, _rotate
 from bitnetlm.kernels.triton.gemm import _mma_loop, _prefetch_rows, _splitk_sum
-from bitnetlm.kernels.triton.gemv import _load_qrow, _row_out
+from bitnetlm.kernels.triton.gemv import _row_out, _row_words
 from bitnetlm.kernels.triton.launch import (
     GEMV_MAX_M,
     PTX,
@@ -36,7 +36,7 @@ from bitnetlm.kernels.triton.launch import (
     pdl_kw,
 )
 from bitnetlm.kernels.triton.layout import packed_row_bytes
-from bitnetlm.kernels.triton.quant import _norm_slabs, _quant_words, _quant_words_g
+from bitnetlm.kernels.triton.quant import _norm_slabs
 from bitnetlm.kernels.triton.tune import _next_pow2, _row_candidates, _splitk_candidates, _tune
 
 
@@ -173,6 +173,7 @@ def _qkv_rope_kernel(
         s = tl.load(s_ptr + offs_n, mask=mask_n, other=1.0)
     else:
         s = tl.load(s_ptr) + tl.zeros([BN], tl.float32)
+    g0, g1, g2, g3 = s, s, s, s  # (unused without EARLY_NORM)
     if EARLY_NORM:  # (a quantizing program with a norm) constant too: off the critical path after the wait
         g0, g1, g2, g3 = _norm_slabs(nw_ptr, K, KW, offs_w, mw)
     _pdl_wait(PDL)  # the weight and scale loads above overlap the previous kernel
@@ -184,20 +185,26 @@ def _qkv_rope_kernel(
             pos = tl.load(pos_ptr + m)
             c = tl.load(cos_ptr + pos * HALF + d)
             sn = tl.load(sin_ptr + pos * HALF + d)
-        if PREQ:
-            xw0, xw1, xw2, xw3, a, rw, rs = _load_qrow(
-                q_ptr + m * stride_qw, a_ptr + m, rs_ptr + m, KW, offs_w, mw
-            )
-        elif EARLY_NORM:
-            xw0, xw1, xw2, xw3, a, rw = _quant_words_g(
-                x_ptr + m * stride_xm, g0, g1, g2, g3, K, KW, eps, offs_w, mw, PTX
-            )
-            rs = 0  # the row sum comes in rw's parts
-        else:  # rmsnorm? + quantization of the whole row in every program (no separate launch)
-            xw0, xw1, xw2, xw3, a, rw = _quant_words(
-                x_ptr + m * stride_xm, nw_ptr, K, KW, eps, offs_w, mw, HAS_NORM, PTX
-            )
-            rs = 0  # the row sum comes in rw's parts
+        xw0, xw1, xw2, xw3, a, rw, rs = _row_words(
+            x_ptr + m * stride_xm,
+            nw_ptr,
+            q_ptr + m * stride_qw,
+            a_ptr + m,
+            rs_ptr + m,
+            g0,
+            g1,
+            g2,
+            g3,
+            K,
+            KW,
+            eps,
+            offs_w,
+            mw,
+            PREQ,
+            HAS_NORM,
+            EARLY_NORM,
+            PTX,
+        )
         y = _row_out(xw0, xw1, xw2, xw3, wv, rw, rs, a, s, PTX)
         yq = y.to(qo_ptr.dtype.element_ty).to(tl.float32)  # the q|k|v row as the unfused step stores it
         f1, f2 = tl.split(tl.permute(tl.reshape(yq, [2, P]), (1, 0)))

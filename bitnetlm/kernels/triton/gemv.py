@@ -186,6 +186,40 @@ def _load_qrow(qrow, a_ptr, rs_ptr, KW, offs_w, mw):
 
 
 @triton.jit
+def _row_words(
+    x_ptr,
+    nw_ptr,
+    q_ptr,
+    a_ptr,
+    rs_ptr,
+    g0,
+    g1,
+    g2,
+    g3,
+    K,
+    KW,
+    eps,
+    offs_w,
+    mw,
+    PREQ: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    EARLY_NORM: tl.constexpr,
+    PTX: tl.constexpr,
+):
+    """One activation row for the row kernels: words, a, row sum parts, row sum. Pre-quantized (PREQ), or
+    normalized and quantized here with the norm weights g* loaded before the wait (EARLY_NORM) or now."""
+    if PREQ:
+        xw0, xw1, xw2, xw3, a, rw, rs = _load_qrow(q_ptr, a_ptr, rs_ptr, KW, offs_w, mw)
+    else:
+        if EARLY_NORM:
+            xw0, xw1, xw2, xw3, a, rw = _quant_words_g(x_ptr, g0, g1, g2, g3, K, KW, eps, offs_w, mw, PTX)
+        else:
+            xw0, xw1, xw2, xw3, a, rw = _quant_words(x_ptr, nw_ptr, K, KW, eps, offs_w, mw, HAS_NORM, PTX)
+        rs = 0  # the row sum comes in rw's parts
+    return xw0, xw1, xw2, xw3, a, rw, rs
+
+
+@triton.jit
 def _gemv_row_kernel(
     x_ptr,
     nw_ptr,
@@ -233,26 +267,33 @@ def _gemv_row_kernel(
     else:
         s = tl.load(s_ptr) + tl.zeros([BN], tl.float32)
         s2 = s
+    g0, g1, g2, g3 = s, s, s, s  # (unused without EARLY_NORM)
     if EARLY_NORM:  # (a quantizing program with a norm) constant too: off the critical path after the wait
         g0, g1, g2, g3 = _norm_slabs(nw_ptr, K, KW, offs_w, mw)
     _pdl_wait(PDL)  # the weight and scale loads above overlap the previous kernel
     for m in range(M):
         if EARLY_NORM and HAS_RES:  # issued with the row's loads, not after its reductions
             res = tl.load(r_ptr + m * stride_rm + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        if PREQ:
-            xw0, xw1, xw2, xw3, a, rw, rs = _load_qrow(
-                q_ptr + m * stride_qw, a_ptr + m, rs_ptr + m, KW, offs_w, mw
-            )
-        elif EARLY_NORM:
-            xw0, xw1, xw2, xw3, a, rw = _quant_words_g(
-                x_ptr + m * stride_xm, g0, g1, g2, g3, K, KW, eps, offs_w, mw, PTX
-            )
-            rs = 0  # the row sum comes in rw's parts
-        else:
-            xw0, xw1, xw2, xw3, a, rw = _quant_words(
-                x_ptr + m * stride_xm, nw_ptr, K, KW, eps, offs_w, mw, HAS_NORM, PTX
-            )
-            rs = 0  # the row sum comes in rw's parts
+        xw0, xw1, xw2, xw3, a, rw, rs = _row_words(
+            x_ptr + m * stride_xm,
+            nw_ptr,
+            q_ptr + m * stride_qw,
+            a_ptr + m,
+            rs_ptr + m,
+            g0,
+            g1,
+            g2,
+            g3,
+            K,
+            KW,
+            eps,
+            offs_w,
+            mw,
+            PREQ,
+            HAS_NORM,
+            EARLY_NORM,
+            PTX,
+        )
         y = _row_out(xw0, xw1, xw2, xw3, wv, rw, rs, a, s, PTX)
         if GATED:
             y = _activate(y, ACT) * _row_out(xw0, xw1, xw2, xw3, wv2, rw, rs, a, s2, PTX)
