@@ -56,6 +56,15 @@ def _timed(spent: dict, key: str, fn, sync: bool = False):
     return wrapper
 
 
+def _report(t0: float, t0_wall: float, t_first: float, t_first_wall: float, **phases) -> None:
+    """A child's one JSON line for the parent: its phases, the in-process total, the wall-clock start and first
+    token (the parent times the process by them) and the GPU."""
+    import torch
+
+    summary = dict(in_process_s=t_first - t0, t0_wall=t0_wall, first_wall=t_first_wall)
+    print(json.dumps(dict(phases, **summary, gpu=torch.cuda.get_device_name())))
+
+
 def _load_cuda(path: str):
     """The checkpoint on CUDA in bfloat16 with the Triton kernels, as the engine paths load it (synced)."""
     import torch
@@ -88,21 +97,17 @@ def child(path: str, prompt: int) -> None:
     first = int(first[0])  # host sync
     t_first = time.perf_counter()
     t_first_wall = time.time()
-    print(
-        json.dumps(
-            dict(
-                import_s=t_import - t0,
-                load_s=t_load - t_import,
-                engine_s=t_engine - t_load,
-                first_token_s=t_first - t_engine,
-                in_process_s=t_first - t0,
-                t0_wall=t0_wall,
-                first_wall=t_first_wall,
-                token=first,
-                weight_gib=sum(eng.weight_bytes().values()) / 2**30,
-                gpu=torch.cuda.get_device_name(),
-            )
-        )
+    _report(
+        t0,
+        t0_wall,
+        t_first,
+        t_first_wall,
+        import_s=t_import - t0,
+        load_s=t_load - t_import,
+        engine_s=t_engine - t_load,
+        first_token_s=t_first - t_engine,
+        token=first,
+        weight_gib=sum(eng.weight_bytes().values()) / 2**30,
     )
 
 
@@ -138,26 +143,22 @@ def child_generate(path: str) -> None:
     t_first = time.perf_counter()
     t_first_wall = time.time()
     eng = model.__dict__.get(graph._ATTR, (None,))[0]  # the engine generate built and cached, if any
-    print(
-        json.dumps(
-            dict(
-                import_s=t_import - t0,
-                load_s=t_load - t_import - spent["tokenizer_s"],
-                tokenizer_s=spent["tokenizer_s"],
-                engine_s=spent["engine_s"],
-                captures_s=spent["captures_s"],
-                first_token_s=t_first - t_load - spent["engine_s"] - spent["captures_s"],
-                in_process_s=t_first - t0,
-                t0_wall=t0_wall,
-                first_wall=t_first_wall,
-                token=first,
-                prompt_tokens=n_ids,
-                backend=getattr(model.layers[0].mlp.up_proj._backend, "name", "?"),
-                graph=eng is not None,
-                weight_gib=sum(eng.weight_bytes().values()) / 2**30 if eng is not None else float("nan"),
-                gpu=torch.cuda.get_device_name(),
-            )
-        )
+    _report(
+        t0,
+        t0_wall,
+        t_first,
+        t_first_wall,
+        import_s=t_import - t0,
+        load_s=t_load - t_import - spent["tokenizer_s"],
+        tokenizer_s=spent["tokenizer_s"],
+        engine_s=spent["engine_s"],
+        captures_s=spent["captures_s"],
+        first_token_s=t_first - t_load - spent["engine_s"] - spent["captures_s"],
+        token=first,
+        prompt_tokens=n_ids,
+        backend=getattr(model.layers[0].mlp.up_proj._backend, "name", "?"),
+        graph=eng is not None,
+        weight_gib=sum(eng.weight_bytes().values()) / 2**30 if eng is not None else float("nan"),
     )
 
 
@@ -186,22 +187,18 @@ def child_serve(path: str, prompt: int, max_batch: int = 8) -> None:
         first = int(rows.prefill(0, ids.tolist(), 0).argmax())  # host sync
     t_first = time.perf_counter()
     t_first_wall = time.time()
-    print(
-        json.dumps(
-            dict(
-                import_s=t_import - t0,
-                load_s=t_load - t_import,
-                engine_s=spent["engine_s"],
-                captures_s=t_rows - t_load - spent["engine_s"],
-                graphs=len(rows.eng._graphs),
-                first_token_s=t_first - t_rows,
-                in_process_s=t_first - t0,
-                t0_wall=t0_wall,
-                first_wall=t_first_wall,
-                token=first,
-                gpu=torch.cuda.get_device_name(),
-            )
-        )
+    _report(
+        t0,
+        t0_wall,
+        t_first,
+        t_first_wall,
+        import_s=t_import - t0,
+        load_s=t_load - t_import,
+        engine_s=spent["engine_s"],
+        captures_s=t_rows - t_load - spent["engine_s"],
+        graphs=len(rows.eng._graphs),
+        first_token_s=t_first - t_rows,
+        token=first,
     )
 
 
