@@ -54,6 +54,11 @@ FUSED_GAP = (3, 7)  # the batch sizes between the row GEMV's and the GEMM's fuse
 # measured in the captured step on an H100, faster at batch 1 and slower at batch 2 (where every program
 # quantizes two rows) and for gate|up (6912 outputs: many more programs, each repeating the same work).
 QUANT_IN_ROW_MAX_B = 1
+# Which of them do, within QUANT_IN_ROW_MAX_B (False: a quantization launch, then the tuned path). Switched off one
+# at a time on an H200 (int8 head, float8 cache, stop 34): down the same, o 0.4-1% slower, q|k|v 8% slower.
+QUANT_IN_ROW_QKV = True
+QUANT_IN_ROW_O = True
+QUANT_IN_ROW_DOWN = True
 # The int8 head over int16 activation codes by two int8 MMAs (launch.w8a16_linear: no conversion of the 0.33 GB
 # of weights, 15-bit activations); False: bf16 activations, each weight converted to bf16 (launch.w8_linear).
 HEAD_A16 = True
@@ -437,7 +442,7 @@ class CudaEngine:
         if fused:
             from bitnetlm.kernels.triton.decode import QuantBuf, qkv_rope, quantize_into
 
-            if not in_row and b not in self._bufs:
+            if not (in_row and QUANT_IN_ROW_QKV) and b not in self._bufs:
                 self._bufs[b] = QuantBuf(b, self.cfg.hidden_size, self.device)
             xq = self._bufs.get(b)
         mask = None  # prefill from 0: plain causal; from start: query i (position start + i) sees keys 0..start + i
@@ -449,7 +454,7 @@ class CudaEngine:
         for li, L in enumerate(self.layers):
             kc, vc = self.k_cache[li][row0 : row0 + b], self.v_cache[li][row0 : row0 + b]  # contiguous views
             q = torch.empty((b, t, nh, hd), device=h.device, dtype=h.dtype)
-            if in_row:  # every program normalizes + quantizes h itself
+            if in_row and QUANT_IN_ROW_QKV:  # every program normalizes + quantizes h itself
                 qkv_rope(
                     h, b, L.qkv, L.qkv_scale, q, self.cos, self.sin, pos, kc, vc, nh, nkv, L.in_norm, self.eps
                 )
@@ -475,11 +480,13 @@ class CudaEngine:
                 kp, vp = kc[:, :, : start + t].to(q.dtype), vc[:, :, : start + t].to(q.dtype)
                 o = prefill_attention(q.transpose(1, 2), kp, vp, mask, nh != nkv)  # [B, H, T, D]
                 o = o.transpose(1, 2).reshape(b * t, nh * hd)
-            h = self._lin(o, L.o, L.o_scale, h.shape[-1], norm=L.attn_sub_norm, residual=h, path=rp)
+            rp_o = rp if QUANT_IN_ROW_O else None
+            h = self._lin(o, L.o, L.o_scale, h.shape[-1], norm=L.attn_sub_norm, residual=h, path=rp_o)
             g = self._lin(
                 h, L.gate_up, L.gate_up_scale, self.cfg.intermediate_size, norm=L.post_norm, gated=True
             )
-            h = self._lin(g, L.down, L.down_scale, h.shape[-1], norm=L.ffn_sub_norm, residual=h, path=rp)
+            rp_d = rp if QUANT_IN_ROW_DOWN else None
+            h = self._lin(g, L.down, L.down_scale, h.shape[-1], norm=L.ffn_sub_norm, residual=h, path=rp_d)
         if last_at is not None:
             h = h.view(b, t, -1).index_select(1, last_at)[:, 0]  # [B, hidden]
         elif last_only:
