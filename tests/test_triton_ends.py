@@ -69,6 +69,26 @@ def test_greedy_step_equals_argmax_and_bookkeeping(b, v, chunks):
     assert (out[:, :2] == -1).all() and (out[:, 5:] == -1).all()  # no other column written
 
 
+@pytest.mark.parametrize("b,chunks", [(1, 1), (1, 3), (3, 1), (3, 4)])
+def test_greedy_step_index_maps_the_winning_tile(b, chunks):
+    """index= (tile maxima, each tile's first index): the token is the winning tile's index, with one chunk a
+    row (no partials) and with several (partials + the last program's reduction); ties go to the first tile."""
+    (ends,) = triton_modules("ends")
+    g = torch.Generator().manual_seed(b * 10 + chunks)
+    t = 700  # tiles: several 256-blocks under the interpreter, the last one short
+    x = _logits_with_ties(b, t, g)
+    index = torch.randperm(t * 64, generator=g)[:t].to(torch.int32).expand(b, t).contiguous().to(DEV)
+    tok = torch.zeros((b, 1), dtype=torch.long, device=DEV)
+    out = torch.full((b, 3), -1, dtype=torch.long, device=DEV)
+    step = torch.tensor([1], device=DEV)
+    pos = torch.zeros((b,), dtype=torch.int32, device=DEV)
+    for i in range(2):  # counters reset between calls
+        ends.greedy_step(x, tok, out, step, pos, chunks=chunks, index=index)
+        want = index.gather(1, x.argmax(-1, keepdim=True))[:, 0].long()
+        assert torch.equal(tok[:, 0], want) and torch.equal(out[:, 1 + i], want), i
+        assert int(step) == 2 + i and (pos == 1 + i).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("b", [1, 8, 64])
 def test_gpu_greedy_step_2b4t_vocab_in_a_graph(b):
