@@ -9,15 +9,17 @@ from oracle import greedy_with_cache
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("short", [True, False])
+@pytest.mark.parametrize("keys", ["range", "small", "default"])
 @pytest.mark.parametrize("variant", ["packed-autobitlinear", "online", "1bitllm", "llama"])
-def test_greedy_64_tokens_equal_cpu_reference(oracle_dirs, variant, short, monkeypatch):
-    """short: the step's attention runs its short-context splits (71 keys at most); else the default ones."""
+def test_greedy_64_tokens_equal_cpu_reference(oracle_dirs, variant, keys, monkeypatch):
+    """keys: the step's attention runs its short-context splits (71 keys at most: "range"), the default splits
+    over small blocks ("small") or over the default ones."""
     from bitnetlm.engine_cuda import CudaEngine, EngineConfig
     from bitnetlm.kernels.triton import attention
     from bitnetlm.loading import load_model
 
-    monkeypatch.setattr(attention, "ATTN_RANGE_MAX_B", 8 if short else 0)
+    monkeypatch.setattr(attention, "ATTN_RANGE_MAX_B", 8 if keys == "range" else 0)
+    monkeypatch.setattr(attention, "ATTN_SMALL_MAX_B", 2 if keys == "small" else 0)
 
     ours, _ = oracle_dirs[variant]
     model = load_model(ours, device="cpu", backend="reference").eval()

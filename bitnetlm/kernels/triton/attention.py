@@ -264,14 +264,24 @@ ATTN_LATE_MIN_B = 8
 # A captured step told that its rows stay within 256 or 512 keys (`key_range`) runs one or two splits of one
 # 256-key block each, at 8 warps in one stage, up to batch ATTN_RANGE_MAX_B: a small grid and a merge of at most
 # two. On an H200 a step took 5-10% less time at batch 1-8 within 256 keys and 0-4% within 512; from about 1,000
-# keys the default splits are faster (benchmarks/gpu_profile.py --max-keys, docs/PERF_LOG.md stop 30). Any
-# context stays exact: a range outgrown only makes each split loop over more blocks.
+# keys the default splits are faster (benchmarks/gpu_profile.py --max-keys, docs/PERF_LOG.md stop 30); batches 1-2
+# have since taken small blocks instead (ATTN_SMALL_MAX_B, measured faster at stop 34). Any context stays exact: a
+# range outgrown only makes each split loop over more blocks.
 ATTN_RANGE_MAX_B = 8
 # The attention reads pos before its PDL wait (constant for a step: its first kernel lets the next launch only
 # after the previous step's sampler wrote it), so that only q and the K/V loads wait for q|k|v.
 ATTN_POS_EARLY = 1
 ATTN_RANGE_BS = 256
 ATTN_RANGE_WARPS = 8
+# Up to batch ATTN_SMALL_MAX_B, a captured step told that its rows stay within ATTN_SMALL_MAX_KEYS keys runs the
+# default splits over ATTN_SMALL_BS-key blocks (ahead of the range blocks): 32 splits cut up to 1,024 keys into
+# spans of at most 32, which 64-key blocks compute half masked. On an H200 (int8 head, float8 cache; stop 34,
+# benchmarks/gpu_profile.py --max-keys) a batch-1 step took 1.5-2.5% less time than over 64-key blocks at contexts
+# of 512-600 keys and 1.5% / 8% less than the range blocks within 256 / 512 keys (batch 2: 0.3% / 0.2% / 5%);
+# with 1,500 keys and more than 32 a span it took 0.8% more, and at batch 8 5-16% more.
+ATTN_SMALL_BS = 32
+ATTN_SMALL_MAX_B = 2
+ATTN_SMALL_MAX_KEYS = 1024
 _attn_ws: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
@@ -279,18 +289,25 @@ def _range_bs() -> int:
     return 16 if INTERPRET else ATTN_RANGE_BS  # the interpreter's small blocks
 
 
+def _small_bs() -> int:
+    return 16 if INTERPRET else ATTN_SMALL_BS
+
+
 def key_ranges() -> list[int]:
     """Every key range `key_range` picks but 0 (a server captures a step for each)."""
-    return [_range_bs(), 2 * _range_bs()]
+    return [_range_bs(), 2 * _range_bs(), ATTN_SMALL_MAX_KEYS]
 
 
 def key_range(batch: int, max_keys: int) -> int:
-    """The key range a captured decode step of `batch` rows, none past `max_keys` keys, is built for: one or two
-    range blocks, or 0 (the default splits; also for max_keys 0, unknown)."""
+    """The key range a captured decode step of `batch` rows, none past `max_keys` keys, is built for:
+    ATTN_SMALL_MAX_KEYS (the default splits over small blocks, up to ATTN_SMALL_MAX_B rows), one or two range
+    blocks (up to ATTN_RANGE_MAX_B rows), or 0 (the default splits; also for max_keys 0, unknown)."""
     bs = _range_bs()
-    if batch > ATTN_RANGE_MAX_B or not 0 < max_keys <= 2 * bs:
-        return 0
-    return bs * triton.cdiv(max_keys, bs)
+    if batch <= ATTN_SMALL_MAX_B and 0 < max_keys <= ATTN_SMALL_MAX_KEYS:
+        return ATTN_SMALL_MAX_KEYS
+    if batch <= ATTN_RANGE_MAX_B and 0 < max_keys <= 2 * bs:
+        return bs * triton.cdiv(max_keys, bs)
+    return 0
 
 
 def set_overrides(spec: str = "0") -> None:
@@ -326,8 +343,10 @@ def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float, keys: int = 0) -
     gp = max(16, triton.next_power_of_2(g))  # tl.dot needs >= 16 rows
     nsplit = _attn_splits(b, hkv, s, q.device)
     bs, warps, stages = (16, 1, 0) if INTERPRET else (ATTN_BS or 64, ATTN_WARPS or 4, ATTN_STAGES)
+    if keys > 2 * _range_bs():  # the default splits over small blocks (ATTN_SMALL_MAX_KEYS)
+        bs = ATTN_BS or _small_bs()
     # a range's block of K (and one of V) must fit 64 KB of shared memory: not so for float32 at 128 dims
-    if keys and ATTN_RANGE_BS * d * q.element_size() <= 65536:
+    elif keys and ATTN_RANGE_BS * d * q.element_size() <= 65536:
         bs, stages = _range_bs(), 1
         nsplit, warps = triton.cdiv(keys, bs), 1 if INTERPRET else ATTN_RANGE_WARPS
     key = (str(q.device), b, hkv, nsplit, gp, d)
