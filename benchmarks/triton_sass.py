@@ -6,7 +6,7 @@ two), shuffles, shared-memory and global traffic.
 
     python benchmarks/triton_sass.py [--kernel attn|o_row|down_row|gateup_rowq|qkv_row|quant|o_splitk8|gateup_pair8
         ...]
-        [--cache fp8|bf16] [--warps W] [--stages S] [--constexpr NAME=VALUE ...]
+        [--cache fp8|bf16] [--warps W] [--stages S] [--maxnreg R] [--constexpr NAME=VALUE ...]
 
 `attn` (the default) also prints the instructions of the K/V block loop (one 64-key block, batch 64's shape). The
 row kernels are batch 1's shipped tiles on the H200 (`kernels/triton/configs/`), the split-K GEMMs batch 8's
@@ -113,7 +113,7 @@ def opcode(text: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
 
 
-def build(name: str, spec: tuple, warps: int, stages: int, overrides: dict) -> None:
+def build(name: str, spec: tuple, warps: int, stages: int, overrides: dict, maxnreg: int = 0) -> None:
     import importlib
 
     import triton
@@ -137,6 +137,8 @@ def build(name: str, spec: tuple, warps: int, stages: int, overrides: dict) -> N
     }
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
     opts = dict(num_warps=warps or default_warps, **({"num_stages": stages} if stages else {}))
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     path = f"/tmp/bitnetlm_{name}.cubin"
     with open(path, "wb") as f:
@@ -186,6 +188,9 @@ def main() -> int:
     ap.add_argument("--warps", type=int, default=0, help="0: the kernel's shipped warps")
     ap.add_argument("--stages", type=int, default=0, help="software-pipeline stages (0: Triton's default)")
     ap.add_argument(
+        "--maxnreg", type=int, default=0, help="registers a thread at most (0: the compiler's choice)"
+    )
+    ap.add_argument(
         "--constexpr", nargs="*", default=[], help="kernel constexprs, NAME=INT (a branch's switch)"
     )
     a = ap.parse_args()
@@ -196,7 +201,7 @@ def main() -> int:
         raise SystemExit(f"--kernel: unknown {unknown}; expected some of {list(table)} or all")
     overrides = {k: int(v) for k, v in (c.split("=") for c in a.constexpr)}
     for n in names:
-        build(n, table[n], a.warps, a.stages, overrides)
+        build(n, table[n], a.warps, a.stages, overrides, a.maxnreg)
     return 0
 
 
