@@ -2,13 +2,10 @@
 """Perplexity cost of the compact LM head/embedding (bf16, int8 per-row) on real text with a real model.
 
 No pretrained BitNet checkpoint is reachable offline, so this uses the real pretrained SmolLM2-135M-Instruct
-(LLaMA architecture, tied 49152 x 576 embedding; `scripts/zoo_fetch_teacher.py`, or `--model` the GGUF that
-scripts/fetch_assets.py fetches) on held-out Jane Austen text: the last N tokens of each novel. Only the
-head/embedding storage changes between rows. --int4 adds rows for
-a 4-bit head (symmetric absmax codes per row or per group of K, the head alone, simulated in float32: no kernel
-reads 4-bit heads), the measurement behind keeping 8 bits.
+(LLaMA architecture, tied 49152 x 576 embedding; fetched by scripts/fetch_assets.py) on held-out Jane Austen
+text: the last N tokens of each novel. Only the head/embedding storage changes between rows.
 
-    python benchmarks/cpu_head_ppl.py --tokens 2048 --ctx 1024 [--int4]
+    python benchmarks/cpu_head_ppl.py --tokens 2048 --ctx 1024
 """
 
 from __future__ import annotations
@@ -22,20 +19,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
 
 import bitnetlm  # noqa: E402
 from bitnetlm.bench import machine_name  # noqa: E402
 from bitnetlm.kernels.cpu.head import set_head_dtype  # noqa: E402
 from bitnetlm.train.eval import perplexity  # noqa: E402
-
-
-def _int4(w: torch.Tensor, g: int) -> torch.Tensor:
-    """w [N, K] through 4-bit codes -7..7 and a float scale per row (g 0) or per g of K, back to float32."""
-    n, k = w.shape
-    wg = w.reshape(n, k // (g or k), g or k)  # [N, groups, g]
-    s = wg.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 7
-    return ((wg / s).round().clamp(-7, 7) * s).reshape(n, k)
 
 
 def main() -> int:
@@ -44,7 +32,6 @@ def main() -> int:
     ap.add_argument("--texts", default=str(ROOT / ".assets/austen"))
     ap.add_argument("--tokens", type=int, default=2048, help="held-out tokens from the end of each text")
     ap.add_argument("--ctx", type=int, default=1024)
-    ap.add_argument("--int4", action="store_true", help="also 4-bit heads: per row, per 64 and per 32 of K")
     a = ap.parse_args()
     _, tok = bitnetlm.load(a.model)
     ids = []
@@ -54,18 +41,11 @@ def main() -> int:
     print("| head/embedding | bytes | perplexity | nll (nats/token) | vs float32 | seconds |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     base = None
-    rows = ["float32", "bf16", "int8"] + (["int4 row", "int4 g64", "int4 g32"] if a.int4 else [])
-    for dtype in rows:
+    for dtype in ("float32", "bf16", "int8"):
         model, _ = bitnetlm.load(a.model)
         model.eval()
         nbytes = model.lm_head_weight().numel() * 4
-        if dtype.startswith("int4"):
-            g = int(dtype[6:]) if dtype.endswith(("64", "32")) else 0
-            w = _int4(model.lm_head_weight().detach().float(), g)
-            model.lm_head = nn.Linear(w.shape[1], w.shape[0], bias=False)  # the head alone (untied)
-            model.lm_head.weight = nn.Parameter(w, requires_grad=False)
-            nbytes = w.numel() / 2 + w.numel() / (g or w.shape[1]) * 2  # codes + a 16-bit scale a group
-        elif dtype != "float32":
+        if dtype != "float32":
             set_head_dtype(model, dtype)
             nbytes = model.compact_head.nbytes()
         t0 = time.perf_counter()

@@ -438,11 +438,13 @@ class CudaEngine:
         fused = t == 1 and b <= FUSED_MAX_B and self.ecfg.weights == "ternary" and self.fused
         fused = fused and not FUSED_GAP[0] <= b <= FUSED_GAP[1]
         in_row = fused and b <= QUANT_IN_ROW_MAX_B  # q|k|v, o, down quantize inside their programs
-        rp = "row" if in_row else None  # the path of o and down
+        qkv_in_row = in_row and QUANT_IN_ROW_QKV
+        rp_o = "row" if in_row and QUANT_IN_ROW_O else None  # the path of o
+        rp_d = "row" if in_row and QUANT_IN_ROW_DOWN else None  # and of down
         if fused:
             from bitnetlm.kernels.triton.decode import QuantBuf, qkv_rope, quantize_into
 
-            if not (in_row and QUANT_IN_ROW_QKV) and b not in self._bufs:
+            if not qkv_in_row and b not in self._bufs:
                 self._bufs[b] = QuantBuf(b, self.cfg.hidden_size, self.device)
             xq = self._bufs.get(b)
         mask = None  # prefill from 0: plain causal; from start: query i (position start + i) sees keys 0..start + i
@@ -454,7 +456,7 @@ class CudaEngine:
         for li, L in enumerate(self.layers):
             kc, vc = self.k_cache[li][row0 : row0 + b], self.v_cache[li][row0 : row0 + b]  # contiguous views
             q = torch.empty((b, t, nh, hd), device=h.device, dtype=h.dtype)
-            if in_row and QUANT_IN_ROW_QKV:  # every program normalizes + quantizes h itself
+            if qkv_in_row:  # every program normalizes + quantizes h itself
                 qkv_rope(
                     h, b, L.qkv, L.qkv_scale, q, self.cos, self.sin, pos, kc, vc, nh, nkv, L.in_norm, self.eps
                 )
@@ -480,12 +482,10 @@ class CudaEngine:
                 kp, vp = kc[:, :, : start + t].to(q.dtype), vc[:, :, : start + t].to(q.dtype)
                 o = prefill_attention(q.transpose(1, 2), kp, vp, mask, nh != nkv)  # [B, H, T, D]
                 o = o.transpose(1, 2).reshape(b * t, nh * hd)
-            rp_o = rp if QUANT_IN_ROW_O else None
             h = self._lin(o, L.o, L.o_scale, h.shape[-1], norm=L.attn_sub_norm, residual=h, path=rp_o)
             g = self._lin(
                 h, L.gate_up, L.gate_up_scale, self.cfg.intermediate_size, norm=L.post_norm, gated=True
             )
-            rp_d = rp if QUANT_IN_ROW_DOWN else None
             h = self._lin(g, L.down, L.down_scale, h.shape[-1], norm=L.ffn_sub_norm, residual=h, path=rp_d)
         if last_at is not None:
             h = h.view(b, t, -1).index_select(1, last_at)[:, 0]  # [B, hidden]
