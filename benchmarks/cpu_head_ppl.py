@@ -2,8 +2,9 @@
 """Perplexity cost of the compact LM head/embedding (bf16, int8 per-row) on real text with a real model.
 
 No pretrained BitNet checkpoint is reachable offline, so this uses the real pretrained SmolLM2-135M-Instruct
-(LLaMA architecture, tied 49152 x 576 embedding; fetched by scripts/fetch_assets.py) on held-out Jane Austen
-text: the last N tokens of each novel. Only the head/embedding storage changes between rows.
+(LLaMA architecture, tied 49152 x 576 embedding; `scripts/zoo_fetch_teacher.py`, or `--model` the GGUF that
+scripts/fetch_assets.py fetches) on held-out Jane Austen text: the last N tokens of each novel. Only the
+head/embedding storage changes between rows. (Heads under 8 bits: `gpu_int8_head_ppl.py --narrow-heads`.)
 
     python benchmarks/cpu_head_ppl.py --tokens 2048 --ctx 1024
 """
