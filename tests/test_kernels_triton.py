@@ -415,8 +415,9 @@ def test_gpu_decode_attention_2b4t_bf16(kv):
     from bitnetlm.kernels.triton.attention import attn_decode
 
     h, hkv, s, d = 20, 5, 700, 128
-    # keys: short-context ranges, outgrown by most rows; 1024: the default splits over small blocks
-    for b, keys in ((1, 0), (64, 0), (1, 256), (8, 512), (1, 1024), (2, 1024)):
+    # keys: short-context ranges, outgrown by most rows; 1024: the default splits over small blocks; batch 8
+    # with the default splits runs 2 warps a program (ATTN_NARROW_MIN_B)
+    for b, keys in ((1, 0), (8, 0), (64, 0), (1, 256), (8, 512), (1, 1024), (2, 1024)):
         g = torch.Generator(device="cuda").manual_seed(b)
         q = torch.randn(b, h, d, device="cuda", generator=g).bfloat16()
         kc = torch.randn(b, hkv, s, d, device="cuda", generator=g).to(kv)

@@ -110,6 +110,19 @@ def _span(n, NSPLIT):
 
 
 @triton.jit
+def _merge_add(o, pml_ptr, pacc_ptr, row0, p, nact, mx, offs_h, offs_d, G, GP: tl.constexpr, D: tl.constexpr):
+    """o [GM, D] + partial p's accumulator weighted by exp(its m - mx) (nothing for p >= nact or an m of -inf)."""
+    rp = (row0 + p) * GP + offs_h  # [GM] partial rows
+    mh = (offs_h < G) & (offs_h * 0 + p < nact)  # (a [GM] compare: the interpreter masks with no scalar bool)
+    m_p = tl.load(pml_ptr + rp * 2, mask=mh, other=float("-inf"), cache_modifier=".cg")
+    a_p = tl.load(
+        pacc_ptr + rp[:, None] * D + offs_d[None, :], mask=mh[:, None], other=0.0, cache_modifier=".cg"
+    )  # [GM, D]
+    w_p = tl.where(m_p == float("-inf"), 0.0, tl.exp(m_p - mx))
+    return o + a_p * w_p[:, None]
+
+
+@triton.jit
 def _attn_gqa_kernel(
     q_ptr,
     k_ptr,
@@ -226,15 +239,16 @@ def _attn_gqa_kernel(
                 # .cg: read the other programs' partials from L2, never from a stale L1 line of an earlier replay
                 m_all = tl.load(pml_ptr + rows * 2, mask=mp, other=float("-inf"), cache_modifier=".cg")
                 l_all = tl.load(pml_ptr + rows * 2 + 1, mask=mp, other=0.0, cache_modifier=".cg")
-                pa = tl.load(
-                    pacc_ptr + rows[:, :, None] * D + offs_d[None, None, :],
-                    mask=mp[:, :, None],
-                    other=0.0,
-                    cache_modifier=".cg",
-                )  # [NS2, GM, D]
                 mx = tl.max(m_all, axis=0)  # [GM]
                 w = tl.where(m_all == float("-inf"), 0.0, tl.exp(m_all - mx[None, :]))
-                o = tl.sum(pa * w[:, :, None], axis=0) / tl.sum(l_all * w, axis=0)[:, None]  # [GM, D]
+                # the accumulators one partial at a time, unrolled over NS2 (every load issued at once): no
+                # [NS2, GM, D] tile in registers and no sum over it across warps (stop 35: a step 2-6% faster
+                # at batch 1-16 than that tile's merge, the same at 64)
+                o = tl.zeros([GM, D], tl.float32)
+                row0 = (b * HKV + kvh) * NSPLIT
+                for p in tl.static_range(NS2):
+                    o = _merge_add(o, pml_ptr, pacc_ptr, row0, p, nact, mx, offs_h, offs_d, G, GP, D)
+                o = o / tl.sum(l_all * w, axis=0)[:, None]  # [GM, D]
                 oh = b * H + kvh * G + offs_h
                 tl.store(
                     o_ptr + oh[:, None] * D + offs_d[None, :],
@@ -248,7 +262,7 @@ def _attn_gqa_kernel(
 ATTN_SPLITS = 0  # splits of each row's context (default: ATTN_PROGRAMS_PER_SM programs per SM, at most 32)
 ATTN_BS = 0  # keys per K/V block (default 64)
 ATTN_STAGES = 0  # software-pipeline stages of the block loop (default: Triton's)
-ATTN_WARPS = 0  # default 4
+ATTN_WARPS = 0  # default 4 (2 at batch ATTN_NARROW_MIN_B..ATTN_NARROW_MAX_B)
 ATTN_MAXNREG = 0  # registers per thread cap (default: the compiler's choice)
 ATTN_PROGRAMS = 0  # programs per launch to aim the splits at (default: ATTN_PROGRAMS_PER_SM x the SMs)
 # An SM holds 3 of the attention's programs (its registers and shared memory: Nsight Compute, stop 22), so 3 per SM
@@ -282,6 +296,11 @@ ATTN_RANGE_WARPS = 8
 ATTN_SMALL_BS = 32
 ATTN_SMALL_MAX_B = 2
 ATTN_SMALL_MAX_KEYS = 1024
+# The default splits run 2 warps a program instead of 4 at these batches: on an H200 (int8 head, float8 cache,
+# stop 35) a batch-8 step took 2.6% / 1.9% less time at contexts of 512 / 1,000 keys and the same at 2,048; batch 4
+# took 13% more and batch 16 4% more (benchmarks/gpu_profile.py --attn 0,0/0/0/2)
+ATTN_NARROW_MIN_B = 8
+ATTN_NARROW_MAX_B = 8
 _attn_ws: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
@@ -342,7 +361,10 @@ def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float, keys: int = 0) -
     g = h // hkv
     gp = max(16, triton.next_power_of_2(g))  # tl.dot needs >= 16 rows
     nsplit = _attn_splits(b, hkv, s, q.device)
-    bs, warps, stages = (16, 1, 0) if INTERPRET else (ATTN_BS or 64, ATTN_WARPS or 4, ATTN_STAGES)
+    narrow = ATTN_NARROW_MIN_B <= b <= ATTN_NARROW_MAX_B
+    bs, warps, stages = (
+        (16, 1, 0) if INTERPRET else (ATTN_BS or 64, ATTN_WARPS or (2 if narrow else 4), ATTN_STAGES)
+    )
     if keys > 2 * _range_bs():  # the default splits over small blocks (ATTN_SMALL_MAX_KEYS)
         bs = ATTN_BS or _small_bs()
     # a range's block of K (and one of V) must fit 64 KB of shared memory: not so for float32 at 128 dims
