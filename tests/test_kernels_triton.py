@@ -376,13 +376,13 @@ def test_gpu_gated_2b4t_and_int8_head():
 
 
 @pytest.mark.parametrize("pos_early", [1, 0])
-@pytest.mark.parametrize("keys", [0, 16, 32, 1024])
+@pytest.mark.parametrize("keys", [0, 16, 1024])
 @pytest.mark.parametrize("h,hkv", [(4, 2), (3, 3), (6, 2)])
 def test_decode_attention_split_merge(h, hkv, keys, pos_early, monkeypatch):
     """Split-KV decode attention (the live context cut into spans, merged by the last program holding keys) vs
     softmax attention; GQA groups of 2, 1 (MHA) and 3 (not a power of two) query heads per KV head. Contexts of
     1 key, a few keys (one split busy), a span boundary and the whole cache (every split busy). keys: a
-    short-context step's range (one or two splits of one 16-key block here), which most rows outgrow; 1024 the
+    short-context step's range (one split of one 16-key block here), which most rows outgrow; 1024 the
     default splits over small blocks (16 keys here, as the default's).
     pos_early: pos read before the PDL wait (the default) or after it."""
     from bitnetlm.kernels.triton import attention
@@ -415,9 +415,9 @@ def test_gpu_decode_attention_2b4t_bf16(kv):
     from bitnetlm.kernels.triton.attention import attn_decode
 
     h, hkv, s, d = 20, 5, 700, 128
-    # keys: short-context ranges, outgrown by most rows; 1024: the default splits over small blocks; batch 8
-    # with the default splits runs 2 warps a program (ATTN_NARROW_MIN_B)
-    for b, keys in ((1, 0), (8, 0), (64, 0), (1, 256), (8, 512), (1, 1024), (2, 1024)):
+    # keys: a short-context range (one block), outgrown by most rows; 1024: the default splits over small
+    # blocks; batch 8 with the default splits runs 2 warps a program (ATTN_NARROW_MIN_B)
+    for b, keys in ((1, 0), (8, 0), (64, 0), (1, 256), (8, 256), (1, 1024), (2, 1024)):
         g = torch.Generator(device="cuda").manual_seed(b)
         q = torch.randn(b, h, d, device="cuda", generator=g).bfloat16()
         kc = torch.randn(b, hkv, s, d, device="cuda", generator=g).to(kv)
@@ -437,23 +437,23 @@ def test_gpu_decode_attention_2b4t_bf16(kv):
                 assert err < 1e-2, (b, keys, i, float(err))
 
 
-def test_key_range_picks_small_blocks_or_one_or_two_range_blocks(monkeypatch):
+def test_key_range_picks_small_blocks_or_one_range_block(monkeypatch):
     """A captured step's key range: up to ATTN_SMALL_MAX_B rows and ATTN_SMALL_MAX_KEYS keys, that bound (the
     default splits over small blocks); else, up to ATTN_RANGE_MAX_B rows, one range block up to one block of
-    keys, two up to two; else 0 (the default splits), and 0 for an unknown bound."""
+    keys; else 0 (the default splits), and 0 for an unknown bound."""
     from bitnetlm.kernels.triton import attention
 
     bs = attention.key_ranges()[0]
     small = attention.ATTN_SMALL_MAX_KEYS
-    assert attention.key_ranges() == [bs, 2 * bs, small] and small > 2 * bs
-    ns = (0, 1, bs, bs + 1, 2 * bs, 2 * bs + 1, small, small + 1)
-    assert [attention.key_range(1, n) for n in ns] == [0, small, small, small, small, small, small, 0]
+    assert attention.key_ranges() == [bs, small] and small > bs
+    ns = (0, 1, bs, bs + 1, small, small + 1)
+    assert [attention.key_range(1, n) for n in ns] == [0, small, small, small, small, 0]
     few, big = attention.ATTN_SMALL_MAX_B, attention.ATTN_RANGE_MAX_B
     assert few < big and attention.key_range(few, small) == small
-    assert [attention.key_range(few + 1, n) for n in ns] == [0, bs, bs, 2 * bs, 2 * bs, 0, 0, 0]
+    assert [attention.key_range(few + 1, n) for n in ns] == [0, bs, bs, 0, 0, 0]
     assert attention.key_range(big, 1) == bs and attention.key_range(big + 1, 1) == 0
     monkeypatch.setattr(attention, "ATTN_SMALL_MAX_B", 0)
-    assert attention.key_range(1, 1) == bs and attention.key_range(1, 2 * bs + 1) == 0
+    assert attention.key_range(1, 1) == bs and attention.key_range(1, bs + 1) == 0
     monkeypatch.setattr(attention, "ATTN_RANGE_MAX_B", 0)
     assert attention.key_range(1, 1) == 0
 

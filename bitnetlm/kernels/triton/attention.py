@@ -275,12 +275,13 @@ ATTN_PROGRAMS_PER_SM = 3
 # faster from batch 8 on an H200 (stop 29; 64 on an H100 at stop 17, whose batch-8 step then measured slower);
 # at batch 1 and 2 the early launch stays faster.
 ATTN_LATE_MIN_B = 8
-# A captured step told that its rows stay within 256 or 512 keys (`key_range`) runs one or two splits of one
-# 256-key block each, at 8 warps in one stage, up to batch ATTN_RANGE_MAX_B: a small grid and a merge of at most
-# two. On an H200 a step took 5-10% less time at batch 1-8 within 256 keys and 0-4% within 512; from about 1,000
-# keys the default splits are faster (benchmarks/gpu_profile.py --max-keys, docs/PERF_LOG.md stop 30); batches 1-2
-# have since taken small blocks instead (ATTN_SMALL_MAX_B, measured faster at stop 34). Any context stays exact: a
-# range outgrown only makes each split loop over more blocks.
+# A captured step told that its rows stay within 256 keys (`key_range`) runs one split of one 256-key block, at 8
+# warps in one stage, up to batch ATTN_RANGE_MAX_B: a small grid and no merge. On an H200 a step took 5-10% less time
+# at batch 1-8 within 256 keys (benchmarks/gpu_profile.py --max-keys, docs/PERF_LOG.md stop 30); since the
+# unrolled merge (stop 35) it ties with the default splits there (batch 3 / 4 / 8: +0.3% / -0.8% / +0.1%), and two
+# such blocks within 512 keys took 5% more than the default splits, so there are no two-block ranges any more.
+# Batches 1-2 take small blocks instead (ATTN_SMALL_MAX_B). Any context stays exact: a range outgrown only makes the
+# split loop over more blocks.
 ATTN_RANGE_MAX_B = 8
 # The attention reads pos before its PDL wait (constant for a step: its first kernel lets the next launch only
 # after the previous step's sampler wrote it), so that only q and the K/V loads wait for q|k|v.
@@ -314,18 +315,17 @@ def _small_bs() -> int:
 
 def key_ranges() -> list[int]:
     """Every key range `key_range` picks but 0 (a server captures a step for each)."""
-    return [_range_bs(), 2 * _range_bs(), ATTN_SMALL_MAX_KEYS]
+    return [_range_bs(), ATTN_SMALL_MAX_KEYS]
 
 
 def key_range(batch: int, max_keys: int) -> int:
     """The key range a captured decode step of `batch` rows, none past `max_keys` keys, is built for:
-    ATTN_SMALL_MAX_KEYS (the default splits over small blocks, up to ATTN_SMALL_MAX_B rows), one or two range
-    blocks (up to ATTN_RANGE_MAX_B rows), or 0 (the default splits; also for max_keys 0, unknown)."""
-    bs = _range_bs()
+    ATTN_SMALL_MAX_KEYS (the default splits over small blocks, up to ATTN_SMALL_MAX_B rows), one range block (up
+    to ATTN_RANGE_MAX_B rows), or 0 (the default splits; also for max_keys 0, unknown)."""
     if batch <= ATTN_SMALL_MAX_B and 0 < max_keys <= ATTN_SMALL_MAX_KEYS:
         return ATTN_SMALL_MAX_KEYS
-    if batch <= ATTN_RANGE_MAX_B and 0 < max_keys <= 2 * bs:
-        return bs * triton.cdiv(max_keys, bs)
+    if batch <= ATTN_RANGE_MAX_B and 0 < max_keys <= _range_bs():
+        return _range_bs()
     return 0
 
 
@@ -365,12 +365,12 @@ def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float, keys: int = 0) -
     bs, warps, stages = (
         (16, 1, 0) if INTERPRET else (ATTN_BS or 64, ATTN_WARPS or (2 if narrow else 4), ATTN_STAGES)
     )
-    if keys > 2 * _range_bs():  # the default splits over small blocks (ATTN_SMALL_MAX_KEYS)
+    if keys > _range_bs():  # the default splits over small blocks (ATTN_SMALL_MAX_KEYS)
         bs = ATTN_BS or _small_bs()
     # a range's block of K (and one of V) must fit 64 KB of shared memory: not so for float32 at 128 dims
     elif keys and ATTN_RANGE_BS * d * q.element_size() <= 65536:
         bs, stages = _range_bs(), 1
-        nsplit, warps = triton.cdiv(keys, bs), 1 if INTERPRET else ATTN_RANGE_WARPS
+        nsplit, warps = 1, 1 if INTERPRET else ATTN_RANGE_WARPS  # one program a (row, kv head): no merge
     key = (str(q.device), b, hkv, nsplit, gp, d)
     if key not in _attn_ws:  # partials + zeroed counters, allocated before any graph capture (warm-up call)
         _attn_ws[key] = (
