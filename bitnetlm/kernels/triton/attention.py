@@ -297,6 +297,9 @@ ATTN_RANGE_WARPS = 8
 ATTN_SMALL_BS = 32
 ATTN_SMALL_MAX_B = 2
 ATTN_SMALL_MAX_KEYS = 1024
+# Their block loop in 2 stages (Triton's default is 3; within the bound a split holds one block): a batch-1 step
+# 0.779 / 0.782 ms against 0.794 / 0.791, batch 2 1.133 / 1.132 against 1.141 / 1.143 (H200, stop 35, --attn 0/0/2)
+ATTN_SMALL_STAGES = 2
 # The default splits run 2 warps a program instead of 4 at these batches: on an H200 (int8 head, float8 cache,
 # stop 35) a batch-8 step took 2.6% / 1.9% less time at contexts of 512 / 1,000 keys and the same at 2,048; batch 4
 # took 13% more and batch 16 4% more (benchmarks/gpu_profile.py --attn 0,0/0/0/2)
@@ -366,7 +369,7 @@ def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float, keys: int = 0) -
         (16, 1, 0) if INTERPRET else (ATTN_BS or 64, ATTN_WARPS or (2 if narrow else 4), ATTN_STAGES)
     )
     if keys > _range_bs():  # the default splits over small blocks (ATTN_SMALL_MAX_KEYS)
-        bs = ATTN_BS or _small_bs()
+        bs, stages = ATTN_BS or _small_bs(), ATTN_STAGES or (0 if INTERPRET else ATTN_SMALL_STAGES)
     # a range's block of K (and one of V) must fit 64 KB of shared memory: not so for float32 at 128 dims
     elif keys and ATTN_RANGE_BS * d * q.element_size() <= 65536:
         bs, stages = _range_bs(), 1
