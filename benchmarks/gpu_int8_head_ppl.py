@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_int8_head_ppl.py [--model .assets/smollm2-gguf/SmolLM2-135M-Instruct.Q4_1.gguf]
 
-The engine's int8 head stores q = round(w / s) with s = max|w_row| / 127 (bitnetlm.engine_cuda._int8_rows). Its
+The engine's int8 head stores q = round(w / s) with s = max|w_row| / 127 (bitnetlm.engine_weights.int8_rows). Its
 input is the final RMSNorm's output rounded to the activations' dtype (bf16), and it computes logits either from
 those bf16 values, bf16(h) @ q^T * s (launch.w8_linear), or from int16 codes of them, c = round(h * 32639 /
 max|h|) per row, as (c @ q^T) / a * s (launch.w8a16_linear, what the engine runs: engine_cuda.HEAD_A16). This
@@ -109,7 +109,7 @@ class _Head(torch.nn.Module):
 
 
 def main() -> int:
-    from bitnetlm.engine_cuda import _int8_rows
+    from bitnetlm.engine_weights import int8_rows
 
     args, model, ids = model_and_heldout(__doc__.splitlines()[0])
     emb = model.embed_tokens.weight.data.clone()
@@ -131,7 +131,7 @@ def main() -> int:
             if weights == "bf16":
                 p.data.copy_(w.bfloat16().float())
             else:
-                q, s = _int8_rows(w)
+                q, s = int8_rows(w)
                 p.data.copy_(q.float() * s[:, None])
 
         def final_norm(x, act=act):

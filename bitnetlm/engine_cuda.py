@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from bitnetlm import engine_weights
 from bitnetlm.models.config import ModelConfig
 
 PREFILL_ALIGN = 128  # prefill attention runs on lengths padded to a multiple of this (see prefill_attention)
@@ -82,22 +83,6 @@ class EngineConfig:
 
 
 @dataclass
-class _Layer:
-    in_norm: torch.Tensor
-    post_norm: torch.Tensor
-    attn_sub_norm: torch.Tensor | None
-    ffn_sub_norm: torch.Tensor | None
-    qkv: torch.Tensor  # ternary: packed uint8 [Nq+2Nkv, Kp]; dense: [Nq+2Nkv, hidden]
-    o: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
-    qkv_scale: torch.Tensor | None = None  # per output row (q, k, v scales differ)
-    o_scale: torch.Tensor | None = None
-    gate_up_scale: torch.Tensor | None = None
-    down_scale: torch.Tensor | None = None
-
-
-@dataclass
 class _DecodeState:
     graph: torch.cuda.CUDAGraph
     tok: torch.Tensor  # [B, 1] next input token
@@ -129,23 +114,16 @@ def capture(fn, before_capture=None, warmup: int = 2, pool=None):
     return graph, out
 
 
-def _on(t: torch.Tensor, dev: torch.device) -> bool:
-    """t is on dev ("cuda" meaning the current CUDA device, as .to("cuda") reads it)."""
-    if dev.type == "cuda" and dev.index is None:
-        return t.is_cuda and t.device.index == torch.cuda.current_device()
-    return t.device == dev
-
-
-def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row symmetric int8: w ~= q * s[:, None]."""
-    s = w.float().abs().amax(dim=1).clamp(min=1e-8) / 127.0
-    q = (w.float() / s[:, None]).round().clamp(-127, 127).to(torch.int8)
-    return q, s
-
-
 class CudaEngine:
     def __init__(
-        self, cfg: ModelConfig, layers: list[_Layer], embed, final_norm, head, inv_freq, ecfg: EngineConfig
+        self,
+        cfg: ModelConfig,
+        layers: list[engine_weights.Layer],
+        embed,
+        final_norm,
+        head,
+        inv_freq,
+        ecfg: EngineConfig,
     ):
         if cfg.hidden_act not in ("relu2", "silu"):
             raise ValueError(f"CudaEngine: hidden_act {cfg.hidden_act!r} not supported (relu2, silu)")
@@ -157,12 +135,12 @@ class CudaEngine:
         self.final_norm = final_norm
         self.tied = head is None or head.data_ptr() == embed.data_ptr()
         if ecfg.head == "int8":
-            self.embed_q, self.embed_s = _int8_rows(embed)
+            self.embed_q, self.embed_s = engine_weights.int8_rows(embed)
             self.embed = None
             if self.tied:
                 self.head_q, self.head_s = self.embed_q, self.embed_s
             else:
-                self.head_q, self.head_s = _int8_rows(head)
+                self.head_q, self.head_s = engine_weights.int8_rows(head)
             self.head = None
         else:
             self.embed = embed.to(ecfg.dtype)
@@ -184,7 +162,11 @@ class CudaEngine:
         self._prefill_pool = None  # the memory pool the prefill graphs share (prefill_state)
         self.fused = os.environ.get("BITNETLM_FUSED_DECODE", "1") != "0"  # 0: q|k|v and RoPE as two launches
 
-    # ---- construction ---------------------------------------------------------------------
+    # ---- construction (engine_weights.py builds the tensors) -------------------------------
+    @classmethod
+    def _of(cls, cfg: ModelConfig, w: engine_weights.Weights, ecfg: EngineConfig) -> CudaEngine:
+        return cls(cfg, w.layers, w.embed, w.final_norm, w.head, w.inv_freq, ecfg)
+
     @classmethod
     def from_model(
         cls, model, ecfg: EngineConfig | None = None, device="cuda", share: bool = False
@@ -194,133 +176,19 @@ class CudaEngine:
         share: where the projections already hold the kernels' layout on `device`, the model's BitLinears are
         pointed at row slices of the engine's fused q|k|v and gate|up tensors (o and down are used as they
         are), so the model and the engine hold one copy of the packed weights, not two (0.52 GB for 2B4T)."""
-        from bitnetlm.kernels.triton.layout import pack_triton
-        from bitnetlm.quant.bitlinear import BitLinear
-        from bitnetlm.quant.packing import PackingFormat
-
         ecfg = ecfg or EngineConfig()
-        cfg = model.config
-        dev = torch.device(device)
-
-        def tern(mods):
-            ss = []
-            for m in mods:
-                if not isinstance(m, BitLinear):
-                    raise TypeError(
-                        f"CudaEngine ternary weights need BitLinear projections, found {type(m).__name__}"
-                    )
-                if m.bias is not None:
-                    raise ValueError("CudaEngine: biased BitLinear layers are not supported")
-                ss.append(m.scale().float().reshape(1).expand(m.out_features))
-            if all(not m.training_mode and m.layout == PackingFormat.TRITON_2BIT for m in mods):
-                if share and all(_on(m.packed, dev) for m in mods):
-                    packed = mods[0].packed if len(mods) == 1 else torch.cat([m.packed for m in mods])
-                    r = 0
-                    for m in mods:  # rows r..r+n-1 of the fused tensor: contiguous views, no copy
-                        n = m.packed.shape[0]
-                        m.packed = packed[r : r + n]
-                        r += n
-                else:  # rows already in the kernels' layout
-                    packed = torch.cat([m.packed for m in mods]).to(dev)
-            else:
-                packed = pack_triton(torch.cat([m.ternary_weight() for m in mods]).to(dev))
-            return packed, torch.cat(ss).to(dev).contiguous()
-
-        def dense(mods):
-            ws = []
-            for m in mods:
-                if isinstance(m, BitLinear):
-                    ws.append(m.ternary_weight().float() * m.scale().float())
-                else:
-                    ws.append(m.weight.float())
-            return torch.cat(ws).to(dev, ecfg.dtype).contiguous(), None
-
-        build = tern if ecfg.weights == "ternary" else dense
-
-        def norm(n):
-            return None if n is None else n.weight.detach().to(dev, torch.float32).contiguous()
-
-        layers = []
-        for blk in model.layers:
-            at, mlp = blk.self_attn, blk.mlp
-            qkv, qkv_s = build([at.q_proj, at.k_proj, at.v_proj])
-            o, o_s = build([at.o_proj])
-            gu, gu_s = build([mlp.gate_proj, mlp.up_proj])
-            dn, dn_s = build([mlp.down_proj])
-            layers.append(
-                _Layer(
-                    norm(blk.input_layernorm),
-                    norm(blk.post_attention_layernorm),
-                    norm(at.attn_sub_norm),
-                    norm(mlp.ffn_sub_norm),
-                    qkv,
-                    o,
-                    gu,
-                    dn,
-                    qkv_s,
-                    o_s,
-                    gu_s,
-                    dn_s,
-                )
-            )
-        embed = model.embed_tokens.weight.detach().to(dev)
-        head = None if model.lm_head is None else model.lm_head.weight.detach().to(dev)
-        return cls(cfg, layers, embed, norm(model.norm), head, model.inv_freq, ecfg)
+        w = engine_weights.from_model(model, ecfg.weights, ecfg.dtype, torch.device(device), share)
+        return cls._of(model.config, w, ecfg)
 
     @classmethod
     def random(
         cls, cfg: ModelConfig, ecfg: EngineConfig | None = None, device="cuda", seed: int = 0
     ) -> CudaEngine:
         """Random weights of `cfg`'s exact shapes, in the real packed layout (benchmarks; no checkpoint needed)."""
-        from bitnetlm.kernels.triton.layout import pack_triton
-        from bitnetlm.models.transformer import rope_inv_freq
-
         ecfg = ecfg or EngineConfig()
-        dev = torch.device(device)
-        g = torch.Generator(device=dev).manual_seed(seed)
-        h, i = cfg.hidden_size, cfg.intermediate_size
-        nq, nkv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-
-        def mat(n, k, parts=1):
-            if ecfg.weights == "ternary":
-                t = torch.randint(-1, 2, (n, k), device=dev, dtype=torch.int8, generator=g)
-                s = 0.02 + 0.01 * torch.rand(parts, device=dev, generator=g)
-                return pack_triton(t), s.repeat_interleave(n // parts).contiguous()
-            return (0.02 * torch.randn(n, k, device=dev, generator=g)).to(ecfg.dtype), None
-
-        def nrm(n):
-            return 1 + 0.1 * torch.randn(n, device=dev, generator=g)
-
-        layers = []
-        for _ in range(cfg.num_hidden_layers):
-            qkv, qkv_s = mat(nq + 2 * nkv, h)
-            o, o_s = mat(h, nq)
-            gu, gu_s = mat(2 * i, h, parts=2)
-            dn, dn_s = mat(h, i)
-            sub = cfg.has_sub_norms
-            layers.append(
-                _Layer(
-                    nrm(h),
-                    nrm(h),
-                    nrm(nq) if sub else None,
-                    nrm(i) if sub else None,
-                    qkv,
-                    o,
-                    gu,
-                    dn,
-                    qkv_s,
-                    o_s,
-                    gu_s,
-                    dn_s,
-                )
-            )
-        embed = torch.randn(cfg.vocab_size, h, device=dev, generator=g).to(ecfg.dtype)
-        head = (
-            None
-            if cfg.tie_word_embeddings
-            else torch.randn(cfg.vocab_size, h, device=dev, generator=g).to(ecfg.dtype)
+        return cls._of(
+            cfg, engine_weights.random(cfg, ecfg.weights, ecfg.dtype, torch.device(device), seed), ecfg
         )
-        return cls(cfg, layers, embed, nrm(h), head, rope_inv_freq(cfg), ecfg)
 
     def weight_bytes(self) -> dict[str, int]:
         """Bytes resident for weights: projections, embedding, LM head (0 when tied), norms."""
