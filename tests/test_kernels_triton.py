@@ -416,7 +416,8 @@ def test_gpu_decode_attention_2b4t_bf16(kv):
 
     h, hkv, s, d = 20, 5, 700, 128
     # keys: a short-context range (one block), outgrown by most rows; 1024: the default splits over small
-    # blocks; batch 8 with the default splits runs 2 warps a program (ATTN_NARROW_MIN_B)
+    # blocks; batch 8 with the default splits runs 2 warps a program (ATTN_NARROW_MIN_B), over a float8 cache
+    # 13 splits (ATTN_NARROW_PROGRAMS_PER_SM)
     for b, keys in ((1, 0), (8, 0), (64, 0), (1, 256), (8, 256), (1, 1024), (2, 1024)):
         g = torch.Generator(device="cuda").manual_seed(b)
         q = torch.randn(b, h, d, device="cuda", generator=g).bfloat16()

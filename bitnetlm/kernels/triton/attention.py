@@ -305,6 +305,11 @@ ATTN_SMALL_STAGES = 2
 # took 13% more and batch 16 4% more (benchmarks/gpu_profile.py --attn 0,0/0/0/2)
 ATTN_NARROW_MIN_B = 8
 ATTN_NARROW_MAX_B = 8
+# ... and, over a float8 cache, aim at 4 programs per SM (2-warp programs with 1-byte K/V blocks leave room for a
+# fourth): batch 8 gets 13 splits, not 9. On an H200 (stop 36, --attn 0,13) a batch-8 step took 2.0% / 4.2% / 3.1%
+# less time at contexts of 512 / 700 / 2,000 keys, and the same at 384 and 1,000; over a bf16 cache (twice the
+# shared memory a block) 4.6% / 6.2% more at 512 / 2,000, so it keeps 3 per SM (9 splits).
+ATTN_NARROW_PROGRAMS_PER_SM = 4
 _attn_ws: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
@@ -340,19 +345,24 @@ def set_overrides(spec: str = "0") -> None:
     )[:5]
 
 
-def _attn_programs(device: torch.device) -> int:
+def _narrow(b: int) -> bool:
+    return ATTN_NARROW_MIN_B <= b <= ATTN_NARROW_MAX_B
+
+
+def _attn_programs(b: int, kv8: bool, device: torch.device) -> int:
     if ATTN_PROGRAMS:
         return ATTN_PROGRAMS
+    per_sm = ATTN_NARROW_PROGRAMS_PER_SM if _narrow(b) and kv8 else ATTN_PROGRAMS_PER_SM
     # torch caches the properties per device; this runs only when a step is launched eagerly or captured
-    return ATTN_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _attn_splits(b: int, hkv: int, s: int, device: torch.device) -> int:
+def _attn_splits(b: int, hkv: int, s: int, kv8: bool, device: torch.device) -> int:
     """Programs per (row, kv head): fixed by the batch when the step is captured, while the context they share
     grows step by step (each takes a 1/NSPLIT span of it, a multiple of 16 keys)."""
     if INTERPRET:
         return 4
-    want = ATTN_SPLITS or max(1, _attn_programs(device) // (b * hkv))
+    want = ATTN_SPLITS or max(1, _attn_programs(b, kv8, device) // (b * hkv))
     return max(1, min(want, 32, triton.cdiv(s, 16)))
 
 
@@ -363,8 +373,9 @@ def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float, keys: int = 0) -
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     g = h // hkv
     gp = max(16, triton.next_power_of_2(g))  # tl.dot needs >= 16 rows
-    nsplit = _attn_splits(b, hkv, s, q.device)
-    narrow = ATTN_NARROW_MIN_B <= b <= ATTN_NARROW_MAX_B
+    kv8 = k_cache.element_size() == 1
+    nsplit = _attn_splits(b, hkv, s, kv8, q.device)
+    narrow = _narrow(b)
     bs, warps, stages = (
         (16, 1, 0) if INTERPRET else (ATTN_BS or 64, ATTN_WARPS or (2 if narrow else 4), ATTN_STAGES)
     )
@@ -403,7 +414,7 @@ def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float, keys: int = 0) -
         BS=bs,
         NS2=triton.next_power_of_2(nsplit),
         IEEE=q.dtype == torch.float32,
-        KV8=k_cache.element_size() == 1,
+        KV8=kv8,
         num_warps=warps,
         **({"num_stages": stages} if stages else {}),
         **({"maxnreg": ATTN_MAXNREG} if ATTN_MAXNREG and not INTERPRET else {}),
