@@ -28,6 +28,11 @@ class Layer:
     gate_up_scale: torch.Tensor | None = None
     down_scale: torch.Tensor | None = None
 
+    @classmethod
+    def of(cls, norms, qkv, o, gate_up, down) -> Layer:
+        """norms: (input, post-attention, attention SubLN, FFN SubLN); each projection a (weights, scales) pair."""
+        return cls(*norms, qkv[0], o[0], gate_up[0], down[0], qkv[1], o[1], gate_up[1], down[1])
+
 
 @dataclass
 class Weights:
@@ -108,24 +113,14 @@ def from_model(model, weights: str, dtype: torch.dtype, dev: torch.device, share
     layers = []
     for blk in model.layers:
         at, mlp = blk.self_attn, blk.mlp
-        qkv, qkv_s = build([at.q_proj, at.k_proj, at.v_proj])
-        o, o_s = build([at.o_proj])
-        gu, gu_s = build([mlp.gate_proj, mlp.up_proj])
-        dn, dn_s = build([mlp.down_proj])
+        norms = (blk.input_layernorm, blk.post_attention_layernorm, at.attn_sub_norm, mlp.ffn_sub_norm)
         layers.append(
-            Layer(
-                norm(blk.input_layernorm),
-                norm(blk.post_attention_layernorm),
-                norm(at.attn_sub_norm),
-                norm(mlp.ffn_sub_norm),
-                qkv,
-                o,
-                gu,
-                dn,
-                qkv_s,
-                o_s,
-                gu_s,
-                dn_s,
+            Layer.of(
+                tuple(norm(n) for n in norms),
+                build([at.q_proj, at.k_proj, at.v_proj]),
+                build([at.o_proj]),
+                build([mlp.gate_proj, mlp.up_proj]),
+                build([mlp.down_proj]),
             )
         )
     embed = model.embed_tokens.weight.detach().to(dev)
@@ -154,27 +149,14 @@ def random(cfg: ModelConfig, weights: str, dtype: torch.dtype, dev: torch.device
 
     layers = []
     for _ in range(cfg.num_hidden_layers):
-        qkv, qkv_s = mat(nq + 2 * nkv, h)
-        o, o_s = mat(h, nq)
-        gu, gu_s = mat(2 * i, h, parts=2)
-        dn, dn_s = mat(h, i)
+        projs = (
+            mat(nq + 2 * nkv, h),
+            mat(h, nq),
+            mat(2 * i, h, parts=2),
+            mat(h, i),
+        )  # drawn before the norms
         sub = cfg.has_sub_norms
-        layers.append(
-            Layer(
-                nrm(h),
-                nrm(h),
-                nrm(nq) if sub else None,
-                nrm(i) if sub else None,
-                qkv,
-                o,
-                gu,
-                dn,
-                qkv_s,
-                o_s,
-                gu_s,
-                dn_s,
-            )
-        )
+        layers.append(Layer.of((nrm(h), nrm(h), nrm(nq) if sub else None, nrm(i) if sub else None), *projs))
     embed = torch.randn(cfg.vocab_size, h, device=dev, generator=g).to(dtype)
     head = (
         None if cfg.tie_word_embeddings else torch.randn(cfg.vocab_size, h, device=dev, generator=g).to(dtype)
