@@ -115,16 +115,8 @@ def capture(fn, before_capture=None, warmup: int = 2, pool=None):
 
 
 class CudaEngine:
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        layers: list[engine_weights.Layer],
-        embed,
-        final_norm,
-        head,
-        inv_freq,
-        ecfg: EngineConfig,
-    ):
+    def __init__(self, cfg: ModelConfig, w: engine_weights.Weights, ecfg: EngineConfig):
+        layers, embed, final_norm, head = w.layers, w.embed, w.final_norm, w.head
         if cfg.hidden_act not in ("relu2", "silu"):
             raise ValueError(f"CudaEngine: hidden_act {cfg.hidden_act!r} not supported (relu2, silu)")
         self.cfg, self.ecfg, self.layers = cfg, ecfg, layers
@@ -146,7 +138,7 @@ class CudaEngine:
             self.embed = embed.to(ecfg.dtype)
             self.head = self.embed if self.tied else head.to(ecfg.dtype)
         pos = torch.arange(ecfg.max_seq_len, device=dev, dtype=torch.float32)
-        freqs = pos[:, None] * inv_freq.to(dev, torch.float32)[None, :]  # [S, D/2]
+        freqs = pos[:, None] * w.inv_freq.to(dev, torch.float32)[None, :]  # [S, D/2]
         self.cos, self.sin = freqs.cos().contiguous(), freqs.sin().contiguous()
         self.scratch = ecfg.max_batch  # one more cache row: where the captured prefills run (prefill_state)
         shape = (ecfg.max_batch + 1, self.nkv, ecfg.max_seq_len, self.hd)
@@ -164,10 +156,6 @@ class CudaEngine:
 
     # ---- construction (engine_weights.py builds the tensors) -------------------------------
     @classmethod
-    def _of(cls, cfg: ModelConfig, w: engine_weights.Weights, ecfg: EngineConfig) -> CudaEngine:
-        return cls(cfg, w.layers, w.embed, w.final_norm, w.head, w.inv_freq, ecfg)
-
-    @classmethod
     def from_model(
         cls, model, ecfg: EngineConfig | None = None, device="cuda", share: bool = False
     ) -> CudaEngine:
@@ -178,7 +166,7 @@ class CudaEngine:
         are), so the model and the engine hold one copy of the packed weights, not two (0.52 GB for 2B4T)."""
         ecfg = ecfg or EngineConfig()
         w = engine_weights.from_model(model, ecfg.weights, ecfg.dtype, torch.device(device), share)
-        return cls._of(model.config, w, ecfg)
+        return cls(model.config, w, ecfg)
 
     @classmethod
     def random(
@@ -186,7 +174,7 @@ class CudaEngine:
     ) -> CudaEngine:
         """Random weights of `cfg`'s exact shapes, in the real packed layout (benchmarks; no checkpoint needed)."""
         ecfg = ecfg or EngineConfig()
-        return cls._of(
+        return cls(
             cfg, engine_weights.random(cfg, ecfg.weights, ecfg.dtype, torch.device(device), seed), ecfg
         )
 
