@@ -78,7 +78,17 @@ def kernels(cache: str) -> dict[str, tuple]:
             "_gemv_row_kernel",
             ROW_PTRS,
             ROW_DIV,
-            dict(ROW, PREQ=True, HAS_NORM=True, HAS_RES=False, GATED=True, BN=8, KWP=256, EARLY_NORM=False),
+            dict(
+                ROW,
+                PREQ=True,
+                HAS_NORM=True,
+                HAS_RES=False,
+                GATED=True,
+                BN=8,
+                KWP=128,
+                KWB=32,
+                EARLY_NORM=False,
+            ),
             4,
         ),
         "qkv_row": (

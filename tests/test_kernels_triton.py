@@ -105,6 +105,32 @@ def test_row_gemv_norm_weights_before_the_wait_change_nothing(monkeypatch):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("k", [130, 640])
+def test_rowq_in_two_parts_exact(k, monkeypatch):
+    """The pre-quantized row GEMV over a row of 9 (K = 130) or 40 (K = 640, as 2560 is 160) words in two
+    power-of-two parts (`launch._row_parts`: 8 + 1, 32 + 8) equals the one-part kernel and the reference bit for
+    bit: plain with a residual and per-row scales, and gated."""
+    n = 24
+    t, x, _ = _case(2, 2 * n, k, seed=k)
+    g = torch.Generator().manual_seed(k)
+    srow = (0.01 + torch.rand(2 * n, generator=g)).to(x.device)
+    res = torch.randn(2, n, generator=g).to(x.device)
+    p, p1 = layout.pack_triton(t), layout.pack_triton(t[:n])
+
+    def run(parts):
+        monkeypatch.setattr(L, "ROW_PARTS", parts)
+        return (
+            L.ternary_linear(x, p1, srow[:n], n, residual=res, path="rowq"),
+            L.ternary_linear(x, p, srow, n, gated=True, path="rowq"),
+        )
+
+    assert L._row_parts(layout.packed_row_bytes(k) // 4)[1] > 0  # the split runs
+    xq, a = quantize_activations(x)
+    assert torch.equal(run(True)[0], int_matmul_f32(xq, t[:n]) * (srow[:n] / a) + res)
+    for got, ref in zip(run(True), run(False)):
+        assert torch.equal(got, ref)
+
+
 def test_quantize_rows_exact():
     _, x, _ = _case(5, 1, 70, seed=3)
     x[2] = 0  # all-zero row: the 1e-5 clamp

@@ -152,7 +152,8 @@ def _gemv_kernel(
 # Row GEMV (decode, small M): each program owns BN whole output rows. Its packed weight words [BN, KWP] are
 # loaded in one shot before anything else (every load in flight at once, no K loop), then the activation row
 # is quantized into int32 words once per program (PREQ=False: norm + absmax + rounding fused, no extra launch)
-# or read pre-quantized from `_quant_kernel` (PREQ=True), and dp4a runs over the four slabs.
+# or read pre-quantized from `_quant_kernel` (PREQ=True), and dp4a runs over the four slabs. Pre-quantized, a row
+# whose words are not a power of two runs as two parts, KWP + KWB words (`launch._row_parts`).
 # --------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _row_dot(xw0, xw1, xw2, xw3, wv, rw, PTX: tl.constexpr):
@@ -167,11 +168,15 @@ def _row_dot(xw0, xw1, xw2, xw3, wv, rw, PTX: tl.constexpr):
 
 
 @triton.jit
+def _row_scale(dot, rs, a, s, PTX: tl.constexpr):
+    """Float outputs [BN] of the integer sums dot [BN] (less the row sum rs) at activation scale a, weight scales s."""
+    return (dot - rs).to(tl.float32) * _div_rn(s, a + tl.zeros_like(s), PTX)
+
+
+@triton.jit
 def _row_out(xw0, xw1, xw2, xw3, wv, rw, rs, a, s, PTX: tl.constexpr):
     """Float outputs [BN] of one activation row (words xw*, scale a, row sum rw-parts + rs) through weight words wv."""
-    return (_row_dot(xw0, xw1, xw2, xw3, wv, rw, PTX) - rs).to(tl.float32) * _div_rn(
-        s, a + tl.zeros_like(s), PTX
-    )
+    return _row_scale(_row_dot(xw0, xw1, xw2, xw3, wv, rw, PTX), rs, a, s, PTX)
 
 
 @triton.jit
@@ -250,6 +255,7 @@ def _gemv_row_kernel(
     KWP: tl.constexpr,
     PDL: tl.constexpr = False,
     EARLY_NORM: tl.constexpr = False,
+    KWB: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BN + tl.arange(0, BN)
@@ -260,6 +266,15 @@ def _gemv_row_kernel(
     wv = tl.load(w_ptr + offs_n[:, None] * KW + offs_w[None, :], mask=wm, other=0)  # [BN, KWP] int32
     if GATED:
         wv2 = tl.load(w_ptr + (offs_n + N)[:, None] * KW + offs_w[None, :], mask=wm, other=0)
+    # KWB (PREQ only): a row's words past the first KWP as a second [KWB] part, so that a width of 160 words
+    # runs on 128 + 32 lanes and not on 256, a third of them padding (`_row_parts`)
+    if KWB > 0:
+        offs_b = KWP + tl.arange(0, KWB)
+        mb = offs_b < KW
+        wbm = mask_n[:, None] & mb[None, :]
+        wvb = tl.load(w_ptr + offs_n[:, None] * KW + offs_b[None, :], mask=wbm, other=0)  # [BN, KWB]
+        if GATED:
+            wvb2 = tl.load(w_ptr + (offs_n + N)[:, None] * KW + offs_b[None, :], mask=wbm, other=0)
     if PER_ROW:
         s = tl.load(s_ptr + offs_n, mask=mask_n, other=1.0)
         if GATED:
@@ -294,9 +309,24 @@ def _gemv_row_kernel(
             EARLY_NORM,
             PTX,
         )
-        y = _row_out(xw0, xw1, xw2, xw3, wv, rw, rs, a, s, PTX)
-        if GATED:
-            y = _activate(y, ACT) * _row_out(xw0, xw1, xw2, xw3, wv2, rw, rs, a, s2, PTX)
+        if KWB > 0:  # the second part's words: exact integer sums, added before the one float epilogue
+            xb0, xb1, xb2, xb3, _a, rwb, _rs = _load_qrow(
+                q_ptr + m * stride_qw, a_ptr + m, rs_ptr + m, KW, offs_b, mb
+            )
+            y = _row_scale(
+                _row_dot(xw0, xw1, xw2, xw3, wv, rw, PTX) + _row_dot(xb0, xb1, xb2, xb3, wvb, rwb, PTX),
+                rs,
+                a,
+                s,
+                PTX,
+            )
+            if GATED:
+                up = _row_dot(xw0, xw1, xw2, xw3, wv2, rw, PTX) + _row_dot(xb0, xb1, xb2, xb3, wvb2, rwb, PTX)
+                y = _activate(y, ACT) * _row_scale(up, rs, a, s2, PTX)
+        else:
+            y = _row_out(xw0, xw1, xw2, xw3, wv, rw, rs, a, s, PTX)
+            if GATED:
+                y = _activate(y, ACT) * _row_out(xw0, xw1, xw2, xw3, wv2, rw, rs, a, s2, PTX)
         if HAS_RES:
             if not EARLY_NORM:
                 res = tl.load(r_ptr + m * stride_rm + offs_n, mask=mask_n, other=0.0).to(tl.float32)
