@@ -268,6 +268,7 @@ def _gemv_row_kernel(
         wv2 = tl.load(w_ptr + (offs_n + N)[:, None] * KW + offs_w[None, :], mask=wm, other=0)
     # KWB (PREQ only): a row's words past the first KWP as a second [KWB] part, so that a width of 160 words
     # runs on 128 + 32 lanes and not on 256, a third of them padding (`_row_parts`)
+    tl.static_assert(KWB == 0 or PREQ, "a second part only for pre-quantized rows")
     if KWB > 0:
         offs_b = KWP + tl.arange(0, KWB)
         mb = offs_b < KW
@@ -309,24 +310,18 @@ def _gemv_row_kernel(
             EARLY_NORM,
             PTX,
         )
+        dot = _row_dot(xw0, xw1, xw2, xw3, wv, rw, PTX)
         if KWB > 0:  # the second part's words: exact integer sums, added before the one float epilogue
             xb0, xb1, xb2, xb3, _a, rwb, _rs = _load_qrow(
                 q_ptr + m * stride_qw, a_ptr + m, rs_ptr + m, KW, offs_b, mb
             )
-            y = _row_scale(
-                _row_dot(xw0, xw1, xw2, xw3, wv, rw, PTX) + _row_dot(xb0, xb1, xb2, xb3, wvb, rwb, PTX),
-                rs,
-                a,
-                s,
-                PTX,
-            )
-            if GATED:
-                up = _row_dot(xw0, xw1, xw2, xw3, wv2, rw, PTX) + _row_dot(xb0, xb1, xb2, xb3, wvb2, rwb, PTX)
-                y = _activate(y, ACT) * _row_scale(up, rs, a, s2, PTX)
-        else:
-            y = _row_out(xw0, xw1, xw2, xw3, wv, rw, rs, a, s, PTX)
-            if GATED:
-                y = _activate(y, ACT) * _row_out(xw0, xw1, xw2, xw3, wv2, rw, rs, a, s2, PTX)
+            dot += _row_dot(xb0, xb1, xb2, xb3, wvb, rwb, PTX)
+        y = _row_scale(dot, rs, a, s, PTX)
+        if GATED:
+            up = _row_dot(xw0, xw1, xw2, xw3, wv2, rw, PTX)
+            if KWB > 0:
+                up += _row_dot(xb0, xb1, xb2, xb3, wvb2, rwb, PTX)
+            y = _activate(y, ACT) * _row_scale(up, rs, a, s2, PTX)
         if HAS_RES:
             if not EARLY_NORM:
                 res = tl.load(r_ptr + m * stride_rm + offs_n, mask=mask_n, other=0.0).to(tl.float32)
