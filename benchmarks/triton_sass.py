@@ -72,7 +72,15 @@ def kernels(cache: str) -> dict[str, tuple]:
             4,
         ),
         "o_row": ("gemv", "_gemv_row_kernel", ROW_PTRS, ROW_DIV, dict(row, KWP=256, EARLY_NORM=True), 8),
-        "down_row": ("gemv", "_gemv_row_kernel", ROW_PTRS, ROW_DIV, dict(row, KWP=512, EARLY_NORM=False), 8),
+        # down: 16 + 4 rows a program (`launch._row_tiles` on 132 SMs)
+        "down_row": (
+            "gemv",
+            "_gemv_row_kernel",
+            ROW_PTRS,
+            ROW_DIV,
+            dict(row, BN=16, BN2=4, KWP=512, EARLY_NORM=False),
+            8,
+        ),
         "gateup_rowq": (
             "gemv",
             "_gemv_row_kernel",

@@ -131,6 +131,35 @@ def test_rowq_in_two_parts_exact(k, monkeypatch):
         assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("n,early", [(40, 4096), (37, 0)])
+def test_row_tiles_in_two_rows_parts_exact(n, early, monkeypatch):
+    """The quantizing row GEMV with a program's rows as two parts (`launch._row_tiles`: 8 + 2 rows where 16-row
+    tiles would leave SMs idle, here 4 "SMs") equals the one-part kernel bit for bit and the reference: with a
+    norm, per-row scales and a residual (norm weights before the wait and after it), one row and two; n = 37
+    ends in a ragged program."""
+    k = 200
+    t, x, _ = _case(2, n, k, seed=n)
+    g = torch.Generator().manual_seed(n)
+    norm = (1 + 0.1 * torch.randn(k, generator=g)).to(x.device)
+    srow = (0.01 + torch.rand(n, generator=g)).to(x.device)
+    res = torch.randn(2, n, generator=g).to(x.device)
+    p = layout.pack_triton(t)
+    monkeypatch.setattr(L, "SMS", 4)
+    monkeypatch.setattr(L, "ROW_TILES_MIN_K", 0)  # (down's width, 6912, is past the default)
+    monkeypatch.setattr(L, "EARLY_NORM_MAX_K", early)
+    assert L._row_tiles(n, 16, 4) == (8, 2)  # the split runs
+
+    def run(tiles, m):
+        monkeypatch.setattr(L, "ROW_TILES", tiles)
+        return L.ternary_linear(x[:m], p, srow, n, norm_weight=norm, residual=res[:m], path="row")
+
+    for m in (1, 2):
+        got = run(True, m)
+        assert torch.equal(got, run(False, m))
+        ref = _fused_reference(x[:m], t, srow, norm, res[:m])
+        torch.testing.assert_close(got.float(), ref, rtol=1e-5, atol=1e-4)
+
+
 def test_quantize_rows_exact():
     _, x, _ = _case(5, 1, 70, seed=3)
     x[2] = 0  # all-zero row: the 1e-5 clamp
@@ -336,6 +365,38 @@ def test_gpu_every_splitk_candidate_exact(m, gated):
         finally:
             T._choice.pop(key)
     assert all(int(c.abs().sum()) == 0 for _, c in L._workspaces.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2])
+def test_gpu_row_tiles_exact(m, monkeypatch):
+    """Every quantizing row-GEMV candidate on o's and down's 2B4T shapes (norm, per-row scales, residual) gives
+    the same bits with a program's rows in two parts (`launch._row_tiles`, 16 + 4 for BN 32 on a GPU of 132 SMs)
+    as without, close to the float reference; the split runs for a 32-row tile (o's width too, past the default
+    ROW_TILES_MIN_K)."""
+    monkeypatch.setattr(L, "ROW_TILES_MIN_K", 0)
+    for n, k in ((2560, 2560), (2560, 6912)):
+        t, x, _ = _case(m, n, k, seed=50 + m, dev="cuda")
+        g = torch.Generator(device="cuda").manual_seed(m)
+        norm = 1 + 0.1 * torch.randn(k, device="cuda", generator=g)
+        s = 0.05 * torch.rand(n, device="cuda", generator=g)
+        res = torch.randn(m, n, device="cuda", generator=g).bfloat16()
+        x, p = x.bfloat16(), layout.pack_triton(t)
+        key = ("row", n, k, m, False, True, True, True)  # as ternary_linear's tuning key
+        monkeypatch.setattr(L, "ROW_TILES", True)
+        assert L._row_tiles(n, 32, 132) == (16, 4)
+        for cfg in T._row_candidates(p.shape[1] // 4, False, "row"):
+            T._choice[key] = cfg
+            try:
+                out = []
+                for tiles in (True, False):
+                    monkeypatch.setattr(L, "ROW_TILES", tiles)
+                    out.append(L.ternary_linear(x, p, s, n, norm_weight=norm, residual=res, path="row"))
+            finally:
+                T._choice.pop(key)
+            assert torch.equal(out[0], out[1]), (n, k, cfg)
+            ref = _fused_reference(x, t, s, norm, res)
+            torch.testing.assert_close(out[0].float(), ref, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu

@@ -180,6 +180,14 @@ def _row_out(xw0, xw1, xw2, xw3, wv, rw, rs, a, s, PTX: tl.constexpr):
 
 
 @triton.jit
+def _row_scales(s_ptr, offs_n, mask_n, PER_ROW: tl.constexpr):
+    """The weight scales of rows offs_n [BN]: per row, or the one per-tensor scale broadcast."""
+    if PER_ROW:
+        return tl.load(s_ptr + offs_n, mask=mask_n, other=1.0)
+    return tl.load(s_ptr) + tl.zeros(offs_n.shape, tl.float32)
+
+
+@triton.jit
 def _load_qrow(qrow, a_ptr, rs_ptr, KW, offs_w, mw):
     """One pre-quantized row (`_quant_kernel` output viewed as int32 words): the four slabs' words, a, no row sum
     parts (zeros [KWP]), the row sum."""
@@ -256,14 +264,24 @@ def _gemv_row_kernel(
     PDL: tl.constexpr = False,
     EARLY_NORM: tl.constexpr = False,
     KWB: tl.constexpr = 0,
+    BN2: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
-    offs_n = pid * BN + tl.arange(0, BN)
+    offs_n = pid * (BN + BN2) + tl.arange(0, BN)
     mask_n = offs_n < N
     offs_w = tl.arange(0, KWP)
     mw = offs_w < KW
     wm = mask_n[:, None] & mw[None, :]
     wv = tl.load(w_ptr + offs_n[:, None] * KW + offs_w[None, :], mask=wm, other=0)  # [BN, KWP] int32
+    # BN2: a program's rows past the first BN as a second [BN2] part, so that 2,560 rows run as 128 programs of
+    # 16 + 4 on 132 SMs, not 80 of 32 (`launch._row_tiles`)
+    tl.static_assert(BN2 == 0 or (KWB == 0 and not GATED), "a second rows part only for plain one-part rows")
+    if BN2 > 0:
+        offs_n2 = pid * (BN + BN2) + BN + tl.arange(0, BN2)
+        mask_n2 = offs_n2 < N
+        wm2 = mask_n2[:, None] & mw[None, :]
+        wvn = tl.load(w_ptr + offs_n2[:, None] * KW + offs_w[None, :], mask=wm2, other=0)  # [BN2, KWP]
+        sn = _row_scales(s_ptr, offs_n2, mask_n2, PER_ROW)
     if GATED:
         wv2 = tl.load(w_ptr + (offs_n + N)[:, None] * KW + offs_w[None, :], mask=wm, other=0)
     # KWB (PREQ only): a row's words past the first KWP as a second [KWB] part, so that a width of 160 words
@@ -276,13 +294,10 @@ def _gemv_row_kernel(
         wvb = tl.load(w_ptr + offs_n[:, None] * KW + offs_b[None, :], mask=wbm, other=0)  # [BN, KWB]
         if GATED:
             wvb2 = tl.load(w_ptr + (offs_n + N)[:, None] * KW + offs_b[None, :], mask=wbm, other=0)
-    if PER_ROW:
-        s = tl.load(s_ptr + offs_n, mask=mask_n, other=1.0)
-        if GATED:
-            s2 = tl.load(s_ptr + N + offs_n, mask=mask_n, other=1.0)
-    else:
-        s = tl.load(s_ptr) + tl.zeros([BN], tl.float32)
-        s2 = s
+    s = _row_scales(s_ptr, offs_n, mask_n, PER_ROW)
+    s2 = s
+    if GATED and PER_ROW:
+        s2 = _row_scales(s_ptr + N, offs_n, mask_n, PER_ROW)
     g0, g1, g2, g3 = s, s, s, s  # (unused without EARLY_NORM)
     if EARLY_NORM:  # (a quantizing program with a norm) constant too: off the critical path after the wait
         g0, g1, g2, g3 = _norm_slabs(nw_ptr, K, KW, offs_w, mw)
@@ -290,6 +305,8 @@ def _gemv_row_kernel(
     for m in range(M):
         if EARLY_NORM and HAS_RES:  # issued with the row's loads, not after its reductions
             res = tl.load(r_ptr + m * stride_rm + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            if BN2 > 0:
+                res2 = tl.load(r_ptr + m * stride_rm + offs_n2, mask=mask_n2, other=0.0).to(tl.float32)
         xw0, xw1, xw2, xw3, a, rw, rs = _row_words(
             x_ptr + m * stride_xm,
             nw_ptr,
@@ -327,3 +344,10 @@ def _gemv_row_kernel(
                 res = tl.load(r_ptr + m * stride_rm + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             y = _add_rn(y, res, PTX)
         tl.store(y_ptr + m * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+        if BN2 > 0:  # the second rows part: the same row's words through its own weights
+            y2 = _row_out(xw0, xw1, xw2, xw3, wvn, rw, rs, a, sn, PTX)
+            if HAS_RES:
+                if not EARLY_NORM:
+                    res2 = tl.load(r_ptr + m * stride_rm + offs_n2, mask=mask_n2, other=0.0).to(tl.float32)
+                y2 = _add_rn(y2, res2, PTX)
+            tl.store(y_ptr + m * stride_ym + offs_n2, y2.to(y_ptr.dtype.element_ty), mask=mask_n2)

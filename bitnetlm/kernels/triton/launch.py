@@ -35,6 +35,15 @@ SPLITK_MAX_M = 64  # rows up to this use split-K tensor-core GEMM; above it, the
 # runs 561 instructions after its PDL wait instead of 794 and 137 registers instead of 200 (triton_sass.py,
 # Triton 3.9), and a batch-1 step took 5.4% less time on an H200 (docs/PERF_LOG.md stop 37).
 ROW_PARTS = True
+# A row GEMV tile whose grid would leave over a quarter of the SMs idle runs half its rows plus a smaller
+# power-of-two part instead (`_row_tiles`; `gemv._gemv_row_kernel`'s BN2), for rows wider than ROW_TILES_MIN_K:
+# batch 1's down (2,560 rows of K = 6912) as 128 programs of 16 + 4 rows on an H200's 132 SMs, not 80 of 32, runs
+# 1,813 instructions after its PDL wait instead of 2,385 and spills 48 bytes a thread instead of 432
+# (triton_sass.py, Triton 3.8); a batch-1 step 1-2% faster on an H200. Splitting o (K = 2560) as well measured no
+# faster than leaving both whole (docs/PERF_LOG.md stop 38). SMS: the SM count to plan for (0: the device's).
+ROW_TILES = True
+ROW_TILES_MIN_K = 4096
+SMS = 0
 QUANT_WARPS = 0  # benchmarks' override of the quantization launch's warps (0: the default, 16)
 # Row GEMVs that quantize their input in every program load the norm weights before their PDL wait, so that only
 # the row itself is fetched after it, up to this K (float32 weights held across the wait: 16 registers a thread at
@@ -136,6 +145,34 @@ def _row_parts(kw: int) -> tuple[int, int]:
     return first, second
 
 
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sms(device: torch.device) -> int:
+    """The SMs a grid on `device` can fill (SMS when set; the interpreter's CPU: no limit, so one part)."""
+    if SMS:
+        return SMS
+    if device.type != "cuda":
+        return 1 << 30
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SM_COUNT:
+        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SM_COUNT[i]
+
+
+def _row_tiles(n: int, bn: int, sms: int) -> tuple[int, int]:
+    """Rows a row-GEMV program runs for n output rows in tiles of bn (first, second; second 0: one part): bn when
+    its grid fills three quarters of the SMs, else bn / 2 plus the smallest power of two that fits one program an
+    SM (2,560 rows, bn 32, 132 SMs: 16 + 4)."""
+    if not ROW_TILES or triton.cdiv(n, bn) * 4 > sms * 3:
+        return bn, 0
+    first = bn // 2
+    second = 1
+    while second < first and triton.cdiv(n, first + second) > sms:
+        second *= 2
+    return (first, second) if second < first else (bn, 0)
+
+
 def ternary_linear(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -195,7 +232,8 @@ def ternary_linear(
         else:
             qw = a = rs = scale  # unused pointers
             sq = 0
-        kernel[(triton.cdiv(out_features, cfg["BN"]),)](
+        rows = cfg["BN"] + kw.get("BN2", 0)  # a program's output rows
+        kernel[(triton.cdiv(out_features, rows),)](
             x2,
             nw,
             qw,
@@ -273,7 +311,10 @@ def ternary_linear(
         elif cfg["path"] in ("row", "rowq"):
             early = cfg["path"] == "row" and norm_weight is not None and k <= EARLY_NORM_MAX_K
             kwa, kwb = _row_parts(kp // 4) if cfg["path"] == "rowq" else (_next_pow2(kp // 4), 0)
-            launch_dp4a(_gemv_row_kernel, cfg, w, KWP=kwa, KWB=kwb, EARLY_NORM=early, **pdl_kw())
+            plain = not gated and not kwb and k > ROW_TILES_MIN_K
+            bn, bn2 = _row_tiles(out_features, cfg["BN"], _sms(x.device)) if plain else (cfg["BN"], 0)
+            c = dict(cfg, BN=bn)
+            launch_dp4a(_gemv_row_kernel, c, w, KWP=kwa, KWB=kwb, BN2=bn2, EARLY_NORM=early, **pdl_kw())
         elif cfg["path"] == "splitk":
             launch_splitk(cfg, w)
         else:
