@@ -32,14 +32,14 @@ def trained(data, tmp_path_factory):
         model_config=TINY_BITNET,
         seq_len=64,
         batch_size=8,
-        max_steps=200,
+        max_steps=400,
         warmup_steps=20,
         lr=2e-2,
         schedule="cosine",
         out_dir=str(out),
         progress=False,
         log_every=10,
-        eval_every=100,
+        eval_every=200,
         eval_tokens=8192,
         tensorboard=False,
     )
@@ -53,11 +53,11 @@ def test_tiny_model_beats_unigram_on_real_text(data, trained):
     baseline = unigram_cross_entropy(TokenShards(data, "train"), TokenShards(data, "val"))
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     first = next(r["loss"] for r in rows if "loss" in r)
-    assert summary["step"] == 200
+    assert summary["step"] == 400
     # a model that learned only token frequencies would sit at the baseline; demand a clear margin
     assert summary["val_loss"] < baseline - 0.25, (summary["val_loss"], baseline)
     assert first > baseline  # it started above (random init) and trained its way below
-    assert any("val_loss" in r for r in rows if r["step"] == 100)
+    assert any("val_loss" in r for r in rows if r["step"] == 200)
 
 
 def test_export_loads_with_identical_outputs(data, trained):
@@ -79,20 +79,37 @@ def test_export_loads_with_identical_outputs(data, trained):
     ref = build_model(mc, mode="train")
     ref.load_state_dict(sd)
     ref.eval()
+    # the export is exact: every projection's ternary codes and scale, every other tensor
+    from bitnetlm.quant.bitlinear import BitLinear
+
+    rm = dict(ref.named_modules())
+    bit = [n for n, mod in model.named_modules() if isinstance(mod, BitLinear)]
+    assert len(bit) == 7 * TINY_BITNET["num_hidden_layers"]
+    for name in bit:
+        mod, r = model.get_submodule(name), rm[name]
+        assert torch.equal(mod.ternary_weight(), r.ternary_weight()), name
+        assert torch.equal(mod.scale(), r.scale()), name
+    rsd = ref.state_dict()
+    shared = [n for n in model.state_dict() if n in rsd]  # (not the projections' latent float weights)
+    assert len(shared) >= 2 * TINY_BITNET["num_hidden_layers"] + 2  # embedding, norms
+    for name in shared:
+        assert torch.equal(model.state_dict()[name].float(), rsd[name].float()), name
     x, _ = next(eval_batches(TokenShards(data, "val"), 64, 4))
     with torch.no_grad():
         want = ref(x)
         got = model(x)
-    # Same ternary weights and int8 activations; the float rounding order differs (CPU kernels vary by machine),
-    # and a last-bit difference can carry an activation across an int8 rounding boundary: one code moves, a few
-    # logits move by ~1e-3 (seen on a Zen 5 CPU). Such flips are rare and small; a wrong export is neither.
-    d = (got - want).abs()
-    assert (d <= 1e-4).float().mean() > 0.99 and d.max() < 0.05, (d.max(), (d > 1e-4).float().mean())
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.999
-    # in float64 no activation lies that close to a boundary: the two agree to the stored scales' rounding
-    m64, _ = bitnetlm.load(out / "final", dtype=torch.float64, backend="reference")
-    with torch.no_grad():
-        torch.testing.assert_close(m64(x), ref.double()(x), atol=1e-5, rtol=1e-5)
+    # The float rounding order differs (CPU kernels vary by machine; even in float64 an activation can sit on an
+    # int8 rounding tie), so now and then one activation code moves and the logits of a position or a few move by
+    # ~1e-3 (seen on Zen 5 and Xeon CPUs). Such flips are rare and small; a wrong export is neither.
+    for got_, want_, tol in ((got, want, 1e-4), (None, None, 1e-5)):
+        if got_ is None:  # float64, the reference backend
+            m64, _ = bitnetlm.load(out / "final", dtype=torch.float64, backend="reference")
+            with torch.no_grad():
+                got_, want_ = m64(x), ref.double()(x)
+        d = (got_ - want_).abs()
+        moved = (d > tol).any(-1).float().mean()  # positions [4, 64] with any logit beyond tol
+        assert moved < 0.05 and d.max() < 0.05, (tol, moved, d.max())
+        assert (got_.argmax(-1) == want_.argmax(-1)).float().mean() > 0.99
 
 
 def _small_run_args(data: Path, out: Path, max_steps: int) -> list[str]:
