@@ -123,9 +123,27 @@ def _greedy_step_kernel(
         bi = tl.where(take, tl.where(has_nan, i_nan, i), bi)
         best = tl.where(take, m, best)
         best_nan = best_nan | has_nan
-    if ONE_CHUNK:  # one chunk a row (the int8 head's tile maxima at small batches): no counter, no partials
+    token = bi
+    last = True  # one chunk a row (the int8 head's tile maxima at small batches): no counter, no partials
+    if not ONE_CHUNK:
+        tl.store(pmax_ptr + r * NC + c, tl.where(best_nan, float("nan"), best))
+        tl.store(pidx_ptr + r * NC + c, bi)
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + r, 1, sem="acq_rel")
+        last = done == NC - 1
+        if last:  # the row's last chunk: reduce the chunks
+            tl.atomic_xchg(cnt_ptr + r, 0, sem="relaxed")
+            offs_c = tl.arange(0, NCP)
+            mc = offs_c < NC
+            # .cg: the other programs' partials from L2, never a stale L1 line of an earlier replay
+            pm = tl.load(pmax_ptr + r * NC + offs_c, mask=mc, other=float("-inf"), cache_modifier=".cg")
+            pi = tl.load(pidx_ptr + r * NC + offs_c, mask=mc, other=0, cache_modifier=".cg")
+            _, first, first_nan = _argmax_parts(pm, offs_c, mc, NCP, 0)  # chunks are in vocabulary order
+            first = tl.where(first_nan < NCP, first_nan, first)
+            token = tl.sum(tl.where(offs_c == first, pi, 0), axis=0)
+    if last:
         _emit_token(
-            bi,
+            token,
             r,
             map_ptr,
             stride_x,
@@ -139,36 +157,6 @@ def _greedy_step_kernel(
             MAP,
             ONE_ROW,
         )
-    else:
-        tl.store(pmax_ptr + r * NC + c, tl.where(best_nan, float("nan"), best))
-        tl.store(pidx_ptr + r * NC + c, bi)
-        tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr + r, 1, sem="acq_rel")
-        if done == NC - 1:  # the row's last chunk: reduce the chunks, write the token
-            tl.atomic_xchg(cnt_ptr + r, 0, sem="relaxed")
-            offs_c = tl.arange(0, NCP)
-            mc = offs_c < NC
-            # .cg: the other programs' partials from L2, never a stale L1 line of an earlier replay
-            pm = tl.load(pmax_ptr + r * NC + offs_c, mask=mc, other=float("-inf"), cache_modifier=".cg")
-            pi = tl.load(pidx_ptr + r * NC + offs_c, mask=mc, other=0, cache_modifier=".cg")
-            _, first, first_nan = _argmax_parts(pm, offs_c, mc, NCP, 0)  # chunks are in vocabulary order
-            first = tl.where(first_nan < NCP, first_nan, first)
-            token = tl.sum(tl.where(offs_c == first, pi, 0), axis=0)
-            _emit_token(
-                token,
-                r,
-                map_ptr,
-                stride_x,
-                cnt_ptr,
-                tok_ptr,
-                out_ptr,
-                stride_out,
-                step_ptr,
-                pos_ptr,
-                B,
-                MAP,
-                ONE_ROW,
-            )
 
 
 _ws: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
