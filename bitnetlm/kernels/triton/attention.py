@@ -21,7 +21,7 @@ from bitnetlm.kernels.triton.common import (
     _prefetch_l2,
     _rotate,
 )
-from bitnetlm.kernels.triton.launch import pdl_kw
+from bitnetlm.kernels.triton.launch import pdl_kw, sm_count
 
 
 @triton.jit
@@ -353,8 +353,7 @@ def _attn_programs(b: int, kv8: bool, device: torch.device) -> int:
     if ATTN_PROGRAMS:
         return ATTN_PROGRAMS
     per_sm = ATTN_NARROW_PROGRAMS_PER_SM if _narrow(b) and kv8 else ATTN_PROGRAMS_PER_SM
-    # torch caches the properties per device; this runs only when a step is launched eagerly or captured
-    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+    return per_sm * sm_count(device)  # (runs only when a step is launched eagerly or captured)
 
 
 def _attn_splits(b: int, hkv: int, s: int, kv8: bool, device: torch.device) -> int:

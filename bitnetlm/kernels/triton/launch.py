@@ -40,7 +40,8 @@ ROW_PARTS = True
 # batch 1's down (2,560 rows of K = 6912) as 128 programs of 16 + 4 rows on an H200's 132 SMs, not 80 of 32, runs
 # 1,813 instructions after its PDL wait instead of 2,385 and spills 48 bytes a thread instead of 432
 # (triton_sass.py, Triton 3.8); a batch-1 step 1-2% faster on an H200. Splitting o (K = 2560) as well measured no
-# faster than leaving both whole (docs/PERF_LOG.md stop 38). SMS: the SM count to plan for (0: the device's).
+# faster than leaving both whole (docs/PERF_LOG.md stop 38). SMS: the SM count these tiles and the attention's
+# splits plan for (`sm_count`; 0: the device's).
 ROW_TILES = True
 ROW_TILES_MIN_K = 4096
 SMS = 0
@@ -145,19 +146,14 @@ def _row_parts(kw: int) -> tuple[int, int]:
     return first, second
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sms(device: torch.device) -> int:
-    """The SMs a grid on `device` can fill (SMS when set; the interpreter's CPU: no limit, so one part)."""
+def sm_count(device: torch.device) -> int:
+    """The SMs a grid on `device` can fill: SMS when set; on the interpreter's CPU no limit. (torch caches the
+    device's properties, so this is cheap at every launch.)"""
     if SMS:
         return SMS
     if device.type != "cuda":
         return 1 << 30
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _SM_COUNT:
-        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _SM_COUNT[i]
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _row_tiles(n: int, bn: int, sms: int) -> tuple[int, int]:
@@ -312,7 +308,7 @@ def ternary_linear(
             early = cfg["path"] == "row" and norm_weight is not None and k <= EARLY_NORM_MAX_K
             kwa, kwb = _row_parts(kp // 4) if cfg["path"] == "rowq" else (_next_pow2(kp // 4), 0)
             plain = not gated and not kwb and k > ROW_TILES_MIN_K
-            bn, bn2 = _row_tiles(out_features, cfg["BN"], _sms(x.device)) if plain else (cfg["BN"], 0)
+            bn, bn2 = _row_tiles(out_features, cfg["BN"], sm_count(x.device)) if plain else (cfg["BN"], 0)
             c = dict(cfg, BN=bn)
             launch_dp4a(_gemv_row_kernel, c, w, KWP=kwa, KWB=kwb, BN2=bn2, EARLY_NORM=early, **pdl_kw())
         elif cfg["path"] == "splitk":
