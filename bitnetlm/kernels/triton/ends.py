@@ -48,40 +48,6 @@ def embed_int8(tok: torch.Tensor, q: torch.Tensor, s: torch.Tensor, dtype: torch
 
 
 @triton.jit
-def _emit_token(
-    token,
-    r,
-    map_ptr,
-    stride_x,
-    cnt_ptr,
-    tok_ptr,
-    out_ptr,
-    stride_out,
-    step_ptr,
-    pos_ptr,
-    B,
-    MAP: tl.constexpr,
-    ONE_ROW: tl.constexpr,
-):
-    """Row r's winner -> its token (through the tiles' index when MAP), written to tok and out[:, step], pos += 1;
-    the last row to finish (a counter; none for one row) advances step."""
-    if MAP:  # x held tiles' maxima: the token is the winning tile's own index
-        token = tl.load(map_ptr + r * stride_x + token)
-    token = token.to(tl.int64)
-    step = tl.load(step_ptr)
-    tl.store(out_ptr + r * stride_out + step, token)
-    tl.store(tok_ptr + r, token)
-    tl.store(pos_ptr + r, tl.load(pos_ptr + r) + 1)
-    if ONE_ROW:
-        tl.store(step_ptr, step + 1)
-    else:
-        rows = tl.atomic_add(cnt_ptr + B, 1, sem="acq_rel")  # every row has read `step` before its add
-        if rows == B - 1:
-            tl.atomic_xchg(cnt_ptr + B, 0, sem="relaxed")
-            tl.store(step_ptr, step + 1)
-
-
-@triton.jit
 def _greedy_step_kernel(
     x_ptr,
     V,
@@ -141,22 +107,21 @@ def _greedy_step_kernel(
             _, first, first_nan = _argmax_parts(pm, offs_c, mc, NCP, 0)  # chunks are in vocabulary order
             first = tl.where(first_nan < NCP, first_nan, first)
             token = tl.sum(tl.where(offs_c == first, pi, 0), axis=0)
-    if last:
-        _emit_token(
-            token,
-            r,
-            map_ptr,
-            stride_x,
-            cnt_ptr,
-            tok_ptr,
-            out_ptr,
-            stride_out,
-            step_ptr,
-            pos_ptr,
-            B,
-            MAP,
-            ONE_ROW,
-        )
+    if last:  # the row's winner -> its token (through the tiles' index when MAP), tok, out[:, step], pos += 1
+        if MAP:  # x held tiles' maxima: the token is the winning tile's own index
+            token = tl.load(map_ptr + r * stride_x + token)
+        t64 = token.to(tl.int64)  # (a new name: a dynamic branch may not change a variable's type)
+        step = tl.load(step_ptr)
+        tl.store(out_ptr + r * stride_out + step, t64)
+        tl.store(tok_ptr + r, t64)
+        tl.store(pos_ptr + r, tl.load(pos_ptr + r) + 1)
+        if ONE_ROW:  # no other row: no counter
+            tl.store(step_ptr, step + 1)
+        else:  # the last row to finish advances step
+            rows = tl.atomic_add(cnt_ptr + B, 1, sem="acq_rel")  # every row has read `step` before its add
+            if rows == B - 1:
+                tl.atomic_xchg(cnt_ptr + B, 0, sem="relaxed")
+                tl.store(step_ptr, step + 1)
 
 
 _ws: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
