@@ -63,6 +63,17 @@ def _prefetch_l2(ptrs, mask, PTX: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_scales(s_ptr, cols, mask, PER_ROW: tl.constexpr, PTX: tl.constexpr):
+    """`_prefetch_l2` of the weight scales of rows cols [N] (without PER_ROW, the one per-tensor scale): an
+    epilogue's only constant read, which would otherwise miss L2 after the wait (a step streams far more than L2
+    holds, so nothing of the previous step's stays there)."""
+    if PER_ROW:
+        _prefetch_l2(s_ptr + cols, mask, PTX)
+    else:
+        _prefetch_l2(s_ptr + cols * 0, mask, PTX)
+
+
+@triton.jit
 def _rcp_rn(x, PTX: tl.constexpr):
     if PTX:
         return tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), x)

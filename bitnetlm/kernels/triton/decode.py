@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from bitnetlm.kernels.triton import launch as launch_mod
-from bitnetlm.kernels.triton.common import _epilogue, _pdl_wait, _rotate
+from bitnetlm.kernels.triton.common import _epilogue, _pdl_wait, _prefetch_l2, _prefetch_scales, _rotate
 from bitnetlm.kernels.triton.gemm import _mma_loop, _prefetch_rows, _splitk_sum
 from bitnetlm.kernels.triton.gemv import _row_out, _row_words
 from bitnetlm.kernels.triton.launch import (
@@ -127,6 +127,17 @@ def _rope_store(
 
 
 @triton.jit
+def _prefetch_rope(rows, mask_r, pos_ptr, cos_ptr, sin_ptr, d, mask_d, HALF: tl.constexpr, PTX: tl.constexpr):
+    """`_prefetch_l2` of the cos / sin entries d [P] at the positions of rows [R], before the PDL wait: pos is
+    final before any kernel of the step starts (ARCHITECTURE's invariants), and the tables are constant."""
+    pe = tl.load(pos_ptr + rows, mask=mask_r, other=0, cache_modifier=".cg")  # not into L1: read again later
+    at = pe[:, None] * HALF + d[None, :]  # [R, P]
+    mp = mask_r[:, None] & mask_d[None, :]
+    _prefetch_l2(cos_ptr + at, mp, PTX)
+    _prefetch_l2(sin_ptr + at, mp, PTX)
+
+
+@triton.jit
 def _qkv_rope_kernel(
     q_ptr,
     a_ptr,
@@ -161,6 +172,7 @@ def _qkv_rope_kernel(
     PREQ: tl.constexpr = True,
     HAS_NORM: tl.constexpr = True,
     EARLY_NORM: tl.constexpr = False,
+    PFC: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     HALF: tl.constexpr = D // 2
@@ -176,9 +188,12 @@ def _qkv_rope_kernel(
     g0, g1, g2, g3 = s, s, s, s  # (unused without EARLY_NORM)
     if EARLY_NORM:  # (a quantizing program with a norm) constant too: off the critical path after the wait
         g0, g1, g2, g3 = _norm_slabs(nw_ptr, K, KW, offs_w, mw)
-    _pdl_wait(PDL)  # the weight and scale loads above overlap the previous kernel
     # `_rope_store` for one row, kept one-dimensional: its [1, P] form measured 4% slower a batch-1 step
     head, d, mp, rot, is_q, is_k, kvh = _pair_roles(pid, N, H, HKV, HALF, P)
+    if PFC and PDL:  # cos / sin into L2 too (PFC: launch.PREFETCH_CONSTS)
+        rows = tl.arange(0, 16)  # the row kernel's M: up to GEMV_MAX_M
+        _prefetch_rope(rows, rows < M, pos_ptr, cos_ptr, sin_ptr, d, mp, HALF, PTX)
+    _pdl_wait(PDL)  # the weight and scale loads above overlap the previous kernel
     cache = tl.where(is_k, kc_ptr, vc_ptr)
     for m in range(M):
         if EARLY_NORM:  # the position and its cos / sin issued with the row's loads, not after the dots
@@ -253,6 +268,7 @@ def _qkv_rope_mma_kernel(
     SWAP: tl.constexpr,
     PDL: tl.constexpr = False,
     KV_SAME: tl.constexpr = True,
+    PFC: tl.constexpr = False,
 ):
     """The split-K tensor-core GEMM (`gemm._gemm_kernel`, GROUP_M == 0) over pre-quantized rows, whose tiles are
     rotation pairs (`_pair_cols`) and whose epilogue is `_rope_store`: q|k|v + RoPE + KV write at batch 3-64."""
@@ -264,9 +280,13 @@ def _qkv_rope_mma_kernel(
     cols, mask_c = _pair_cols(pid_n, N, D, BN)
     if PDL:  # the weights are constant: into L2 while the quantization launch runs
         _prefetch_rows(w_ptr, cols, mask_c, KP, b_lo, b_hi, PTX)
-    _pdl_wait(PDL)
     offs_m = pid_m * BM + tl.arange(0, BM)
     mask_m = offs_m < M
+    if PFC and PDL:  # and the epilogue's constants: scales, cos / sin (PFC: launch.PREFETCH_CONSTS)
+        _prefetch_scales(s_ptr, cols, mask_c, PER_ROW, PTX)
+        p1 = pid_n * (BN // 2) + tl.arange(0, BN // 2)
+        _prefetch_rope(offs_m, mask_m, pos_ptr, cos_ptr, sin_ptr, p1 % (D // 2), p1 < N // 2, D // 2, PTX)
+    _pdl_wait(PDL)
     acc, acc2 = _mma_loop(
         q_ptr,
         w_ptr,
@@ -418,6 +438,7 @@ def qkv_rope(
             PREQ=preq,
             HAS_NORM=norm_weight is not None,
             EARLY_NORM=not preq and norm_weight is not None and k <= launch_mod.EARLY_NORM_MAX_K,
+            PFC=launch_mod.PREFETCH_CONSTS,
             **pdl_kw(),
         )
 
@@ -450,6 +471,7 @@ def qkv_rope(
             PTX=PTX,
             D=d,
             KV_SAME=k_cache.dtype == q_out.dtype,
+            PFC=launch_mod.PREFETCH_CONSTS,
             **{k2: v for k2, v in cfg.items() if k2 not in ("path", "CPS")},
             **pdl_kw(),
         )

@@ -20,6 +20,7 @@ from bitnetlm.kernels.triton.common import (
     _gated_epilogue,
     _pdl_wait,
     _prefetch_l2,
+    _prefetch_scales,
     _store_out,
 )
 
@@ -183,6 +184,7 @@ def _gemm_kernel(
     PDL: tl.constexpr = False,
     SWAP: tl.constexpr = False,
     PAIR: tl.constexpr = False,
+    PFC: tl.constexpr = False,
 ):
     """y = epilogue(X @ C^T) over [BM, BN] tiles.
 
@@ -224,6 +226,10 @@ def _gemm_kernel(
         _prefetch_rows(w_ptr, cols, mask_c, KP, b_lo, b_hi, PTX)
         if TWO:
             _prefetch_rows(w_ptr, cols + N, mask_c, KP, b_lo, b_hi, PTX)
+        if PFC:  # and the epilogue's scales (PFC: launch.PREFETCH_CONSTS)
+            _prefetch_scales(s_ptr, cols, mask_c, PER_ROW, PTX)
+            if TWO:
+                _prefetch_scales(s_ptr, cols + N, mask_c, PER_ROW, PTX)
     _pdl_wait(PDL)
     offs_m = pid_m * BM + tl.arange(0, BM)
     mask_m = offs_m < M

@@ -21,6 +21,7 @@ from bitnetlm.kernels.triton.common import (
     _dp4a,
     _gated_epilogue,
     _pdl_wait,
+    _prefetch_l2,
     _store_out,
 )
 from bitnetlm.kernels.triton.quant import _act_scale, _norm_slabs, _q8, _quant_words, _quant_words_g
@@ -265,6 +266,7 @@ def _gemv_row_kernel(
     EARLY_NORM: tl.constexpr = False,
     KWB: tl.constexpr = 0,
     BN2: tl.constexpr = 0,
+    PFC: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     offs_n = pid * (BN + BN2) + tl.arange(0, BN)
@@ -301,6 +303,12 @@ def _gemv_row_kernel(
     g0, g1, g2, g3 = s, s, s, s  # (unused without EARLY_NORM)
     if EARLY_NORM:  # (a quantizing program with a norm) constant too: off the critical path after the wait
         g0, g1, g2, g3 = _norm_slabs(nw_ptr, K, KW, offs_w, mw)
+    elif (
+        PFC and PDL and HAS_NORM and not PREQ
+    ):  # else into L2, one 64-value line a program (launch.PREFETCH_CONSTS)
+        line = tl.arange(0, KWP // 4)  # a norm weight line holds 64 bf16 values: K <= 16 * KWP
+        mine = (line * 64 < K) & (line % tl.num_programs(0) == pid)
+        _prefetch_l2(nw_ptr + line * 64, mine, PTX)
     _pdl_wait(PDL)  # the weight and scale loads above overlap the previous kernel
     for m in range(M):
         if EARLY_NORM and HAS_RES:  # issued with the row's loads, not after its reductions

@@ -49,8 +49,14 @@ QUANT_WARPS = 0  # benchmarks' override of the quantization launch's warps (0: t
 # Row GEMVs that quantize their input in every program load the norm weights before their PDL wait, so that only
 # the row itself is fetched after it, up to this K (float32 weights held across the wait: 16 registers a thread at
 # K = 2560 and 8 warps, 43 at 6912). 0: after the wait. A batch-1 step 1.4% faster on an H200 (PERF_LOG stop 32);
-# 8192 (down too) measured within noise of it.
-EARLY_NORM_MAX_K = 4096
+# 8192 (batch 1's down too) another 1.6% since stop 40, against down's weights pulled into L2 (PREFETCH_CONSTS).
+EARLY_NORM_MAX_K = 8192
+# Constant data that a kernel would read only after its PDL wait -- the quantization launches' norm weights, the
+# split-K epilogues' weight scales, q|k|v's cos / sin, the norm weights of a quantizing row GEMV past
+# EARLY_NORM_MAX_K -- is loaded (the quantization launches) or pulled into L2 (the rest) before the wait: a
+# decode step streams far more than L2 holds, so each such read went to DRAM after the wait, beside the
+# activations' L2 hits. A step 2.7% faster at batch 1 and 4.6% at batch 8 on an H200 (PERF_LOG stop 40).
+PREFETCH_CONSTS = True
 PTX = not INTERPRET
 
 
@@ -291,7 +297,7 @@ def ternary_linear(
         out_n = cfg["BN"] // 2 if cfg.get("PAIR") else cfg["BN"]
         grid = (triton.cdiv(out_features, out_n), cfg["SPLIT"], triton.cdiv(m, cfg["BM"]))
         kw = {k2: v for k2, v in cfg.items() if k2 not in ("path", "CPS")}
-        launch_mma(grid, ws, cnt, cfg["CPS"], w, **kw, **pdl_kw())
+        launch_mma(grid, ws, cnt, cfg["CPS"], w, **kw, PFC=PREFETCH_CONSTS, **pdl_kw())
 
     def launch_gemm(cfg, w):
         kw = {k2: v for k2, v in cfg.items() if k2 != "path"}
@@ -310,7 +316,8 @@ def ternary_linear(
             plain = not gated and not kwb and k > ROW_TILES_MIN_K
             bn, bn2 = _row_tiles(out_features, cfg["BN"], sm_count(x.device)) if plain else (cfg["BN"], 0)
             c = dict(cfg, BN=bn)
-            launch_dp4a(_gemv_row_kernel, c, w, KWP=kwa, KWB=kwb, BN2=bn2, EARLY_NORM=early, **pdl_kw())
+            kwr = dict(KWP=kwa, KWB=kwb, BN2=bn2, EARLY_NORM=early, PFC=PREFETCH_CONSTS)
+            launch_dp4a(_gemv_row_kernel, c, w, **kwr, **pdl_kw())
         elif cfg["path"] == "splitk":
             launch_splitk(cfg, w)
         else:
@@ -349,6 +356,7 @@ def launch_quant(
         PTX=PTX,
         BK=_next_pow2(q.shape[1]),
         num_warps=1 if INTERPRET else QUANT_WARPS or 16,  # 16: fastest on an H100 (gpu_profile --quant-warps)
+        EARLY_G=PREFETCH_CONSTS,
         **pdl_kw(),
     )
 
@@ -412,6 +420,7 @@ def quantize16(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float = 1
         BK=triton.next_power_of_2(k),
         PTX=PTX,
         num_warps=nw,
+        EARLY_G=PREFETCH_CONSTS,
         **pdl_kw(),
     )
     return hi, lo, a

@@ -61,14 +61,19 @@ def _quant_kernel(
     PTX: tl.constexpr,
     BK: tl.constexpr,
     PDL: tl.constexpr = False,
+    EARLY_G: tl.constexpr = False,
 ):
     m = tl.program_id(0)
     offs = tl.arange(0, BK)
     mk = offs < K
+    if HAS_NORM and EARLY_G:  # constant: its DRAM round trip overlaps the previous kernel, not the row's
+        g = tl.load(nw_ptr + offs, mask=mk, other=0.0)
     _pdl_wait(PDL)
     x = tl.load(x_ptr + m * stride_xm + offs, mask=mk, other=0.0).to(tl.float32)
     if HAS_NORM:
-        g = tl.load(nw_ptr + offs, mask=mk, other=0.0).to(tl.float32)
+        if not EARLY_G:
+            g = tl.load(nw_ptr + offs, mask=mk, other=0.0)
+        g = g.to(tl.float32)
         ss, gmax = _ss_gmax(x * x, tl.abs(x * g), 0)
         rstd = 1.0 / tl.sqrt_rn(ss / K + eps)
         amax = gmax * rstd
@@ -185,14 +190,19 @@ def _quant16_kernel(
     BK: tl.constexpr,
     PTX: tl.constexpr,
     PDL: tl.constexpr = False,
+    EARLY_G: tl.constexpr = False,
 ):
     m = tl.program_id(0)
     offs = tl.arange(0, BK)
     mk = offs < K
+    if HAS_NORM and EARLY_G:  # constant: loaded while the previous kernel runs (`_quant_kernel`)
+        g = tl.load(nw_ptr + offs, mask=mk, other=0.0)
     _pdl_wait(PDL)
     y = tl.load(x_ptr + m * stride_xm + offs, mask=mk, other=0.0).to(tl.float32)
     if HAS_NORM:
-        g = tl.load(nw_ptr + offs, mask=mk, other=0.0).to(tl.float32)
+        if not EARLY_G:
+            g = tl.load(nw_ptr + offs, mask=mk, other=0.0)
+        g = g.to(tl.float32)
         rstd = 1.0 / tl.sqrt_rn(tl.sum(y * y, axis=0) / K + eps)
         y = ((y * rstd) * g).to(x_ptr.dtype.element_ty).to(tl.float32)  # what rmsnorm would store
     a = _rcp_rn(tl.maximum(tl.max(tl.abs(y), axis=0), 1e-30), PTX) * float(Q16_MAX)
