@@ -32,8 +32,10 @@ def _timeline(prof, steps: int, n: int) -> None:
     t0 = step[0].time_range.start
     busy = sum(e.time_range.elapsed_us() for e in step)
     wall = step[-1].time_range.end - t0
+    gap = t0 - ks[(steps // 2) * per - 1].time_range.end  # between two replays of the graph
     print(
-        f"--- one step: {per} kernels, {wall:.1f} us from first start to last end, kernels busy {busy:.1f} us"
+        f"--- one step: {per} kernels, {wall:.1f} us from first start to last end, kernels busy {busy:.1f} us; "
+        f"{gap:.1f} us from the previous step's last end to this step's first start"
     )
     print(f"{'start us':>9} {'dur us':>7} {'gap us':>7}  kernel")
     prev = t0

@@ -45,7 +45,13 @@ ROW_PARTS = True
 ROW_TILES = True
 ROW_TILES_MIN_K = 4096
 SMS = 0
-QUANT_WARPS = 0  # benchmarks' override of the quantization launch's warps (0: the default, 16)
+QUANT_WARPS = 0  # benchmarks' override of the quantization launch's warps (0: the default below)
+# Up to QUANT_NARROW_MAX_M rows, the quantization launch runs 8 warps on rows of at most QUANT_WIDE_K values, 16 on
+# wider ones (down's 6912) and on more rows. On an H200 a step took 0.2-0.6% less time at batch 1, 4, 8 and 16 than
+# with 16 warps everywhere; batch 64 gained nothing (and lost 0.7% with 8 warps on down's rows too), so it keeps 16
+# (docs/PERF_LOG.md stop 41).
+QUANT_WIDE_K = 4096
+QUANT_NARROW_MAX_M = 16
 # Row GEMVs that quantize their input in every program load the norm weights before their PDL wait, so that only
 # the row itself is fetched after it, up to this K (float32 weights held across the wait: 16 registers a thread at
 # K = 2560 and 8 warps, 43 at 6912). 0: after the wait. A batch-1 step 1.4% faster on an H200 (PERF_LOG stop 32);
@@ -355,7 +361,9 @@ def launch_quant(
         HAS_NORM=norm_weight is not None,
         PTX=PTX,
         BK=_next_pow2(q.shape[1]),
-        num_warps=1 if INTERPRET else QUANT_WARPS or 16,  # 16: fastest on an H100 (gpu_profile --quant-warps)
+        num_warps=1
+        if INTERPRET
+        else QUANT_WARPS or (8 if k <= QUANT_WIDE_K and m <= QUANT_NARROW_MAX_M else 16),
         EARLY_G=PREFETCH_CONSTS,
         **pdl_kw(),
     )
