@@ -335,6 +335,13 @@ def ternary_linear(
     return out.reshape(*lead, out_features)
 
 
+def _quant_warps(m: int, k: int) -> int:
+    """The quantization launch's warps for m rows of k values (QUANT_WIDE_K, QUANT_NARROW_MAX_M above)."""
+    if INTERPRET:
+        return 1
+    return QUANT_WARPS or (8 if k <= QUANT_WIDE_K and m <= QUANT_NARROW_MAX_M else 16)
+
+
 def launch_quant(
     x: torch.Tensor,
     norm_weight: torch.Tensor | None,
@@ -361,9 +368,7 @@ def launch_quant(
         HAS_NORM=norm_weight is not None,
         PTX=PTX,
         BK=_next_pow2(q.shape[1]),
-        num_warps=1
-        if INTERPRET
-        else QUANT_WARPS or (8 if k <= QUANT_WIDE_K and m <= QUANT_NARROW_MAX_M else 16),
+        num_warps=_quant_warps(m, k),
         EARLY_G=PREFETCH_CONSTS,
         **pdl_kw(),
     )
