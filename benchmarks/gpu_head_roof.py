@@ -22,6 +22,10 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.gpu_attention import _graph_us  # noqa: E402  (us a call, captured once, replayed; best of 3)
+
+REPS = 20  # graph replays a timing
+
 
 @triton.jit
 def _read_kernel(x_ptr, y_ptr, N, BLOCK: tl.constexpr, ITERS: tl.constexpr):
@@ -34,20 +38,6 @@ def _read_kernel(x_ptr, y_ptr, N, BLOCK: tl.constexpr, ITERS: tl.constexpr):
         v = tl.load(x_ptr + offs, mask=offs < N, other=0)
         acc += tl.sum(tl.reshape(v, [BLOCK // 1024, 1024]), axis=0)  # [BLOCK] -> [BLOCK/1024, 1024]
     tl.store(y_ptr + pid * 1024 + tl.arange(0, 1024), acc)
-
-
-def _graph_us(fn, reps: int = 20) -> float:
-    """Microseconds a call of fn, captured once and replayed reps times (best of 3)."""
-    from bitnetlm.engine_cuda import capture
-    from bitnetlm.kernels.triton.bench import _events_ms
-
-    g, _ = capture(fn)
-
-    def replays():
-        for _ in range(reps):
-            g.replay()
-
-    return min(_events_ms(replays, 3)) * 1e3 / reps
 
 
 def read_roof_us(w: torch.Tensor) -> tuple[float, str]:
@@ -93,7 +83,7 @@ def main() -> int:
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for b in (int(x) for x in args.batches.split(",")):
         h = torch.randn(b, k, dtype=torch.bfloat16, device="cuda")
-        both = _graph_us(lambda h=h: w8a16_argmax(h, nw, 1e-5, w, s))  # tunes on its eager warm-up
+        both = _graph_us(lambda h=h: w8a16_argmax(h, nw, 1e-5, w, s), REPS, 1)  # tunes on its eager warm-up
         cfg = tune._choice[("w8a16_argmax", v, k, min(triton.next_power_of_2(b), 1024))]
         hi, lo, a = quantize16(h, nw, 1e-5)
         t = triton.cdiv(v, cfg["BN"])
@@ -101,7 +91,7 @@ def main() -> int:
         yi = torch.empty((b, t), dtype=torch.int32, device="cuda")
         grid = (t, triton.cdiv(b, cfg["BM"]))
         args_k = (hi, lo, a, w, s, ym, yi, b, v, k, hi.stride(0), t)
-        alone = _graph_us(lambda g=grid, ak=args_k, c=cfg: _w8a16_kernel[g](*ak, ARGMAX=True, **c))
+        alone = _graph_us(lambda g=grid, ak=args_k, c=cfg: _w8a16_kernel[g](*ak, ARGMAX=True, **c), REPS, 1)
         tile = f"{cfg['BM']}, {cfg['BN']}, {cfg['BK']}, {cfg['num_warps']}"
         print(
             f"| {b} | {tile} | {both:.1f} | {mb / both * 1e3:.0f} | {roof / both:.2f} | {alone:.1f} | {roof / alone:.2f} |"
