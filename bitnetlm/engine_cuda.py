@@ -70,6 +70,9 @@ FUSED_ENDS = True
 # (launch.w8a16_argmax): the float32 logits (33 MB at batch 64 over a 128k vocabulary) are never written nor read;
 # 1.6% less step time at batch 64 on an H100, the same at batch 1 and 8 (docs/PERF_LOG.md, stop 25).
 HEAD_ARGMAX = True
+# Above attention.ATTN_LATE_MAX_B rows, where the decode attention lets the next kernels launch early, the
+# quantization launch before o lets o launch only after its own wait (attention.py says why; PERF_LOG stop 42).
+QUANT_LATE_O = True
 
 
 @dataclass
@@ -214,7 +217,7 @@ class CudaEngine:
         return wb["projections"] + head + wb["norms"] + batch * row
 
     # ---- the forward ----------------------------------------------------------------------
-    def _lin(self, x, w, scale, n, norm=None, residual=None, gated=False, path=None):
+    def _lin(self, x, w, scale, n, norm=None, residual=None, gated=False, path=None, quant_late=False):
         if self.ecfg.weights == "ternary":
             from bitnetlm.kernels.triton.launch import ternary_linear
 
@@ -229,6 +232,7 @@ class CudaEngine:
                 act=self.cfg.hidden_act,
                 eps=self.eps,
                 path=path,
+                quant_late=quant_late,
             )
         from bitnetlm.kernels.triton.attention import gated_act, rmsnorm
 
@@ -281,6 +285,7 @@ class CudaEngine:
         last_at: [1] index of the token whose logits to return (a padded prompt's last real token).
         head_argmax (int8 head): (maxima, indices) of the head's vocabulary tiles instead of logits.
         keys (T = 1): the decode attention's key range (`attention.key_range`; 0: the default splits)."""
+        from bitnetlm.kernels.triton import attention
         from bitnetlm.kernels.triton.attention import attn_decode, rope_cache
 
         b, t = tok.shape
@@ -338,7 +343,16 @@ class CudaEngine:
                 kp, vp = kc[:, :, : start + t].to(q.dtype), vc[:, :, : start + t].to(q.dtype)
                 o = prefill_attention(q.transpose(1, 2), kp, vp, mask, nh != nkv)  # [B, H, T, D]
                 o = o.transpose(1, 2).reshape(b * t, nh * hd)
-            h = self._lin(o, L.o, L.o_scale, h.shape[-1], norm=L.attn_sub_norm, residual=h, path=rp_o)
+            h = self._lin(
+                o,
+                L.o,
+                L.o_scale,
+                h.shape[-1],
+                norm=L.attn_sub_norm,
+                residual=h,
+                path=rp_o,
+                quant_late=QUANT_LATE_O and t == 1 and b > attention.ATTN_LATE_MAX_B,
+            )
             g = self._lin(
                 h, L.gate_up, L.gate_up_scale, self.cfg.intermediate_size, norm=L.post_norm, gated=True
             )

@@ -275,6 +275,18 @@ ATTN_PROGRAMS_PER_SM = 3
 # faster from batch 8 on an H200 (stop 29; 64 on an H100 at stop 17, whose batch-8 step then measured slower);
 # at batch 1 and 2 the early launch stays faster.
 ATTN_LATE_MIN_B = 8
+# Above this batch the attention lets them launch early again, and the engine has the quantization launch before o
+# let o launch only after its own wait (so o's programs still start at the attention's end, and the quantization's
+# launch latency leaves the chain). On an H200 a step took 1.1-3.0% / 2.8% / 2.3% / 3.4% less time at batch 33 / 36
+# / 40 / 64 this way, and 2.2% more at batch 32 (docs/PERF_LOG.md stop 42).
+ATTN_LATE_MAX_B = 32
+
+
+def late_launch(b: int) -> bool:
+    """Does batch b's decode attention let the next kernels launch only at its end (ATTN_LATE_MIN_B..MAX_B)?"""
+    return ATTN_LATE_MIN_B <= b <= ATTN_LATE_MAX_B
+
+
 # A captured step told that its rows stay within 256 keys (`key_range`) runs one split of one 256-key block, at 8
 # warps in one stage, up to batch ATTN_RANGE_MAX_B: a small grid and no merge. On an H200 a step took 5-10% less time
 # at batch 1-8 within 256 keys (benchmarks/gpu_profile.py --max-keys, docs/PERF_LOG.md stop 30); since the
@@ -417,7 +429,7 @@ def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float, keys: int = 0) -
         num_warps=warps,
         **({"num_stages": stages} if stages else {}),
         **({"maxnreg": ATTN_MAXNREG} if ATTN_MAXNREG and not INTERPRET else {}),
-        LATE=b >= ATTN_LATE_MIN_B,
+        LATE=late_launch(b),
         POS_EARLY=bool(ATTN_POS_EARLY),
         **pdl_kw(),
     )

@@ -52,6 +52,12 @@ QUANT_WARPS = 0  # benchmarks' override of the quantization launch's warps (0: t
 # (docs/PERF_LOG.md stop 41).
 QUANT_WIDE_K = 4096
 QUANT_NARROW_MAX_M = 16
+# From QUANT_LATE_MIN_M to QUANT_LATE_MAX_M rows, the quantization launch lets the next kernel launch (PDL) only
+# after its own wait, when the kernel before it has ended, instead of at its start. On an H200 a step took 3.0% /
+# 1.9% / 7.0% / 0.8% / 0.6% / 0.5% less time at batch 3 / 4 / 6 / 8 / 12 / 16, and 2.6% / 0.5% / 3.0% / 2.0% more
+# at batch 1 / 2 / 24 / 32 (docs/PERF_LOG.md stop 42).
+QUANT_LATE_MIN_M = 3
+QUANT_LATE_MAX_M = 16
 # Row GEMVs that quantize their input in every program load the norm weights before their PDL wait, so that only
 # the row itself is fetched after it, up to this K (float32 weights held across the wait: 16 registers a thread at
 # K = 2560 and 8 warps, 43 at 6912). 0: after the wait. A batch-1 step 1.4% faster on an H200 (PERF_LOG stop 32);
@@ -193,11 +199,13 @@ def ternary_linear(
     eps: float = 1e-5,
     out: torch.Tensor | None = None,
     path: str | None = None,
+    quant_late: bool = False,
 ) -> torch.Tensor:
     """y = [residual +] f((X @ T^T) * s / a) with X = int8(rmsnorm?(x)); f = act(gate) * up when `gated`.
 
     x [..., K]; packed uint8 [R, Kp] with R = out_features (2*out_features when gated: gate rows then up rows);
     scale float32 [1] or [R] (per output row). Output dtype = x.dtype (or `out`'s).
+    quant_late: a quantization launch in front lets the GEMM launch only after its own wait (`launch_quant`).
     """
     k = x.shape[-1]
     lead = x.shape[:-1]
@@ -229,7 +237,7 @@ def ternary_linear(
         q = torch.empty((m, 4 * kp), dtype=torch.int8, device=x.device)
         a = torch.empty((m,), dtype=torch.float32, device=x.device)
         rs = torch.empty((m,), dtype=torch.int32, device=x.device)
-        launch_quant(x2, norm_weight, q, a, rs, eps)
+        launch_quant(x2, norm_weight, q, a, rs, eps, late=quant_late)
         return q, a, rs
 
     def launch_dp4a(kernel, cfg, w, **kw):
@@ -349,10 +357,11 @@ def launch_quant(
     a: torch.Tensor,
     rs: torch.Tensor,
     eps: float,
+    late: bool = False,
 ) -> None:
     """rmsnorm? + per-row int8 quantization of x [M, K] (unit stride) into q int8 [>= M, 4*Kp] (zero padded),
     a float32 [>= M], rowsum int32 [>= M]: the `_quant_kernel` launch in front of the GEMMs and pre-quantized
-    GEMVs."""
+    GEMVs. late: the next kernel launches only after this one's PDL wait (as for QUANT_LATE_MIN_M..MAX_M rows)."""
     m, k = x.shape
     _quant_kernel[(m,)](
         x,
@@ -370,6 +379,7 @@ def launch_quant(
         BK=_next_pow2(q.shape[1]),
         num_warps=_quant_warps(m, k),
         EARLY_G=PREFETCH_CONSTS,
+        LATE=late or QUANT_LATE_MIN_M <= m <= QUANT_LATE_MAX_M,
         **pdl_kw(),
     )
 
