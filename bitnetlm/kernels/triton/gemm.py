@@ -18,6 +18,7 @@ from bitnetlm.kernels.triton.common import (
     _codes8,
     _epilogue,
     _gated_epilogue,
+    _pdl_trigger,
     _pdl_wait,
     _prefetch_l2,
     _prefetch_scales,
@@ -185,6 +186,7 @@ def _gemm_kernel(
     SWAP: tl.constexpr = False,
     PAIR: tl.constexpr = False,
     PFC: tl.constexpr = False,
+    LATE: tl.constexpr = False,
 ):
     """y = epilogue(X @ C^T) over [BM, BN] tiles.
 
@@ -230,7 +232,9 @@ def _gemm_kernel(
             _prefetch_scales(s_ptr, cols, mask_c, PER_ROW, PTX)
             if TWO:
                 _prefetch_scales(s_ptr, cols + N, mask_c, PER_ROW, PTX)
-    _pdl_wait(PDL)
+    _pdl_wait(PDL, TRIGGER=not LATE)
+    if LATE:  # the next kernel launches now, with the kernel before this one ended (launch.GEMM_LATE_MIN_M)
+        _pdl_trigger(PDL)
     offs_m = pid_m * BM + tl.arange(0, BM)
     mask_m = offs_m < M
     acc, acc2 = _mma_loop(

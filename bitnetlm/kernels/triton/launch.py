@@ -58,6 +58,11 @@ QUANT_NARROW_MAX_M = 16
 # at batch 1 / 2 / 24 / 32 (docs/PERF_LOG.md stop 42).
 QUANT_LATE_MIN_M = 3
 QUANT_LATE_MAX_M = 16
+# From this many rows (where the attention triggers early again: attention.ATTN_LATE_MAX_B) the split-K GEMMs also
+# let the next kernel, a quantization launch, launch only after their own wait. On an H200 a step took 1.0-1.4% /
+# 3.3% / 1.5% less time at batch 33 / 48 / 64; from 17 rows on, batch 20 gained 0.5%, 24 nothing and 32 lost 0.4%
+# (docs/PERF_LOG.md stop 42).
+GEMM_LATE_MIN_M = 33
 # Row GEMVs that quantize their input in every program load the norm weights before their PDL wait, so that only
 # the row itself is fetched after it, up to this K (float32 weights held across the wait: 16 registers a thread at
 # K = 2560 and 8 warps, 43 at 6912). 0: after the wait. A batch-1 step 1.4% faster on an H200 (PERF_LOG stop 32);
@@ -311,7 +316,9 @@ def ternary_linear(
         out_n = cfg["BN"] // 2 if cfg.get("PAIR") else cfg["BN"]
         grid = (triton.cdiv(out_features, out_n), cfg["SPLIT"], triton.cdiv(m, cfg["BM"]))
         kw = {k2: v for k2, v in cfg.items() if k2 not in ("path", "CPS")}
-        launch_mma(grid, ws, cnt, cfg["CPS"], w, **kw, PFC=PREFETCH_CONSTS, **pdl_kw())
+        launch_mma(
+            grid, ws, cnt, cfg["CPS"], w, **kw, PFC=PREFETCH_CONSTS, LATE=m >= GEMM_LATE_MIN_M, **pdl_kw()
+        )
 
     def launch_gemm(cfg, w):
         kw = {k2: v for k2, v in cfg.items() if k2 != "path"}
