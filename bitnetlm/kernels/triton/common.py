@@ -28,15 +28,18 @@ ACT_CODES = {"relu2": 0, "silu": 1}
 
 
 @triton.jit
-def _pdl_wait(PDL: tl.constexpr, TRIGGER: tl.constexpr = True):
+def _pdl_wait(PDL: tl.constexpr, TRIGGER: tl.constexpr = True, AFTER: tl.constexpr = False):
     """Programmatic dependent launch: let the next kernel start its prologue now (TRIGGER; else the kernel calls
-    `_pdl_trigger` later itself), then wait until the previous kernel has finished and its writes are visible.
+    `_pdl_trigger` later itself), then wait until the previous kernel has finished and its writes are visible;
+    AFTER: trigger after the wait instead, once the previous kernel has ended.
     Everything a kernel reads that an earlier kernel wrote, and every store, comes after this; only constant data
     (weights, scales) may be read before it."""
     if PDL:
-        if TRIGGER:
+        if TRIGGER and not AFTER:
             gdc_launch_dependents()
         gdc_wait()
+        if TRIGGER and AFTER:
+            gdc_launch_dependents()
 
 
 @triton.jit

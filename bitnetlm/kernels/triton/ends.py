@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bitnetlm.kernels.triton.common import INTERPRET, _argmax_parts, _pdl_trigger, _pdl_wait
+from bitnetlm.kernels.triton.common import INTERPRET, _argmax_parts, _pdl_wait
 from bitnetlm.kernels.triton.launch import pdl_kw
 
 
@@ -27,8 +27,7 @@ def _embed_int8_kernel(tok_ptr, q_ptr, s_ptr, y_ptr, K, BK: tl.constexpr, PDL: t
     r = tl.program_id(0)
     # the step's first kernel lets the next launch only once the previous step has finished (its sampler wrote
     # pos and tok): from here to the sampler pos is constant, which the attention relies on (reads it early)
-    _pdl_wait(PDL, TRIGGER=False)
-    _pdl_trigger(PDL)
+    _pdl_wait(PDL, AFTER=True)
     t = tl.load(tok_ptr + r).to(tl.int64)
     offs = tl.arange(0, BK)
     mk = offs < K

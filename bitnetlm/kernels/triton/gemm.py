@@ -18,7 +18,6 @@ from bitnetlm.kernels.triton.common import (
     _codes8,
     _epilogue,
     _gated_epilogue,
-    _pdl_trigger,
     _pdl_wait,
     _prefetch_l2,
     _prefetch_scales,
@@ -232,9 +231,8 @@ def _gemm_kernel(
             _prefetch_scales(s_ptr, cols, mask_c, PER_ROW, PTX)
             if TWO:
                 _prefetch_scales(s_ptr, cols + N, mask_c, PER_ROW, PTX)
-    _pdl_wait(PDL, TRIGGER=not LATE)
-    if LATE:  # the next kernel launches now, with the kernel before this one ended (launch.GEMM_LATE_MIN_M)
-        _pdl_trigger(PDL)
+    # LATE: the next kernel launches only once the one before this has ended (launch.GEMM_LATE_MIN_M)
+    _pdl_wait(PDL, AFTER=LATE)
     offs_m = pid_m * BM + tl.arange(0, BM)
     mask_m = offs_m < M
     acc, acc2 = _mma_loop(

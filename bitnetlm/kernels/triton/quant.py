@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from bitnetlm.kernels.triton.common import _pdl_trigger, _pdl_wait, _rcp_rn, _rne
+from bitnetlm.kernels.triton.common import _pdl_wait, _rcp_rn, _rne
 
 
 @triton.jit
@@ -69,9 +69,8 @@ def _quant_kernel(
     mk = offs < K
     if HAS_NORM and EARLY_G:  # constant: its DRAM round trip overlaps the previous kernel, not the row's
         g = tl.load(nw_ptr + offs, mask=mk, other=0.0)
-    _pdl_wait(PDL, TRIGGER=not LATE)
-    if LATE:  # the next kernel launches now, with the kernel before this one ended (launch.QUANT_LATE_MIN_M)
-        _pdl_trigger(PDL)
+    # LATE: the next kernel launches only once the one before this has ended (launch.QUANT_LATE_MIN_M)
+    _pdl_wait(PDL, AFTER=LATE)
     x = tl.load(x_ptr + m * stride_xm + offs, mask=mk, other=0.0).to(tl.float32)
     if HAS_NORM:
         if not EARLY_G:
