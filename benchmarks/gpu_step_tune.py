@@ -1,7 +1,7 @@
 """Tile choices timed in the whole captured decode step (device machine) against the tuner's chain timing.
 
     python benchmarks/gpu_step_tune.py [--batches 1,8] [--context 512] [--max-keys K] [--head int8]
-        [--kv-cache-dtype fp8] [--passes 1] [--rounds 3] [--min-gain 0.005] [--write]
+        [--kv-cache-dtype fp8] [--passes 1] [--rounds 3] [--min-gain 0.005] [--write] [--from-table]
 
 The tuner (kernels/triton/tune.py) times each projection's candidates in a chain of calls of that projection
 alone. In the step each kernel starts (programmatic dependent launch) while a different one drains, and whether
@@ -10,8 +10,9 @@ each key in turn (coordinate descent, --passes times) recaptures the step with e
 keeps the fastest if it beats the current choice by --min-gain; last, the chain's choices and the step's choices
 alternate for --rounds and both are printed. --write merges the step's choices into the package's shipped table
 for this GPU model (kernels/triton/configs/, which `tune._tune` consults first). Random weights of the 2B4T
-shape; the shipped table is ignored while this runs, so it starts from the chain's own choices. The work is
-`bitnetlm.kernels.triton.step_tune`, which `bitnet tune` runs for any shape into the user's own table.
+shape; the shipped table is ignored while this runs, so it starts from the chain's own choices, unless
+--from-table: a re-tune from the shipped table's choices (the "chain" column is then the table's). The work
+is `bitnetlm.kernels.triton.step_tune`, which `bitnet tune` runs for any shape into the user's own table.
 """
 
 from __future__ import annotations
@@ -37,13 +38,21 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=50, help="replays a timing")
     ap.add_argument("--min-gain", type=float, default=0.005, help="a new choice must be this much faster")
     ap.add_argument("--write", action="store_true", help="merge the choices into the shipped table")
+    ap.add_argument(
+        "--from-table",
+        action="store_true",
+        help="start from the shipped table's choices (a re-tune: no chain timing) instead of the chain's",
+    )
     args = ap.parse_args()
     from bitnetlm.engine_cuda import CudaEngine, EngineConfig
     from bitnetlm.kernels.triton import step_tune, tune
     from bitnetlm.models import ModelConfig
     from bitnetlm.models.cache import parse_kv_cache_dtype
 
-    tune.STEP_TABLES = False  # start from the chain's own choices
+    if args.from_table:
+        tune.USER_TABLE_DIR = ""  # the shipped table only
+    else:
+        tune.STEP_TABLES = False  # start from the chain's own choices
     batches = [int(b) for b in args.batches.split(",")]
     eng = CudaEngine.random(
         ModelConfig(),

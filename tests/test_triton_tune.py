@@ -1,5 +1,5 @@
 """The step-tuned tables (the user's from `bitnet tune`, the shipped kernels/triton/configs/): named per GPU model,
-holding only candidates, taken ahead of any timing on the GPU they name, the user's first; `bitnet tune` itself."""
+holding only candidates (each listed once), taken ahead of any timing on the GPU they name, the user's first; `bitnet tune` itself."""
 
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ for f in files:
             path, out, k, m, gated = key[:5]
             cands = linear_candidates(m, out, k, gated, None if path == "auto" else path)
         assert cfg in cands, f"{f.name}: {skey}: {cfg} is not one of its {len(cands)} candidates"
+        dup = [c for i, c in enumerate(cands) if c in cands[:i]]
+        assert not dup, f"{f.name}: {skey}: candidates timed twice: {dup}"
         n += 1
 print(len(files), n)
 """

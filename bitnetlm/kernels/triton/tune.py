@@ -421,4 +421,5 @@ def _splitk_candidates(m: int, n: int, kp: int, gated: bool) -> list[dict]:
             _splitk_cfg(m, n, kp, bm or bm0, bn, bkb, t, nw, SWAP=True, PAIR=True)
             for bn, bkb, t, nw, bm in pairs
         ]
-    return out
+    # a small shape clamps several targets to one tile: list it once
+    return [c for i, c in enumerate(out) if c not in out[:i]]
