@@ -17,7 +17,7 @@ One random 2B4T engine, one process; each entry of --sequence runs in order:
   and allocated bytes and segments; `zero`: every KV cache and the last step's input tokens zeroed; `tokens`:
   the last step's input tokens; `sleep`: two seconds idle;
 - `prof`: 20 replays of the last captured step under torch.profiler, a Chrome trace in --trace-dir.
-STEP_ORDER_STREAM=1 (a new side stream) or =capture (torch's capture stream) replays `again` off the default
+--again-stream side (a new side stream) or capture (torch's capture stream) replays `again` off the default
 stream. docs/PERF_LOG.md stop 43: a process's first captured steps replay a batch-8 step 3% faster than those
 timed after a few more captures of anything; that is why step_ms settles first.
 """
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import subprocess
 import time
 
@@ -36,16 +35,15 @@ ENTRIES = ("eager1", "keep1", "empty", "gc", "mem", "sleep", "again", "smi", "ze
 ENTRIES += ("dropkept", "newcs", "upload", "settle")
 
 
-def _time_replays(st, context: int, reps: int = 100) -> float:
+def _time_replays(st, context: int, stream: str = "default", reps: int = 100) -> float:
     from bitnetlm.kernels.triton.step_tune import replay_ms
 
-    how = os.environ.get("STEP_ORDER_STREAM")  # 1: a side stream; capture: torch's capture stream
-    if how in ("1", "capture"):
-        side = torch.cuda.Stream() if how == "1" else torch.cuda.graph.default_capture_stream
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            return replay_ms(st, context, reps)
-    return replay_ms(st, context, reps)
+    if stream == "default":
+        return replay_ms(st, context, reps)
+    side = torch.cuda.Stream() if stream == "side" else torch.cuda.graph.default_capture_stream
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        return replay_ms(st, context, reps)
 
 
 def main() -> int:
@@ -56,10 +54,11 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--max-keys", type=int, default=1024)
     ap.add_argument("--trace-dir", default=".", help="where `prof` entries write their Chrome traces")
+    ap.add_argument("--again-stream", choices=("default", "side", "capture"), default="default")
     args = ap.parse_args()
     from bitnetlm.engine_cuda import CudaEngine, EngineConfig
     from bitnetlm.kernels.triton.bench import gpu_name
-    from bitnetlm.kernels.triton.step_tune import settle_graphs, step_ms
+    from bitnetlm.kernels.triton.step_tune import settle_graphs, small_graph, step_ms
     from bitnetlm.models import ModelConfig
     from bitnetlm.models.cache import parse_kv_cache_dtype
 
@@ -114,16 +113,13 @@ def main() -> int:
             print("keep1: batch 1's graph captured and kept", flush=True)
         elif item.startswith("again"):  # again, or againB: the last captured step of batch B
             st = [s for s in eng._graphs.values() if item == "again" or s.tok.shape[0] == int(item[5:])][-1]
-            ms = min(_time_replays(st, args.context) for _ in range(2))
+            ms = min(_time_replays(st, args.context, args.again_stream) for _ in range(2))
             print(f"again (batch {st.tok.shape[0]}, no new capture): {ms:.3f} ms/step", flush=True)
         elif item == "settle":
             settle_graphs()
             print("settle: step_tune.settle_graphs()", flush=True)
         elif item == "tiny":
-            x = torch.zeros(16, device=eng.device)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                x.add_(1)
+            g = small_graph(eng.device)
             g.replay()
             torch.cuda.synchronize()
             kept.append(g)

@@ -1,5 +1,6 @@
 """The step-tuned tables (the user's from `bitnet tune`, the shipped kernels/triton/configs/): named per GPU model,
-holding only candidates (each listed once), taken ahead of any timing on the GPU they name, the user's first; `bitnet tune` itself."""
+holding only candidates (each listed once), taken ahead of any timing on the GPU they name, the user's first;
+`bitnet tune` itself."""
 
 from __future__ import annotations
 

@@ -50,16 +50,21 @@ def settle_graphs() -> None:
     an A/B it favours whichever variant is timed first."""
     if _SETTLE:
         return
-    x = torch.zeros(16, device="cuda")
-    for _ in range(SETTLE_GRAPHS):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            x.add_(1)
-        _SETTLE.append(g)
+    _SETTLE.extend(small_graph() for _ in range(SETTLE_GRAPHS))
     for _ in range(3):
         for g in _SETTLE:
             g.replay()
     torch.cuda.synchronize()
+
+
+def small_graph(device: str | torch.device = "cuda") -> torch.cuda.CUDAGraph:
+    """A captured graph of one small kernel (settle_graphs; gpu_step_order.py's `tiny`)."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        # from the graph's own pool, so alive as long as g is, whoever replays it
+        x = torch.empty(16, device=device)
+        x.add_(1)  # the one kernel; its values do not matter
+    return g
 
 
 def replay_ms(st, context: int, reps: int) -> float:
@@ -83,8 +88,8 @@ def step_ms(
     eng, batch: int, context: int, max_keys: int = 0, reps: int = 50, tries: int = 2, settle: bool = True
 ) -> float:
     """ms per replay of a freshly captured decode step from `context` keys: the best of `tries` timings of
-    `reps` replays (a one-off stall is not a tile's fault). settle: in a process that has captured several graphs, as a
-    user's has (settle_graphs)."""
+    `reps` replays (a one-off stall is not a tile's fault). settle: in a process that has captured several
+    graphs, as a user's has (settle_graphs)."""
     if settle:
         settle_graphs()
     eng._graphs.clear()
