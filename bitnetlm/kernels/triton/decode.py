@@ -269,11 +269,9 @@ def _qkv_rope_mma_kernel(
     PDL: tl.constexpr = False,
     KV_SAME: tl.constexpr = True,
     PFC: tl.constexpr = False,
-    LATE: tl.constexpr = False,
 ):
     """The split-K tensor-core GEMM (`gemm._gemm_kernel`, GROUP_M == 0) over pre-quantized rows, whose tiles are
-    rotation pairs (`_pair_cols`) and whose epilogue is `_rope_store`: q|k|v + RoPE + KV write at batch 3-64.
-    LATE: the attention launches only after this kernel's wait (launch.QKV_LATE_MIN_M)."""
+    rotation pairs (`_pair_cols`) and whose epilogue is `_rope_store`: q|k|v + RoPE + KV write at batch 3-64."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -288,7 +286,7 @@ def _qkv_rope_mma_kernel(
         _prefetch_scales(s_ptr, cols, mask_c, PER_ROW, PTX)
         p1 = pid_n * (BN // 2) + tl.arange(0, BN // 2)
         _prefetch_rope(offs_m, mask_m, pos_ptr, cos_ptr, sin_ptr, p1 % (D // 2), p1 < N // 2, D // 2, PTX)
-    _pdl_wait(PDL, AFTER=LATE)
+    _pdl_wait(PDL)
     acc, acc2 = _mma_loop(
         q_ptr,
         w_ptr,
@@ -474,7 +472,6 @@ def qkv_rope(
             D=d,
             KV_SAME=k_cache.dtype == q_out.dtype,
             PFC=launch_mod.PREFETCH_CONSTS,
-            LATE=launch_mod.QKV_LATE_MIN_M <= m <= launch_mod.QKV_LATE_MAX_M,
             **{k2: v for k2, v in cfg.items() if k2 not in ("path", "CPS")},
             **pdl_kw(),
         )

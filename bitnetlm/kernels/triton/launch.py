@@ -63,11 +63,6 @@ QUANT_LATE_MAX_M = 16
 # 3.3% / 1.5% less time at batch 33 / 48 / 64; from 17 rows on, batch 20 gained 0.5%, 24 nothing and 32 lost 0.4%
 # (docs/PERF_LOG.md stop 42).
 GEMM_LATE_MIN_M = 33
-# From QKV_LATE_MIN_M to QKV_LATE_MAX_M rows, the q|k|v + RoPE split-K kernel (decode._qkv_rope_mma_kernel) lets
-# the attention launch only after its own wait. Off: stop 42 measured it slower at batch 8 (1.117 / 1.140 against
-# 1.104 / 1.104 ms), but against a baseline timed before step timings settled (docs/PERF_LOG.md stop 43).
-QKV_LATE_MIN_M = 0
-QKV_LATE_MAX_M = -1
 # Row GEMVs that quantize their input in every program load the norm weights before their PDL wait, so that only
 # the row itself is fetched after it, up to this K (float32 weights held across the wait: 16 registers a thread at
 # K = 2560 and 8 warps, 43 at 6912). 0: after the wait. A batch-1 step 1.4% faster on an H200 (PERF_LOG stop 32);
