@@ -5,7 +5,7 @@ step's latency is: barriers (each block-wide reduction or layout conversion thro
 two), shuffles, shared-memory and global traffic.
 
     python benchmarks/triton_sass.py [--kernel attn|o_row|down_row|gateup_rowq|qkv_row|quant|o_splitk8|gateup_pair8
-        ...]
+        |finish_o|finish_gateup ...]
         [--cache fp8|bf16] [--warps W] [--stages S] [--maxnreg R] [--constexpr NAME=VALUE ...]
 
 `attn` (the default) also prints the instructions of the K/V block loop (one 64-key block, batch 64's shape). The
@@ -60,6 +60,11 @@ def kernels(cache: str) -> dict[str, tuple]:
     mma = dict(
         ROW, BM=16, BN=64, BKB=128, GROUP_M=0, SWAP=True, PAIR=False, GATED=False, HAS_RES=True, SPLIT=5
     )
+    # a deferred projection's finishing quantization launch (deferred.py): batch 8's o (5 splits) and gate|up
+    finish_ptrs = dict(acc_ptr="*i32", ain_ptr="*fp32", rsin_ptr="*i32", s_ptr="*fp32", r_ptr="*bf16")
+    finish_ptrs.update(y_ptr="*bf16", nw_ptr="*bf16", q_ptr="*i8", a_ptr="*fp32", rs_ptr="*i32")
+    finish_div = ("N", "KPAD", "stride_acc", "stride_rm", "stride_ym", "stride_qm")
+    finish = dict(ROW, GATED=False, HAS_RES=True, HAS_NORM=True, QUANT=True, BK=4096, EARLY_G=True)
     return {
         "attn": ("attention", "_attn_gqa_kernel", attn_ptrs, (), attn, 4),
         "o_splitk8": ("gemm", "_gemm_kernel", mma_ptrs, mma_div, mma, 4),
@@ -106,6 +111,15 @@ def kernels(cache: str) -> dict[str, tuple]:
             ("N", "KW", "K", "stride_xm", "stride_qw", "S"),
             qkv,
             8,
+        ),
+        "finish_o": ("quant", "_finish_quant_kernel", finish_ptrs, finish_div, finish, 8),
+        "finish_gateup": (
+            "quant",
+            "_finish_quant_kernel",
+            finish_ptrs,
+            finish_div,
+            dict(finish, GATED=True, HAS_RES=False, BK=8192),
+            16,
         ),
         "quant": (
             "quant",
@@ -200,7 +214,7 @@ def main() -> int:
         "--kernel",
         nargs="*",
         default=["attn"],
-        help="attn, o_row, down_row, gateup_rowq, qkv_row, quant, o_splitk8, gateup_pair8; all",
+        help="attn, o_row, down_row, gateup_rowq, qkv_row, quant, o_splitk8, gateup_pair8, finish_o, finish_gateup; all",
     )
     ap.add_argument("--cache", default="fp8", choices=["fp8", "bf16"])
     ap.add_argument("--warps", type=int, default=0, help="0: the kernel's shipped warps")

@@ -73,6 +73,13 @@ HEAD_ARGMAX = True
 # Above attention.ATTN_LATE_MAX_B rows, where the decode attention lets the next kernels launch early, the
 # quantization launch before o lets o launch only after its own wait (attention.py says why; PERF_LOG stop 42).
 QUANT_LATE_O = True
+# Decode steps of up to DEFER_MAX_B rows leave their split-K o and down projections unfinished: no tile waits for
+# its last program, and the quantization launch after them runs their epilogue (kernels/triton/deferred.py). H200,
+# ms/step: batch 4 -4.3%, 8 -6.0%, 12 -2.0%, 16 -1.5%, 32 -1.1%, 33 -0.3%, 48 0.0%, 64 +0.7% (PERF_LOG stop 44).
+DEFER_MAX_B = 48
+# gate|up as well: its finishing launch runs the epilogue of 2 x 6,912 sums a row in one program each, slower than
+# the split-K tail it saves (batch 4 +8.6%, batch 8 +8.1%).
+DEFER_GATE_UP = False
 
 
 @dataclass
@@ -115,6 +122,11 @@ def capture(fn, before_capture=None, warmup: int = 2, pool=None):
     with torch.cuda.graph(graph, pool=pool):
         out = fn()
     return graph, out
+
+
+def _rows(x):
+    """A projection's output rows: x itself, or a deferred one's (`deferred.SplitKSums`) once it is finished."""
+    return x if isinstance(x, torch.Tensor) else x.out
 
 
 class CudaEngine:
@@ -217,7 +229,9 @@ class CudaEngine:
         return wb["projections"] + head + wb["norms"] + batch * row
 
     # ---- the forward ----------------------------------------------------------------------
-    def _lin(self, x, w, scale, n, norm=None, residual=None, gated=False, path=None, quant_late=False):
+    def _lin(
+        self, x, w, scale, n, norm=None, residual=None, gated=False, path=None, quant_late=False, defer=False
+    ):
         if self.ecfg.weights == "ternary":
             from bitnetlm.kernels.triton.launch import ternary_linear
 
@@ -233,6 +247,7 @@ class CudaEngine:
                 eps=self.eps,
                 path=path,
                 quant_late=quant_late,
+                defer=defer,
             )
         from bitnetlm.kernels.triton.attention import gated_act, rmsnorm
 
@@ -302,6 +317,8 @@ class CudaEngine:
         qkv_in_row = in_row and QUANT_IN_ROW_QKV
         rp_o = "row" if in_row and QUANT_IN_ROW_O else None  # the path of o
         rp_d = "row" if in_row and QUANT_IN_ROW_DOWN else None  # and of down
+        # split-K projections left for the next quantization launch to finish (a SplitKSums instead of rows)
+        dfr = t == 1 and b <= DEFER_MAX_B and not in_row and self.ecfg.weights == "ternary"
         if fused:
             from bitnetlm.kernels.triton.decode import QuantBuf, qkv_rope, quantize_into
 
@@ -316,7 +333,7 @@ class CudaEngine:
             mask = keys[None, :] <= (start + torch.arange(t, device=h.device))[:, None]  # [T, start+T]
         for li, L in enumerate(self.layers):
             kc, vc = self.k_cache[li][row0 : row0 + b], self.v_cache[li][row0 : row0 + b]  # contiguous views
-            q = torch.empty((b, t, nh, hd), device=h.device, dtype=h.dtype)
+            q = torch.empty((b, t, nh, hd), device=self.device, dtype=self.ecfg.dtype)
             if qkv_in_row:  # every program normalizes + quantizes h itself
                 qkv_rope(
                     h, b, L.qkv, L.qkv_scale, q, self.cos, self.sin, pos, kc, vc, nh, nkv, L.in_norm, self.eps
@@ -327,6 +344,7 @@ class CudaEngine:
             else:
                 qkv = self._lin(h, L.qkv, L.qkv_scale, nqkv, norm=L.in_norm)  # [B*T, (H+2Hkv)*D]
                 rope_cache(qkv, self.cos, self.sin, pos, q, kc, vc, nh, nkv, t)
+            h = _rows(h)  # the residual rows (a deferred down's: finished by the quantization above)
             if t == 1:
                 o = torch.empty((b, nh, hd), device=h.device, dtype=h.dtype)
                 attn_decode(q.view(b, nh, hd), kc, vc, pos, o, scale, keys)
@@ -352,11 +370,29 @@ class CudaEngine:
                 residual=h,
                 path=rp_o,
                 quant_late=QUANT_LATE_O and t == 1 and b > attention.ATTN_LATE_MAX_B,
+                defer=dfr,
             )
             g = self._lin(
-                h, L.gate_up, L.gate_up_scale, self.cfg.intermediate_size, norm=L.post_norm, gated=True
+                h,
+                L.gate_up,
+                L.gate_up_scale,
+                self.cfg.intermediate_size,
+                norm=L.post_norm,
+                gated=True,
+                defer=dfr and DEFER_GATE_UP,
             )
-            h = self._lin(g, L.down, L.down_scale, h.shape[-1], norm=L.ffn_sub_norm, residual=h, path=rp_d)
+            h = _rows(h)
+            last = li + 1 == len(self.layers)  # the head's quantization takes rows
+            h = self._lin(
+                g,
+                L.down,
+                L.down_scale,
+                h.shape[-1],
+                norm=L.ffn_sub_norm,
+                residual=h,
+                path=rp_d,
+                defer=dfr and not last,
+            )
         if last_at is not None:
             h = h.view(b, t, -1).index_select(1, last_at)[:, 0]  # [B, hidden]
         elif last_only:

@@ -178,8 +178,23 @@ def _codes8(wb, I: tl.constexpr, PTX: tl.constexpr):
 @triton.jit
 def _epilogue(acc, rs, a, s_ptr, offs_n, mask_n, PER_ROW: tl.constexpr, PTX: tl.constexpr):
     """(int32 X@C^T - rowsum(X)) * (s / a) in float32; acc [BM, BN], rs/a [BM]."""
+    return _epilogue_s(acc, rs, a, _scales(s_ptr, offs_n, mask_n, PER_ROW), PER_ROW, PTX)
+
+
+@triton.jit
+def _scales(s_ptr, offs_n, mask_n, PER_ROW: tl.constexpr):
+    """The weight scales `_epilogue_s` takes: s [BN] of the columns offs_n (PER_ROW), else the one scale."""
     if PER_ROW:
         s = tl.load(s_ptr + offs_n, mask=mask_n, other=1.0)
+    else:
+        s = tl.load(s_ptr)
+    return s
+
+
+@triton.jit
+def _epilogue_s(acc, rs, a, s, PER_ROW: tl.constexpr, PTX: tl.constexpr):
+    """`_epilogue` over the loaded scales s (`_scales`): constant data a kernel may load before its PDL wait."""
+    if PER_ROW:
         # s / a correctly rounded without a div.rn per element (MUFU-bound, and its registers cost the GEMM its
         # second CTA an SM): one reciprocal r = RN(1/a) per row, then two corrections q + (s - a*q) * r with exact
         # FMA residuals; the second starts within an ulp, so it rounds correctly (Markstein)
@@ -193,7 +208,6 @@ def _epilogue(acc, rs, a, s_ptr, offs_n, mask_n, PER_ROW: tl.constexpr, PTX: tl.
         else:
             f = s[None, :] / a[:, None]
     else:
-        s = tl.load(s_ptr)
         f = _div_rn(s + tl.zeros_like(a), a, PTX)[:, None]
     return (acc - rs[:, None]).to(tl.float32) * f
 

@@ -122,14 +122,24 @@ def _splitk_sum(
     N,
     TWO: tl.constexpr,
     SPLIT: tl.constexpr,
+    DEFER: tl.constexpr = False,
 ):
     """Split-K: (is this the tile's last program, the tile's int32 sums over every split, the same for acc2).
 
     Each program stores its partial tile into its own workspace slot [SPLIT, M, wcols] (plain stores, no atomics
     per element); the last program of the tile to arrive (a counter per tile, reset by that program so CUDA-graph
     replays need no memset) sums the SPLIT slots in a fixed order: exact and deterministic. TWO: acc2 (the up
-    rows) in columns N..2N-1."""
-    if SPLIT > 1:
+    rows) in columns N..2N-1.
+    DEFER: no program is last; each adds its partial into the int32 sums [M, wcols] at ws_ptr (zero at rest;
+    integer adds in any order are exact), which the next kernel finishes (`deferred.SplitKSums`)."""
+    if DEFER:
+        mask_y = mask_m[:, None] & mask_c[None, :]
+        sums = ws_ptr + offs_m[:, None] * wcols + cols[None, :]
+        tl.atomic_add(sums, acc, mask=mask_y, sem="relaxed")
+        if TWO:
+            tl.atomic_add(sums + N, acc2, mask=mask_y, sem="relaxed")
+        last = False
+    elif SPLIT > 1:
         mask_y = mask_m[:, None] & mask_c[None, :]
         ws = ws_ptr + offs_m[:, None] * wcols + cols[None, :]
         tl.store(ws + pid_s * M * wcols, acc, mask=mask_y)
@@ -186,6 +196,7 @@ def _gemm_kernel(
     PAIR: tl.constexpr = False,
     PFC: tl.constexpr = False,
     LATE: tl.constexpr = False,
+    DEFER: tl.constexpr = False,
 ):
     """y = epilogue(X @ C^T) over [BM, BN] tiles.
 
@@ -198,6 +209,7 @@ def _gemm_kernel(
     PAIR (gated only): a tile's BN weight rows are the BN/2 gate rows and the BN/2 up rows of the same outputs
     (`_pair_rows`), so one accumulator and one MMA of the full width cover both (two half-width MMAs waste
     Hopper's wgmma); the epilogue splits the tile. The workspace columns are then the weight rows.
+    DEFER (split-K): the programs add their int32 partials into ws_ptr [M, wcols] and stop; no epilogue here.
     """
     OUT_N: tl.constexpr = BN // 2 if PAIR else BN  # output columns per tile
     if GROUP_M > 0:
@@ -227,7 +239,7 @@ def _gemm_kernel(
         _prefetch_rows(w_ptr, cols, mask_c, KP, b_lo, b_hi, PTX)
         if TWO:
             _prefetch_rows(w_ptr, cols + N, mask_c, KP, b_lo, b_hi, PTX)
-        if PFC:  # and the epilogue's scales (PFC: launch.PREFETCH_CONSTS)
+        if PFC and not DEFER:  # and the epilogue's scales (PFC: launch.PREFETCH_CONSTS)
             _prefetch_scales(s_ptr, cols, mask_c, PER_ROW, PTX)
             if TWO:
                 _prefetch_scales(s_ptr, cols + N, mask_c, PER_ROW, PTX)
@@ -240,7 +252,23 @@ def _gemm_kernel(
     )
     wcols = N * 2 if GATED else N
     last, acc, acc2 = _splitk_sum(
-        acc, acc2, ws_ptr, cnt_ptr, pid_n, pid_s, pid_m, offs_m, cols, mask_m, mask_c, M, wcols, N, TWO, SPLIT
+        acc,
+        acc2,
+        ws_ptr,
+        cnt_ptr,
+        pid_n,
+        pid_s,
+        pid_m,
+        offs_m,
+        cols,
+        mask_m,
+        mask_c,
+        M,
+        wcols,
+        N,
+        TWO,
+        SPLIT,
+        DEFER,
     )
     if last:
         a = tl.load(a_ptr + offs_m, mask=mask_m, other=1.0)  # after the K loop: no registers held across it

@@ -12,6 +12,7 @@ import torch
 import triton
 
 from bitnetlm.kernels.triton.common import ACT_CODES, HAS_GDC, INTERPRET
+from bitnetlm.kernels.triton.deferred import SplitKSums, launch_finish, sums_buffer
 from bitnetlm.kernels.triton.gemm import _gemm_kernel, _w8_kernel, _w8a16_kernel
 from bitnetlm.kernels.triton.gemv import _gemv_kernel, _gemv_row_kernel
 from bitnetlm.kernels.triton.layout import packed_row_bytes
@@ -205,13 +206,20 @@ def ternary_linear(
     out: torch.Tensor | None = None,
     path: str | None = None,
     quant_late: bool = False,
-) -> torch.Tensor:
+    defer: bool = False,
+) -> torch.Tensor | SplitKSums:
     """y = [residual +] f((X @ T^T) * s / a) with X = int8(rmsnorm?(x)); f = act(gate) * up when `gated`.
 
-    x [..., K]; packed uint8 [R, Kp] with R = out_features (2*out_features when gated: gate rows then up rows);
-    scale float32 [1] or [R] (per output row). Output dtype = x.dtype (or `out`'s).
+    x [..., K] (or a deferred projection's `SplitKSums`, which this call's quantization finishes); packed uint8
+    [R, Kp] with R = out_features (2*out_features when gated: gate rows then up rows); scale float32 [1] or [R]
+    (per output row). Output dtype = x.dtype (or `out`'s).
     quant_late: a quantization launch in front lets the GEMM launch only after its own wait (`launch_quant`).
+    defer: when the tuned path is split-K over several splits, return the unfinished `SplitKSums` [M rows]
+    instead, for the next quantization launch to finish (deferred.py); else the output as usual.
     """
+    src = x if isinstance(x, SplitKSums) else None  # consumed by the final launch (the tuner's read src.out)
+    if src is not None:
+        x = src.out
     k = x.shape[-1]
     lead = x.shape[:-1]
     rows = out_features * (2 if gated else 1)
@@ -237,12 +245,14 @@ def ternary_linear(
     flags = (gated, norm_weight is not None, residual is not None, per_row)
     kp = packed.shape[1]
     bm = _next_pow2(m)
+    final = [False]  # the launch after tuning: it consumes src, and it may defer
+    deferred: list[SplitKSums] = []
 
     def quant():
         q = torch.empty((m, 4 * kp), dtype=torch.int8, device=x.device)
         a = torch.empty((m,), dtype=torch.float32, device=x.device)
         rs = torch.empty((m,), dtype=torch.int32, device=x.device)
-        launch_quant(x2, norm_weight, q, a, rs, eps, late=quant_late)
+        launch_quant(src if final[0] and src is not None else x2, norm_weight, q, a, rs, eps, late=quant_late)
         return q, a, rs
 
     def launch_dp4a(kernel, cfg, w, **kw):
@@ -251,6 +261,8 @@ def ternary_linear(
             q, a, rs = quant()
             qw, sq = q.view(torch.int32), q.stride(0) // 4
         else:
+            if final[0] and src is not None:  # these programs read x itself
+                src.finish()
             qw = a = rs = scale  # unused pointers
             sq = 0
         rows = cfg["BN"] + kw.get("BN2", 0)  # a program's output rows
@@ -285,6 +297,7 @@ def ternary_linear(
         )
 
     def launch_mma(grid, ws, cnt, cps, w, **kw):
+        """The quantization launch, then the tensor-core GEMM; returns the GEMM's input scales and row sums."""
         q, a, rs = quant()
         _gemm_kernel[grid](
             q,
@@ -310,15 +323,21 @@ def ternary_linear(
             PTX=PTX,
             **kw,
         )
+        return a, rs
 
     def launch_splitk(cfg, w):
-        ws, cnt = _workspace(x.device, m, rows, cfg["SPLIT"])
+        dfr = defer and final[0] and cfg["SPLIT"] > 1
+        if dfr:
+            ws = cnt = sums_buffer(x.device, m, rows)  # no counters: no program waits for the others
+        else:
+            ws, cnt = _workspace(x.device, m, rows, cfg["SPLIT"])
         out_n = cfg["BN"] // 2 if cfg.get("PAIR") else cfg["BN"]
         grid = (triton.cdiv(out_features, out_n), cfg["SPLIT"], triton.cdiv(m, cfg["BM"]))
         kw = {k2: v for k2, v in cfg.items() if k2 not in ("path", "CPS")}
-        launch_mma(
-            grid, ws, cnt, cfg["CPS"], w, **kw, PFC=PREFETCH_CONSTS, LATE=m >= GEMM_LATE_MIN_M, **pdl_kw()
-        )
+        kw.update(PFC=PREFETCH_CONSTS, LATE=m >= GEMM_LATE_MIN_M, DEFER=dfr, **pdl_kw())
+        a, rs = launch_mma(grid, ws, cnt, cfg["CPS"], w, **kw)
+        if dfr:
+            deferred.append(SplitKSums(ws, a, rs, scale, y, r if residual is not None else None, gated, actc))
 
     def launch_gemm(cfg, w):
         kw = {k2: v for k2, v in cfg.items() if k2 != "path"}
@@ -346,7 +365,11 @@ def ternary_linear(
 
     mb = min(bm, 1024)  # tune per power-of-two bucket of M
     key = (path or "auto", out_features, k, mb, *flags)
-    launch(_tune(key, lambda: linear_candidates(m, out_features, k, gated, path), launch, packed))
+    cfg = _tune(key, lambda: linear_candidates(m, out_features, k, gated, path), launch, packed)
+    final[0] = True
+    launch(cfg)
+    if deferred:
+        return deferred[0]
     return out.reshape(*lead, out_features)
 
 
@@ -358,7 +381,7 @@ def _quant_warps(m: int, k: int) -> int:
 
 
 def launch_quant(
-    x: torch.Tensor,
+    x: torch.Tensor | SplitKSums,
     norm_weight: torch.Tensor | None,
     q: torch.Tensor,
     a: torch.Tensor,
@@ -368,7 +391,10 @@ def launch_quant(
 ) -> None:
     """rmsnorm? + per-row int8 quantization of x [M, K] (unit stride) into q int8 [>= M, 4*Kp] (zero padded),
     a float32 [>= M], rowsum int32 [>= M]: the `_quant_kernel` launch in front of the GEMMs and pre-quantized
-    GEMVs. late: the next kernel launches only after this one's PDL wait (as for QUANT_LATE_MIN_M..MAX_M rows)."""
+    GEMVs. late: the next kernel launches only after this one's PDL wait (as for QUANT_LATE_MIN_M..MAX_M rows).
+    x a deferred projection: that projection's epilogue runs first, in the same launch (deferred.py)."""
+    if isinstance(x, SplitKSums):
+        return launch_finish(x, norm_weight, q, a, rs, eps, late)
     m, k = x.shape
     _quant_kernel[(m,)](
         x,

@@ -5,6 +5,8 @@ Matches `quant.ternary.quantize_activations` bit for bit: a = (1/amax) * 127 (to
 
 - `_quant_kernel`: rows -> int8 [M, 4*Kp] (zero padded), a [M], rowsum [M]: the separate launch in front of the
   split-K / tiled GEMMs, the pre-quantized GEMVs and the fused q|k|v decode kernel;
+- `_finish_quant_kernel`: the same launch when its rows are a deferred split-K projection's int32 sums
+  (`deferred.SplitKSums`): it runs that projection's epilogue first;
 - `_act_scale`, `_q8`: the two steps every quantizing kernel shares;
 - `_quant_words`: one row straight into the int32 words of the four slabs (the fused row GEMV's prologue).
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from bitnetlm.kernels.triton.common import _pdl_wait, _rcp_rn, _rne
+from bitnetlm.kernels.triton.common import _activate, _add_rn, _epilogue_s, _pdl_wait, _rcp_rn, _rne, _scales
 
 
 @triton.jit
@@ -67,11 +69,48 @@ def _quant_kernel(
     m = tl.program_id(0)
     offs = tl.arange(0, BK)
     mk = offs < K
-    if HAS_NORM and EARLY_G:  # constant: its DRAM round trip overlaps the previous kernel, not the row's
-        g = tl.load(nw_ptr + offs, mask=mk, other=0.0)
+    g = _norm_early(
+        nw_ptr, offs, mk, HAS_NORM and EARLY_G
+    )  # its DRAM round trip overlaps the previous kernel
     # LATE: the next kernel launches only once the one before this has ended (launch.QUANT_LATE_MIN_M)
     _pdl_wait(PDL, AFTER=LATE)
     x = tl.load(x_ptr + m * stride_xm + offs, mask=mk, other=0.0).to(tl.float32)
+    _quant_row(
+        x, g, nw_ptr, m, offs, mk, q_ptr, a_ptr, rs_ptr, K, KPAD, stride_qm, eps, HAS_NORM, EARLY_G, PTX
+    )
+
+
+@triton.jit
+def _norm_early(nw_ptr, offs, mk, LOAD: tl.constexpr):
+    """The norm weights [BK] loaded before the PDL wait (constant data), when LOAD; else a placeholder."""
+    if LOAD:
+        g = tl.load(nw_ptr + offs, mask=mk, other=0.0)
+    else:
+        g = mk.to(tl.float32)
+    return g
+
+
+@triton.jit
+def _quant_row(
+    x,
+    g,
+    nw_ptr,
+    m,
+    offs,
+    mk,
+    q_ptr,
+    a_ptr,
+    rs_ptr,
+    K,
+    KPAD,
+    stride_qm,
+    eps,
+    HAS_NORM: tl.constexpr,
+    EARLY_G: tl.constexpr,
+    PTX: tl.constexpr,
+):
+    """Row m's values x [BK] (0 past K) -> its codes, a and row sum; g: the norm weights when EARLY_G (else
+    loaded here)."""
     if HAS_NORM:
         if not EARLY_G:
             g = tl.load(nw_ptr + offs, mask=mk, other=0.0)
@@ -87,6 +126,84 @@ def _quant_kernel(
     tl.store(q_ptr + m * stride_qm + offs, q.to(tl.int8), mask=offs < KPAD)
     tl.store(a_ptr + m, a)
     tl.store(rs_ptr + m, tl.sum(q, axis=0))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# a deferred split-K projection's row (deferred.SplitKSums: int32 sums the GEMM's programs added up) -> its
+# epilogue (scales, activation, residual) and output row, then optionally that row's quantization
+# --------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _finish_quant_kernel(
+    acc_ptr,
+    ain_ptr,
+    rsin_ptr,
+    s_ptr,
+    r_ptr,
+    y_ptr,
+    nw_ptr,
+    q_ptr,
+    a_ptr,
+    rs_ptr,
+    N,
+    KPAD,
+    stride_acc,
+    stride_rm,
+    stride_ym,
+    stride_qm,
+    eps,
+    GATED: tl.constexpr,
+    ACT: tl.constexpr,
+    PER_ROW: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    QUANT: tl.constexpr,
+    PTX: tl.constexpr,
+    BK: tl.constexpr,
+    PDL: tl.constexpr = False,
+    EARLY_G: tl.constexpr = False,
+    LATE: tl.constexpr = False,
+):
+    """Row m: y = [r +] f((acc - rowsum) * s / a), as the split-K GEMM's last program would have stored it
+    (`gemm._gemm_kernel`'s epilogue, the same operations), stored; the sums zeroed for the next producer; then,
+    QUANT, `_quant_kernel`'s work on y as stored."""
+    m = tl.program_id(0)
+    offs = tl.arange(0, BK)
+    mk = offs < N
+    one = tl.arange(0, 1)  # [1]: the epilogue's per-row operands, as a one-row tile
+    # constants: their DRAM round trips overlap the previous kernel
+    s = _scales(s_ptr, offs, mk, PER_ROW)
+    s2 = s
+    if GATED:
+        s2 = _scales(s_ptr, offs + N, mk, PER_ROW)
+    g = _norm_early(nw_ptr, offs, mk, HAS_NORM and EARLY_G)
+    _pdl_wait(PDL, AFTER=LATE)
+    accp = acc_ptr + m * stride_acc + offs
+    acc = tl.load(accp, mask=mk, other=0)
+    acc2 = acc
+    if GATED:  # the up rows' sums, N columns on
+        acc2 = tl.load(accp + N, mask=mk, other=0)
+    ain = tl.load(ain_ptr + m + one)
+    rsin = tl.load(rsin_ptr + m + one)
+    # zero at rest for the next producer. The zeros may be stored by other threads than loaded these sums (the
+    # compiler picks each tensor's layout): every load first
+    tl.debug_barrier()
+    tl.store(accp, tl.zeros_like(acc), mask=mk)
+    if GATED:
+        tl.store(accp + N, tl.zeros_like(acc), mask=mk)
+    y = _epilogue_s(acc[None, :], rsin, ain, s, PER_ROW, PTX)  # as `common._gated_epilogue`
+    if GATED:
+        y = _activate(y, ACT) * _epilogue_s(acc2[None, :], rsin, ain, s2, PER_ROW, PTX)
+    y = tl.reshape(y, [BK])  # [1, BK] -> [BK]
+    if HAS_RES:
+        r = tl.load(r_ptr + m * stride_rm + offs, mask=mk, other=0.0)
+        y = _add_rn(y, r.to(tl.float32), PTX)
+    yt = y.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + m * stride_ym + offs, yt, mask=mk)
+    if QUANT:
+        x = tl.where(mk, yt.to(tl.float32), 0.0)  # the row as stored, as `_quant_kernel` would load it
+        _quant_row(
+            x, g, nw_ptr, m, offs, mk, q_ptr, a_ptr, rs_ptr, N, KPAD, stride_qm, eps, HAS_NORM, EARLY_G, PTX
+        )
 
 
 # --------------------------------------------------------------------------------------------------------------
