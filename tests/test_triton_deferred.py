@@ -48,9 +48,10 @@ def _sums_zero():
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("m", [3, 8])
 def test_deferred_equals_finished(m, gated):
-    """Every split-K tile shape of a small projection (unswapped, swapped, gate|up paired), deferred: the next
-    quantization launch (with and without a norm), `finish()` and a following projection each see exactly the
-    rows the finished projection stores; per-row and scalar weight scales, relu2 and silu, with a residual."""
+    """Every split-K tile shape of a small projection (unswapped, swapped, gate|up paired), deferred, with per-row
+    and scalar weight scales, relu2 and silu, a residual: the next quantization launch stores exactly the rows the
+    finished projection stores, and their codes. The other consumers (a launch without a norm, `finish()`, a row
+    GEMV over codes or over the rows) take the first tile's."""
     n, k = 40, 300
     p, x, norm, norm2, res, g = _setup(m, n, k, gated, seed=m + 7 * gated, dev=DEV, dtype=torch.float32)
     rows = 2 * n if gated else n
@@ -58,7 +59,7 @@ def test_deferred_equals_finished(m, gated):
     s2 = (0.01 + torch.rand(24, generator=g)).to(DEV)
     cands = T._splitk_candidates(m, n, p.shape[1], gated)
     assert cands and all(c["SPLIT"] > 1 for c in cands)  # the shape must split, or nothing is deferred
-    for cfg in cands:
+    for i, cfg in enumerate(cands):
         path = "splitk_pair" if cfg.get("PAIR") else ("splitk_t" if cfg["SWAP"] else "splitk")
         for per_row, act in ((True, "relu2"), (False, "silu")):
             s = (0.01 + torch.rand(rows if per_row else 1, generator=g)).to(DEV)
@@ -67,14 +68,16 @@ def test_deferred_equals_finished(m, gated):
             key = _force(cfg, path, n, k, m, (gated, True, r is not None, per_row))
             try:
                 y = L.ternary_linear(x, p, s, n, **kw)
-                for nw in (norm2, None):
-                    d = L.ternary_linear(x, p, s, n, **kw, defer=True)
-                    assert isinstance(d, D.SplitKSums) and d.shape == y.shape
-                    ref = _quant(y, nw, n)
-                    got = _quant(d, nw, n)
-                    assert torch.equal(d.out, y), (cfg, per_row, act)
-                    assert all(torch.equal(u, v) for u, v in zip(got, ref)), (cfg, nw is None)
-                    assert _sums_zero()
+                d = L.ternary_linear(x, p, s, n, **kw, defer=True)
+                assert isinstance(d, D.SplitKSums) and d.shape == y.shape
+                ref, got = _quant(y, norm2, n), _quant(d, norm2, n)
+                assert torch.equal(d.out, y), (cfg, per_row, act)
+                assert all(torch.equal(u, v) for u, v in zip(got, ref)) and _sums_zero(), cfg
+                if i or not per_row:
+                    continue
+                d = L.ternary_linear(x, p, s, n, **kw, defer=True)
+                ref, got = _quant(y, None, n), _quant(d, None, n)
+                assert torch.equal(d.out, y) and all(torch.equal(u, v) for u, v in zip(got, ref))
                 assert torch.equal(L.ternary_linear(x, p, s, n, **kw, defer=True).finish(), y)
                 assert _sums_zero()
                 for path2 in ("rowq", "row"):  # over the finishing launch's codes; over the finished rows
