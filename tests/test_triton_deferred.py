@@ -107,7 +107,7 @@ def test_defer_without_splits_returns_rows():
         T._choice.pop(key)
 
 
-def test_engine_deferred_step_equals_finished():
+def test_engine_deferred_step_equals_finished(monkeypatch):
     """The engine's decode step with its split-K projections deferred gives the same logits and KV cache bit for
     bit (batch 4: after the unfused q|k|v; 8: after the fused one). A model just wide
     enough (K of 256 and 384) that the interpreter's split-K tiles split."""
@@ -128,25 +128,21 @@ def test_engine_deferred_step_equals_finished():
                 prm.copy_(0.5 + torch.rand(prm.shape, generator=g))
     model = to_inference_(model).eval()
     D._sums.clear()
-    max_b = E.DEFER_MAX_B
-    try:
-        for b in (4, 8):
-            ecfg = E.EngineConfig(max_batch=8, max_seq_len=16, dtype=torch.float32)
-            eng = E.CudaEngine.from_model(model, ecfg, device=DEV)
-            tok = torch.randint(0, 512, (b, 5), generator=torch.Generator().manual_seed(b)).to(DEV)
-            nxt = torch.randint(0, 512, (b, 1), generator=torch.Generator().manual_seed(9)).to(DEV)
-            pos = torch.full((b,), 5, dtype=torch.int32, device=DEV)
-            with torch.no_grad():
-                eng.forward(tok, torch.zeros(b, dtype=torch.int32, device=DEV))
-                E.DEFER_MAX_B = 0
-                ref = eng.forward(nxt, pos)
-                kref = [k.clone() for k in eng.k_cache]
-                E.DEFER_MAX_B = 64
-                got = eng.forward(nxt, pos)
-            assert torch.equal(got, ref), b
-            assert all(torch.equal(k, r) for k, r in zip(eng.k_cache, kref))
-    finally:
-        E.DEFER_MAX_B = max_b
+    ecfg = E.EngineConfig(max_batch=8, max_seq_len=16, dtype=torch.float32)
+    eng = E.CudaEngine.from_model(model, ecfg, device=DEV)
+    for b in (4, 8):
+        tok = torch.randint(0, 512, (b, 5), generator=torch.Generator().manual_seed(b)).to(DEV)
+        nxt = torch.randint(0, 512, (b, 1), generator=torch.Generator().manual_seed(9)).to(DEV)
+        pos = torch.full((b,), 5, dtype=torch.int32, device=DEV)
+        with torch.no_grad():
+            eng.forward(tok, torch.zeros(b, dtype=torch.int32, device=DEV))
+            monkeypatch.setattr(E, "DEFER_MAX_B", 0)
+            ref = eng.forward(nxt, pos)
+            kref = [k.clone() for k in eng.k_cache]
+            monkeypatch.setattr(E, "DEFER_MAX_B", 64)
+            got = eng.forward(nxt, pos)
+        assert torch.equal(got, ref), b
+        assert all(torch.equal(k, r) for k, r in zip(eng.k_cache, kref))
     assert D._sums and _sums_zero()  # something was deferred, and every consumer zeroed its sums
 
 

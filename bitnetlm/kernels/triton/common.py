@@ -237,10 +237,21 @@ def _gated_epilogue(
     PTX: tl.constexpr,
 ):
     """`_epilogue` of the output columns offs_n; GATED: acc2 holds the up rows (offs_n + N), act(gate) * up."""
-    y = _epilogue(acc, rs, a, s_ptr, offs_n, mask_n, PER_ROW, PTX)
+    s = _scales(s_ptr, offs_n, mask_n, PER_ROW)
+    s2 = s
     if GATED:
-        u = _epilogue(acc2, rs, a, s_ptr, offs_n + N, mask_n, PER_ROW, PTX)
-        y = _activate(y, ACT) * u
+        s2 = _scales(s_ptr, offs_n + N, mask_n, PER_ROW)
+    return _gated_epilogue_s(acc, acc2, rs, a, s, s2, GATED, ACT, PER_ROW, PTX)
+
+
+@triton.jit
+def _gated_epilogue_s(
+    acc, acc2, rs, a, s, s2, GATED: tl.constexpr, ACT: tl.constexpr, PER_ROW: tl.constexpr, PTX: tl.constexpr
+):
+    """`_gated_epilogue` over the loaded scales (`_scales`): s of the gate (or only) rows, s2 of the up rows."""
+    y = _epilogue_s(acc, rs, a, s, PER_ROW, PTX)
+    if GATED:
+        y = _activate(y, ACT) * _epilogue_s(acc2, rs, a, s2, PER_ROW, PTX)
     return y
 
 

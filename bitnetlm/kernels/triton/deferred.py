@@ -97,8 +97,5 @@ def launch_finish(
         QUANT=quant,
         PTX=launch.PTX,
         BK=triton.next_power_of_2(q.shape[1] if quant else n),
-        num_warps=launch._quant_warps(m, n),
-        EARLY_G=launch.PREFETCH_CONSTS,
-        LATE=late or launch.QUANT_LATE_MIN_M <= m <= launch.QUANT_LATE_MAX_M,
-        **launch.pdl_kw(),
+        **launch.quant_launch_kw(m, n, late),
     )

@@ -122,24 +122,14 @@ def _splitk_sum(
     N,
     TWO: tl.constexpr,
     SPLIT: tl.constexpr,
-    DEFER: tl.constexpr = False,
 ):
     """Split-K: (is this the tile's last program, the tile's int32 sums over every split, the same for acc2).
 
     Each program stores its partial tile into its own workspace slot [SPLIT, M, wcols] (plain stores, no atomics
     per element); the last program of the tile to arrive (a counter per tile, reset by that program so CUDA-graph
     replays need no memset) sums the SPLIT slots in a fixed order: exact and deterministic. TWO: acc2 (the up
-    rows) in columns N..2N-1.
-    DEFER: no program is last; each adds its partial into the int32 sums [M, wcols] at ws_ptr (zero at rest;
-    integer adds in any order are exact), which the next kernel finishes (`deferred.SplitKSums`)."""
-    if DEFER:
-        mask_y = mask_m[:, None] & mask_c[None, :]
-        sums = ws_ptr + offs_m[:, None] * wcols + cols[None, :]
-        tl.atomic_add(sums, acc, mask=mask_y, sem="relaxed")
-        if TWO:
-            tl.atomic_add(sums + N, acc2, mask=mask_y, sem="relaxed")
-        last = False
-    elif SPLIT > 1:
+    rows) in columns N..2N-1."""
+    if SPLIT > 1:
         mask_y = mask_m[:, None] & mask_c[None, :]
         ws = ws_ptr + offs_m[:, None] * wcols + cols[None, :]
         tl.store(ws + pid_s * M * wcols, acc, mask=mask_y)
@@ -161,6 +151,17 @@ def _splitk_sum(
     else:
         last = True
     return last, acc, acc2
+
+
+@triton.jit
+def _add_partials(acc, acc2, sums_ptr, offs_m, cols, mask_m, mask_c, wcols, N, TWO: tl.constexpr):
+    """A deferred split-K program's partial tile added into the int32 sums [M, wcols] (zero at rest; integer adds
+    in any order are exact), which the next kernel finishes (`deferred.SplitKSums`); acc2 (TWO) N columns on."""
+    mask_y = mask_m[:, None] & mask_c[None, :]
+    sums = sums_ptr + offs_m[:, None] * wcols + cols[None, :]
+    tl.atomic_add(sums, acc, mask=mask_y, sem="relaxed")
+    if TWO:
+        tl.atomic_add(sums + N, acc2, mask=mask_y, sem="relaxed")
 
 
 @triton.jit
@@ -251,25 +252,28 @@ def _gemm_kernel(
         q_ptr, w_ptr, offs_m, cols, mask_m, mask_c, N, KP, b_lo, b_hi, stride_qm, TWO, PTX, SWAP, BM, BN, BKB
     )
     wcols = N * 2 if GATED else N
-    last, acc, acc2 = _splitk_sum(
-        acc,
-        acc2,
-        ws_ptr,
-        cnt_ptr,
-        pid_n,
-        pid_s,
-        pid_m,
-        offs_m,
-        cols,
-        mask_m,
-        mask_c,
-        M,
-        wcols,
-        N,
-        TWO,
-        SPLIT,
-        DEFER,
-    )
+    if DEFER:  # no program is last: the next kernel sums and finishes
+        _add_partials(acc, acc2, ws_ptr, offs_m, cols, mask_m, mask_c, wcols, N, TWO)
+        last = False
+    else:
+        last, acc, acc2 = _splitk_sum(
+            acc,
+            acc2,
+            ws_ptr,
+            cnt_ptr,
+            pid_n,
+            pid_s,
+            pid_m,
+            offs_m,
+            cols,
+            mask_m,
+            mask_c,
+            M,
+            wcols,
+            N,
+            TWO,
+            SPLIT,
+        )
     if last:
         a = tl.load(a_ptr + offs_m, mask=mask_m, other=1.0)  # after the K loop: no registers held across it
         rs = tl.load(rs_ptr + offs_m, mask=mask_m, other=0)

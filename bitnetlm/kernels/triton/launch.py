@@ -246,7 +246,6 @@ def ternary_linear(
     kp = packed.shape[1]
     bm = _next_pow2(m)
     final = [False]  # the launch after tuning: it consumes src, and it may defer
-    deferred: list[SplitKSums] = []
 
     def quant():
         q = torch.empty((m, 4 * kp), dtype=torch.int8, device=x.device)
@@ -336,8 +335,9 @@ def ternary_linear(
         kw = {k2: v for k2, v in cfg.items() if k2 not in ("path", "CPS")}
         kw.update(PFC=PREFETCH_CONSTS, LATE=m >= GEMM_LATE_MIN_M, DEFER=dfr, **pdl_kw())
         a, rs = launch_mma(grid, ws, cnt, cfg["CPS"], w, **kw)
-        if dfr:
-            deferred.append(SplitKSums(ws, a, rs, scale, y, r if residual is not None else None, gated, actc))
+        return (
+            SplitKSums(ws, a, rs, scale, y, r if residual is not None else None, gated, actc) if dfr else None
+        )
 
     def launch_gemm(cfg, w):
         kw = {k2: v for k2, v in cfg.items() if k2 != "path"}
@@ -347,7 +347,7 @@ def ternary_linear(
 
     def launch(cfg, w=packed):
         """One launch (two with a quantization launch first) of candidate cfg over weights w (packed, or the
-        tuner's copy of it)."""
+        tuner's copy of it); a deferred split-K projection's SplitKSums, else None."""
         if cfg["path"] in ("gemv", "gemv8"):
             launch_dp4a(_gemv_kernel, cfg, w, BM=bm)
         elif cfg["path"] in ("row", "rowq"):
@@ -359,7 +359,7 @@ def ternary_linear(
             kwr = dict(KWP=kwa, KWB=kwb, BN2=bn2, EARLY_NORM=early, PFC=PREFETCH_CONSTS)
             launch_dp4a(_gemv_row_kernel, c, w, **kwr, **pdl_kw())
         elif cfg["path"] == "splitk":
-            launch_splitk(cfg, w)
+            return launch_splitk(cfg, w)
         else:
             launch_gemm(cfg, w)
 
@@ -367,10 +367,8 @@ def ternary_linear(
     key = (path or "auto", out_features, k, mb, *flags)
     cfg = _tune(key, lambda: linear_candidates(m, out_features, k, gated, path), launch, packed)
     final[0] = True
-    launch(cfg)
-    if deferred:
-        return deferred[0]
-    return out.reshape(*lead, out_features)
+    deferred = launch(cfg)
+    return deferred if deferred is not None else out.reshape(*lead, out_features)
 
 
 def _quant_warps(m: int, k: int) -> int:
@@ -378,6 +376,13 @@ def _quant_warps(m: int, k: int) -> int:
     if INTERPRET:
         return 1
     return QUANT_WARPS or (8 if k <= QUANT_WIDE_K and m <= QUANT_NARROW_MAX_M else 16)
+
+
+def quant_launch_kw(m: int, k: int, late: bool) -> dict:
+    """The launch options of a quantization launch of m rows of k values, plain (`launch_quant`) or finishing a
+    deferred projection (`deferred.launch_finish`): warps, norm weights before the wait, the PDL trigger's place."""
+    late = late or QUANT_LATE_MIN_M <= m <= QUANT_LATE_MAX_M
+    return dict(num_warps=_quant_warps(m, k), EARLY_G=PREFETCH_CONSTS, LATE=late, **pdl_kw())
 
 
 def launch_quant(
@@ -410,10 +415,7 @@ def launch_quant(
         HAS_NORM=norm_weight is not None,
         PTX=PTX,
         BK=_next_pow2(q.shape[1]),
-        num_warps=_quant_warps(m, k),
-        EARLY_G=PREFETCH_CONSTS,
-        LATE=late or QUANT_LATE_MIN_M <= m <= QUANT_LATE_MAX_M,
-        **pdl_kw(),
+        **quant_launch_kw(m, k, late),
     )
 
 

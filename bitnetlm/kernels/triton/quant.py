@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from bitnetlm.kernels.triton.common import _activate, _add_rn, _epilogue_s, _pdl_wait, _rcp_rn, _rne, _scales
+from bitnetlm.kernels.triton.common import _add_rn, _gated_epilogue_s, _pdl_wait, _rcp_rn, _rne, _scales
 
 
 @triton.jit
@@ -69,9 +69,8 @@ def _quant_kernel(
     m = tl.program_id(0)
     offs = tl.arange(0, BK)
     mk = offs < K
-    g = _norm_early(
-        nw_ptr, offs, mk, HAS_NORM and EARLY_G
-    )  # its DRAM round trip overlaps the previous kernel
+    # the norm weights: their DRAM round trip overlaps the previous kernel
+    g = _norm_early(nw_ptr, offs, mk, HAS_NORM and EARLY_G)
     # LATE: the next kernel launches only once the one before this has ended (launch.QUANT_LATE_MIN_M)
     _pdl_wait(PDL, AFTER=LATE)
     x = tl.load(x_ptr + m * stride_xm + offs, mask=mk, other=0.0).to(tl.float32)
@@ -190,9 +189,7 @@ def _finish_quant_kernel(
     tl.store(accp, tl.zeros_like(acc), mask=mk)
     if GATED:
         tl.store(accp + N, tl.zeros_like(acc), mask=mk)
-    y = _epilogue_s(acc[None, :], rsin, ain, s, PER_ROW, PTX)  # as `common._gated_epilogue`
-    if GATED:
-        y = _activate(y, ACT) * _epilogue_s(acc2[None, :], rsin, ain, s2, PER_ROW, PTX)
+    y = _gated_epilogue_s(acc[None, :], acc2[None, :], rsin, ain, s, s2, GATED, ACT, PER_ROW, PTX)
     y = tl.reshape(y, [BK])  # [1, BK] -> [BK]
     if HAS_RES:
         r = tl.load(r_ptr + m * stride_rm + offs, mask=mk, other=0.0)
