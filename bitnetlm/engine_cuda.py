@@ -78,7 +78,8 @@ QUANT_LATE_O = True
 # ms/step: batch 4 -4.3%, 8 -6.0%, 12 -2.0%, 16 -1.5%, 32 -1.1%, 33 -0.3%, 48 0.0%, 64 +0.7% (PERF_LOG stop 44).
 DEFER_MAX_B = 48
 # gate|up as well: its finishing launch runs the epilogue of 2 x 6,912 sums a row in one program each, slower than
-# the split-K tail it saves (batch 4 +8.6%, batch 8 +8.1%).
+# the split-K tail it saves (batch 4 +8.6%, batch 8 +8.1%). Since stop 45 the H200's gate|up runs unsplit up to 16
+# rows (its paired tile in one split), so there is no tail to defer there.
 DEFER_GATE_UP = False
 
 

@@ -140,8 +140,8 @@ def linear_candidates(m: int, out_features: int, k: int, gated: bool, path: str 
     unswapped = [c for c in splitk if not c["SWAP"]]
     pair = [c for c in splitk if c.get("PAIR")]
     if path is None:
-        if m <= ROW_MAX_M:
-            return row + rowq[:3] + swapped[:2] + gemv8[:1]
+        if m <= ROW_MAX_M:  # (gate|up's unsplit pairs: batch 2's choice on the H200)
+            return row + rowq[:3] + swapped[:2] + gemv8[:1] + [c for c in pair if c["SPLIT"] == 1]
         if m <= GEMV_MAX_M:
             return swapped + unswapped[:1] + pair + rowq[:2] + gemv8[:2] + gemv[:1]
         return splitk if m <= SPLITK_MAX_M else gemm
