@@ -4,8 +4,8 @@
 
 The engine's int8 head stores q = round(w / s) with s = max|w_row| / 127 (bitnetlm.engine_weights.int8_rows). Its
 input is the final RMSNorm's output rounded to the activations' dtype (bf16), and it computes logits either from
-those bf16 values, bf16(h) @ q^T * s (launch.w8_linear), or from int16 codes of them, c = round(h * 32639 /
-max|h|) per row, as (c @ q^T) / a * s (launch.w8a16_linear, what the engine runs: engine_cuda.HEAD_A16). This
+those bf16 values, bf16(h) @ q^T * s (head.w8_linear), or from int16 codes of them, c = round(h * 32639 /
+max|h|) per row, as (c @ q^T) / a * s (head.w8a16_linear, what the engine runs: engine_cuda.HEAD_A16). This
 script applies exactly those roundings to the model's embedding, final norm output and head and measures
 perplexity on the last --tokens tokens of each Austen novel (held out), against the same model with a bf16 head
 and bf16 activations (the default). Runs on the CPU: the arithmetic is the kernels', up to fp32 summation order.

@@ -63,8 +63,8 @@ def _set(var: str, restore: bool = False) -> None:
         if restore:
             setattr(m, name, _SAVED.pop((mod, name)))
         else:
-            _SAVED[(mod, name)] = getattr(m, name)
-            setattr(m, name, type(_SAVED[(mod, name)])(int(value)))
+            old = _SAVED[(mod, name)] = getattr(m, name)
+            setattr(m, name, value if isinstance(old, str) else type(old)(int(value)))
 
 
 def main() -> int:

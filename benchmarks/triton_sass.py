@@ -5,7 +5,7 @@ step's latency is: barriers (each block-wide reduction or layout conversion thro
 two), shuffles, shared-memory and global traffic.
 
     python benchmarks/triton_sass.py [--kernel attn|o_row|down_row|gateup_rowq|qkv_row|quant|o_splitk8|gateup_pair8
-        |finish_o|finish_gateup ...]
+        |finish_o|finish_gateup|head ...]
         [--cache fp8|bf16] [--warps W] [--stages S] [--maxnreg R] [--constexpr NAME=VALUE ...]
 
 `attn` (the default) also prints the instructions of the K/V block loop (one 64-key block, batch 64's shape). The
@@ -65,8 +65,14 @@ def kernels(cache: str) -> dict[str, tuple]:
     finish_ptrs.update(y_ptr="*bf16", nw_ptr="*bf16", q_ptr="*i8", a_ptr="*fp32", rs_ptr="*i32")
     finish_div = ("N", "KPAD", "stride_acc", "stride_rm", "stride_ym", "stride_qm")
     finish = dict(ROW, GATED=False, HAS_RES=True, HAS_NORM=True, QUANT=True, BK=4096, EARLY_G=True)
+    # the int8 head at batch 1's tile, reducing its logits in its tiles (ARGMAX); FOLD=1: the greedy step folded in
+    head_ptrs = dict(hi_ptr="*i8", lo_ptr="*i8", a_ptr="*fp32", w_ptr="*i8", s_ptr="*fp32", y_ptr="*fp32")
+    head_ptrs.update(yi_ptr="*i32", best_ptr="*u64", cnt_ptr="*i32", tok_ptr="*i64", out_ptr="*i64")
+    head_ptrs.update(step_ptr="*i64", pos_ptr="*i32")
+    head = dict(BM=16, BN=64, BK=128, PDL=True, ARGMAX=True)
     return {
         "attn": ("attention", "_attn_gqa_kernel", attn_ptrs, (), attn, 4),
+        "head": ("gemm", "_w8a16_kernel", head_ptrs, ("N", "K", "stride_qm"), head, 4),
         "o_splitk8": ("gemm", "_gemm_kernel", mma_ptrs, mma_div, mma, 4),
         "gateup_pair8": (
             "gemm",

@@ -60,16 +60,21 @@ QUANT_IN_ROW_MAX_B = 1
 QUANT_IN_ROW_QKV = True
 QUANT_IN_ROW_O = True
 QUANT_IN_ROW_DOWN = True
-# The int8 head over int16 activation codes by two int8 MMAs (launch.w8a16_linear: no conversion of the 0.33 GB
-# of weights, 15-bit activations); False: bf16 activations, each weight converted to bf16 (launch.w8_linear).
+# The int8 head over int16 activation codes by two int8 MMAs (head.w8a16_linear: no conversion of the 0.33 GB
+# of weights, 15-bit activations); False: bf16 activations, each weight converted to bf16 (head.w8_linear).
 HEAD_A16 = True
 # The step's ends as one Triton launch each (kernels/triton/ends.py): the int8 embedding rows and, in a greedy
 # decode_state, argmax + bookkeeping; False: the PyTorch ops (5 and 9 launches).
 FUSED_ENDS = True
 # A greedy decode_state with the int8 head (and HEAD_A16, FUSED_ENDS) reduces the logits inside the head's tiles
-# (launch.w8a16_argmax): the float32 logits (33 MB at batch 64 over a 128k vocabulary) are never written nor read;
+# (head.w8a16_argmax): the float32 logits (33 MB at batch 64 over a 128k vocabulary) are never written nor read;
 # 1.6% less step time at batch 64 on an H100, the same at batch 1 and 8 (docs/PERF_LOG.md, stop 25).
 HEAD_ARGMAX = True
+# ... and the head's last program to finish takes each row's winner (one atomic max a row over the tiles' packed
+# (maximum, index) keys) and does the greedy step's bookkeeping itself (head.w8a16_greedy), instead of a
+# greedy_step launch after the head, which ended 5.5 us after it. On an H200 a step took 0.4% less time at batch 1
+# (0.701 against 0.704 ms) and at batch 8 (1.047 against 1.051) (docs/PERF_LOG.md stop 46).
+HEAD_FOLD = True
 # Above attention.ATTN_LATE_MAX_B rows, where the decode attention lets the next kernels launch early, the
 # quantization launch before o lets o launch only after its own wait (attention.py says why; PERF_LOG stop 42).
 QUANT_LATE_O = True
@@ -274,7 +279,7 @@ class CudaEngine:
 
         if self.head is not None:
             return F.linear(rmsnorm(h, self.final_norm, self.eps), self.head).float()
-        from bitnetlm.kernels.triton.launch import w8_linear, w8a16_argmax, w8a16_linear
+        from bitnetlm.kernels.triton.head import w8_linear, w8a16_argmax, w8a16_linear
 
         if argmax:
             return w8a16_argmax(h, self.final_norm, self.eps, self.head_q, self.head_s)
@@ -292,7 +297,8 @@ class CudaEngine:
         last_at: torch.Tensor | None = None,
         head_argmax: bool = False,
         keys: int = 0,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        greedy: tuple | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
         """tok [B, T] at positions pos[b] + t -> float32 logits [B, V] (last token; all T with last_only=False).
 
         T > 1 (prefill): every row starts at position `start`, and pos must hold it; start > 0 continues a
@@ -300,7 +306,9 @@ class CudaEngine:
         these B rows use (a prompt prefilled into one row of a batch; the captured steps run rows 0..B-1).
         last_at: [1] index of the token whose logits to return (a padded prompt's last real token).
         head_argmax (int8 head): (maxima, indices) of the head's vocabulary tiles instead of logits.
-        keys (T = 1): the decode attention's key range (`attention.key_range`; 0: the default splits)."""
+        keys (T = 1): the decode attention's key range (`attention.key_range`; 0: the default splits).
+        greedy (int8 head): (tok, out, step, pos) of a greedy step, which the head runs itself (`w8a16_greedy`);
+        returns None."""
         from bitnetlm.kernels.triton import attention
         from bitnetlm.kernels.triton.attention import attn_decode, rope_cache
 
@@ -398,6 +406,10 @@ class CudaEngine:
             h = h.view(b, t, -1).index_select(1, last_at)[:, 0]  # [B, hidden]
         elif last_only:
             h = h.view(b, t, -1)[:, -1]  # [B, hidden]
+        if greedy is not None:
+            from bitnetlm.kernels.triton.head import w8a16_greedy
+
+            return w8a16_greedy(h, self.final_norm, self.eps, self.head_q, self.head_s, *greedy)
         return self._head(h, head_argmax)
 
     # ---- sampling and the captured decode step ---------------------------------------------
@@ -454,6 +466,9 @@ class CudaEngine:
             if sample and temperature <= 0 and FUSED_ENDS:  # argmax + the bookkeeping below, one launch
                 from bitnetlm.kernels.triton.ends import greedy_step
 
+                if self.head is None and HEAD_A16 and HEAD_ARGMAX and HEAD_FOLD:  # the head samples itself
+                    self.forward(tok, pos, keys=keys, greedy=(tok, out, step, pos))
+                    return None
                 if self.head is None and HEAD_A16 and HEAD_ARGMAX:  # no logits: the head's tile maxima
                     maxima, index = self.forward(tok, pos, head_argmax=True, keys=keys)
                     greedy_step(maxima, tok, out, step, pos, index=index)

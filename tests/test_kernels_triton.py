@@ -12,7 +12,7 @@ from triton_interp import DEV, triton_modules
 
 from bitnetlm.quant.ternary import int_matmul, int_matmul_f32, quantize_activations
 
-L, T, layout = triton_modules("launch", "tune", "layout")
+L, H, T, layout = triton_modules("launch", "head", "tune", "layout")
 
 
 def _fused_reference(x, t, scale, norm=None, residual=None, gated=False, act="relu2", eps=1e-5):
@@ -227,7 +227,7 @@ def test_w8_linear():
     x = torch.randn(3, 64, generator=g).to(DEV)
     w = torch.randint(-127, 128, (40, 64), generator=g, dtype=torch.int8).to(DEV)
     s = torch.rand(40, generator=g).to(DEV)
-    y = L.w8_linear(x, w, s)
+    y = H.w8_linear(x, w, s)
     ref = (x.bfloat16().float() @ w.float().T) * s
     # the interpreter truncates f32 -> bf16 where the GPU rounds: compare loosely, exactness is the GPU's test
     torch.testing.assert_close(y, ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
@@ -246,20 +246,20 @@ def test_quantize16_and_w8a16_linear(dtype):
     nw = (torch.rand(96, generator=g) + 0.5).to(dtype).to(DEV)
     w = torch.randint(-127, 128, (40, 96), generator=g, dtype=torch.int8).to(DEV)
     s = torch.rand(40, generator=g).to(DEV)
-    hi, lo, a = L.quantize16(x, None)
+    hi, lo, a = H.quantize16(x, None)
     xf = x.float()
     a_ref = xf.abs().amax(-1).reciprocal() * 32639.0
     assert torch.equal(a, a_ref)
     assert torch.equal(hi.long() * 256 + lo.long(), torch.round(xf * a_ref[:, None]).long())
     assert hi.abs().max() <= 127 and lo.abs().max() <= 127
-    hi, lo, a = L.quantize16(x, nw, 1e-5)
+    hi, lo, a = H.quantize16(x, nw, 1e-5)
     q = hi.long() * 256 + lo.long()
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)
     y_ref = ((xf * rstd) * nw.float()).to(dtype).float()
     ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-22  # the rounded norm may land one step apart
     err = (q.double() / a.double()[:, None] - y_ref.double()).abs()
     assert bool((err <= 0.5 / a.double()[:, None] + ulp * y_ref.double().abs() + 1e-30).all())
-    y = L.w8a16_linear(x, nw, 1e-5, w, s)
+    y = H.w8a16_linear(x, nw, 1e-5, w, s)
     exact = ((q @ w.long().T).double() / a.double()[:, None]) * s.double()  # int64 sums
     torch.testing.assert_close(y.double(), exact, rtol=1e-6, atol=1e-6 * float(exact.abs().max()))
     ws = w.double() * s.double()[:, None]  # [N, K]
@@ -436,7 +436,7 @@ def test_gpu_gated_2b4t_and_int8_head():
         for cfg in [None, *T._w8_candidates(m)]:
             xm = xm if cfg is None else xm.bfloat16()
             torch.testing.assert_close(
-                L.w8_linear(xm, w, s, cfg=cfg),
+                H.w8_linear(xm, w, s, cfg=cfg),
                 ref,
                 rtol=1e-4,
                 atol=1e-5 * ref.abs().max().item(),
@@ -444,17 +444,17 @@ def test_gpu_gated_2b4t_and_int8_head():
             )
             # the int16-activation head: int32 sums exact, only the float epilogue rounds
             nw = torch.ones(2560, device="cuda", dtype=xm.dtype)
-            hi, lo, a = L.quantize16(xm, nw, 1e-5)
+            hi, lo, a = H.quantize16(xm, nw, 1e-5)
             q = hi.long() * 256 + lo.long()
             exact = ((q.double() @ w.double().T) / a.double()[:, None]) * s.double()
-            logits = L.w8a16_linear(xm, nw, 1e-5, w, s, cfg=cfg)
+            logits = H.w8a16_linear(xm, nw, 1e-5, w, s, cfg=cfg)
             torch.testing.assert_close(
                 logits.double(), exact, rtol=1e-6, atol=1e-6 * float(exact.abs().max()), msg=str(cfg)
             )
             if cfg is None:
                 continue
             # the same tile reduced in place (the greedy decode step's head): each tile's max and first index
-            maxima, index = L.w8a16_argmax(xm, nw, 1e-5, w, s, cfg=cfg)
+            maxima, index = H.w8a16_argmax(xm, nw, 1e-5, w, s, cfg=cfg)
             bn = cfg["BN"]
             for t in range(maxima.shape[1]):
                 part = logits[:, t * bn : (t + 1) * bn]

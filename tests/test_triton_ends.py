@@ -117,12 +117,31 @@ def _head_argmax_case(m: int, n: int, k: int, s: torch.Tensor, w: torch.Tensor, 
     """`w8a16_argmax`'s tiles against the logits of `w8a16_linear` (same codes, same tile): each tile's maximum
     and first index as torch.argmax over that tile gives them, and greedy_step(index=) over the tiles gives the
     argmax of the whole row."""
-    ends, L, T = triton_modules("ends", "launch", "tune")
+    ends, L, T = triton_modules("ends", "head", "tune")
     cfg = cfg or T._w8_candidates(m)[0]
     nw = torch.ones(k, device=DEV, dtype=x.dtype)
     logits = L.w8a16_linear(x, nw, 1e-5, w, s, cfg=cfg).cpu()
     _tiles_argmax(L.w8a16_argmax(x, nw, 1e-5, w, s, cfg=cfg), logits, cfg["BN"], ends)
+    _folded_argmax(L, x, nw, w, s, cfg, logits)
     return logits
+
+
+def _folded_argmax(L, x, nw, w, s, cfg, logits):
+    """`w8a16_greedy` (the head's last program samples) over three steps: the row's argmax into tok and out[:,
+    step], pos and step advanced, and its best / counter buffers left zero for the next call."""
+    m = x.shape[0]
+    tok = torch.full((m, 1), -1, dtype=torch.long, device=DEV)
+    out = torch.full((m, 4), -1, dtype=torch.long, device=DEV)
+    step = torch.ones((1,), dtype=torch.long, device=DEV)
+    pos = torch.arange(m, dtype=torch.int32, device=DEV) * 7
+    for i in range(3):
+        L.w8a16_greedy(x, nw, 1e-5, w, s, tok, out, step, pos, cfg=cfg)
+        assert torch.equal(tok[:, 0].cpu(), logits.argmax(-1)), i
+        assert torch.equal(out[:, 1 + i].cpu(), logits.argmax(-1)), i
+    assert (out[:, 0] == -1).all() and int(step) == 4
+    assert torch.equal(pos.cpu(), torch.arange(m, dtype=torch.int32) * 7 + 3)
+    best, cnt = L._fold_ws[(str(x.device), m)]
+    assert not best.any() and not cnt.any()
 
 
 def _tiles_argmax(tiles, logits, bn, ends):
@@ -164,3 +183,65 @@ def test_head_argmax_in_tiles_ties_nan_inf():
     assert (logits.argmax(-1) == 37).all()
     s3[18] = float("nan")
     assert (_head_argmax_case(m, n, k, s3, w, x).argmax(-1) == 18).all()
+    zero = torch.zeros_like(s)  # every logit +0.0 or -0.0 (a negative dot): they tie, so the first wins
+    logits = _head_argmax_case(m, n, k, zero, w, x)
+    assert (logits == 0).all() and torch.signbit(logits).any() and (logits.argmax(-1) == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b", [1, 8, 64])
+def test_gpu_engine_head_fold_exact(b, monkeypatch):
+    """The 2B4T-shaped engine's captured greedy step (int8 head, float8 cache) with the greedy step folded into
+    the head (`engine_cuda.HEAD_FOLD`) and as its own launch: the same tokens, outputs, positions and step over 8
+    replays."""
+    import bitnetlm.engine_cuda as E
+    from bitnetlm.models import ModelConfig
+
+    eng = E.CudaEngine.random(
+        ModelConfig(), E.EngineConfig(max_batch=b, max_seq_len=600, head="int8", kv_dtype=torch.float8_e4m3fn)
+    )
+    runs = []
+    for fold in (False, True):
+        monkeypatch.setattr(E, "HEAD_FOLD", fold)
+        eng._graphs.clear()
+        st = eng.decode_state(b, max_keys=1024)
+        for c in eng.k_cache + eng.v_cache:
+            c.view(torch.uint8).zero_()
+        st.pos.copy_(torch.arange(b, dtype=torch.int32, device="cuda") + 400)
+        st.step.fill_(1)
+        st.out.zero_()
+        st.tok.copy_(torch.arange(b, device="cuda").view_as(st.tok) * 7 + 3)
+        for _ in range(8):
+            st.graph.replay()
+        runs.append((st.out[:, :10].clone(), st.tok.clone(), st.pos.clone(), st.step.clone()))
+    assert all(torch.equal(u, v) for u, v in zip(*runs))
+    assert int(runs[1][3]) == 9 and (runs[1][0][:, 1:9] != 0).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("load", ["evict_first", "tma"])
+def test_gpu_head_loads_exact(load, monkeypatch):
+    """The int8 head's weights read with an eviction policy or through a tensor descriptor (`head.HEAD_LOAD`),
+    every tile the tuner may pick, a vocabulary with a short last tile: the logits, the tiles' maxima and indices
+    and the folded greedy step equal the plain loads' bit for bit."""
+    ends, L, T = triton_modules("ends", "head", "tune")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    n, k = 1000, 2560
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda", generator=g)
+    s = torch.rand(n, device="cuda", generator=g)
+    nw = torch.rand(k, device="cuda", generator=g).to(torch.bfloat16)
+    for m in (1, 8, 64):
+        x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+        for cfg in T._w8_candidates(m):
+            runs = []
+            for mode in ("", load):
+                monkeypatch.setattr(L, "HEAD_LOAD", mode)
+                tok = torch.zeros((m, 1), dtype=torch.long, device="cuda")
+                out = torch.zeros((m, 2), dtype=torch.long, device="cuda")
+                step = torch.zeros((1,), dtype=torch.long, device="cuda")
+                pos = torch.zeros((m,), dtype=torch.int32, device="cuda")
+                L.w8a16_greedy(x, nw, 1e-5, w, s, tok, out, step, pos, cfg=cfg)
+                logits = L.w8a16_linear(x, nw, 1e-5, w, s, cfg=cfg)
+                runs.append((logits, *L.w8a16_argmax(x, nw, 1e-5, w, s, cfg=cfg), tok))
+            assert all(torch.equal(u, v) for u, v in zip(*runs)), (m, cfg)
+            assert torch.equal(runs[1][-1][:, 0], runs[1][0].argmax(-1)), (m, cfg)

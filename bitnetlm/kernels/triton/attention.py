@@ -148,6 +148,7 @@ def _attn_gqa_kernel(
     KV8: tl.constexpr = False,
     LATE: tl.constexpr = False,
     POS_EARLY: tl.constexpr = False,
+    IDLE_EARLY: tl.constexpr = False,
 ):
     """Flash-decoding over a GQA group: program (b, kv head, split) loads each K/V block of its keys once for
     all G query heads sharing it (scores and P@V on tensor cores, the G rows padded to GP >= 16). The row's live
@@ -164,6 +165,7 @@ def _attn_gqa_kernel(
     # launch only after the previous step's sampler has written it
     if POS_EARLY:
         n = tl.load(pos_ptr + b) + 1
+        span = _span(n, NSPLIT)
     if PDL:  # this program's first K/V block into L2 while waiting (a hint only: the rows past pos are still
         # being written; the real loads come later)
         LP: tl.constexpr = D // 64 if D >= 64 else 1  # 128-byte lines of a bf16 row
@@ -177,10 +179,14 @@ def _attn_gqa_kernel(
         pf_m = tl.broadcast_to(((pf_s <= pos_early) & (pf_s < (sp + 1) * span_e))[:, None], [BS, LP])
         _prefetch_l2(k_ptr + pf_kv, pf_m, True)
         _prefetch_l2(v_ptr + pf_kv, pf_m, True)
-    _pdl_wait(PDL, TRIGGER=not LATE)  # LATE: the next kernels launch at this one's end (ATTN_LATE_MIN_B)
+    if IDLE_EARLY and POS_EARLY:  # a split past the row's keys reads nothing: it ends without waiting
+        if sp * span < n:
+            _pdl_wait(PDL, TRIGGER=not LATE)
+    else:
+        _pdl_wait(PDL, TRIGGER=not LATE)  # LATE: the next kernels launch at this one's end (ATTN_LATE_MIN_B)
     if not POS_EARLY:
         n = tl.load(pos_ptr + b) + 1  # keys 0..pos[b] are this row's context
-    span = _span(n, NSPLIT)
+        span = _span(n, NSPLIT)
     nact = tl.cdiv(n, span)  # splits holding keys; the rest have nothing to do
     lo = sp * span
     if lo < n:
@@ -298,6 +304,11 @@ ATTN_RANGE_MAX_B = 8
 # The attention reads pos before its PDL wait (constant for a step: its first kernel lets the next launch only
 # after the previous step's sampler wrote it), so that only q and the K/V loads wait for q|k|v.
 ATTN_POS_EARLY = 1
+# With pos read early, a split holding none of its row's keys (a short context in a grid sized for the key range:
+# 12-15 of batch 1's 32 splits a KV head at 513-612 keys) ends before the PDL wait instead of waiting for q|k|v.
+# On an H200 a batch-1 step took 0.6% less time (0.700 against 0.704 ms); batch 8, whose splits all hold keys,
+# the same (docs/PERF_LOG.md stop 46).
+ATTN_IDLE_EARLY = 1
 ATTN_RANGE_BS = 256
 ATTN_RANGE_WARPS = 8
 # Up to batch ATTN_SMALL_MAX_B, a captured step told that its rows stay within ATTN_SMALL_MAX_KEYS keys runs the
@@ -431,6 +442,7 @@ def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float, keys: int = 0) -
         **({"maxnreg": ATTN_MAXNREG} if ATTN_MAXNREG and not INTERPRET else {}),
         LATE=late_launch(b),
         POS_EARLY=bool(ATTN_POS_EARLY),
+        IDLE_EARLY=bool(ATTN_IDLE_EARLY),
         **pdl_kw(),
     )
 

@@ -288,3 +288,53 @@ def _argmax_parts(x, idx, live, NONE, AXIS: tl.constexpr):
     first = tl.min(tl.where(live & (xm == tl.expand_dims(m, AXIS)), idx, NONE), axis=AXIS)
     first_nan = tl.min(tl.where(nan, idx, NONE), axis=AXIS)
     return m, first, first_nan
+
+
+@triton.jit
+def _argmax_key(m, idx, has_nan):
+    """A row's (maximum, its first index) as one uint64 whose unsigned order is `torch.argmax`'s ranking: a NaN
+    above every number, then the larger number, then the smaller index (the top 32 bits hold the float's bits
+    made monotone, the low 32 the index's complement), so one atomic max over a row's tiles picks its argmax."""
+    m = tl.where(m == 0.0, 0.0, m)  # -0.0 ties +0.0, as in a float comparison
+    u = m.to(tl.uint32, bitcast=True)
+    hi = tl.where((u >> 31) != 0, ~u, u | 0x80000000)  # negatives reversed below the positives
+    hi = tl.where(has_nan, 0xFFFFFFFF, hi)
+    return (hi.to(tl.uint64) << 32) | (0xFFFFFFFF - idx.to(tl.uint32)).to(tl.uint64)
+
+
+@triton.jit
+def _greedy_fold(
+    key,
+    offs_m,
+    mask_m,
+    M,
+    best_ptr,
+    cnt_ptr,
+    tok_ptr,
+    out_ptr,
+    stride_out,
+    step_ptr,
+    pos_ptr,
+    BMR: tl.constexpr,
+):
+    """The greedy step folded into the int8 head (`head.w8a16_greedy`): each program's rows' keys (`_argmax_key`)
+    into best [M] by an atomic max; the last program to finish (a counter over the whole grid) takes each row's
+    winner, resets best and the counter for the next replay, and does `ends.greedy_step`'s bookkeeping: the
+    token into tok and out[:, step], pos += 1, step += 1."""
+    tl.atomic_max(best_ptr + offs_m, key, mask=mask_m, sem="relaxed")
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")  # after every thread's max (the barrier)
+    if done == tl.num_programs(0) * tl.num_programs(1) - 1:
+        tl.debug_barrier()
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed")
+        step = tl.load(step_ptr)
+        for r0 in range(0, M, BMR):
+            rows = r0 + tl.arange(0, BMR)
+            mr = rows < M
+            zero = tl.zeros([BMR], tl.uint64)
+            k = tl.atomic_xchg(best_ptr + rows, zero, mask=mr, sem="relaxed")  # read the winner and reset
+            token = (0xFFFFFFFF - (k & 0xFFFFFFFF).to(tl.uint32)).to(tl.int64)
+            tl.store(out_ptr + rows * stride_out + step, token, mask=mr)
+            tl.store(tok_ptr + rows, token, mask=mr)
+            tl.store(pos_ptr + rows, tl.load(pos_ptr + rows, mask=mr) + 1, mask=mr)
+        tl.store(step_ptr, step + 1)

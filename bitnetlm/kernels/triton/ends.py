@@ -7,9 +7,11 @@
   (PyTorch: nine launches). Each row's vocabulary is cut into chunks, one program each; the last program of a
   row to finish (an atomic counter) reduces the chunks' maxima, and the last row to finish advances `step`.
   Counters reset themselves, so graph replays need no memset. With `index=` it reduces the int8 head's tile
-  maxima instead of logits (`launch.w8a16_argmax`: the logits are never stored); their 2,004 tiles (128k
+  maxima instead of logits (`head.w8a16_argmax`: the logits are never stored); their 2,004 tiles (128k
   vocabulary) fit one chunk a row, whose program writes the token with no counter or partials (nor a row counter
-  at batch 1): the greedy step then ends about 6 us after the head instead of 9 (H200, PERF_LOG stop 38).
+  at batch 1): the greedy step then ends about 6 us after the head instead of 9 (H200, PERF_LOG stop 38). The
+  engine's greedy step with the int8 head no longer launches it: the head does the same inside its own launch
+  (`head.w8a16_greedy`, `engine_cuda.HEAD_FOLD`); the bf16 head's step and `HEAD_FOLD = False` still do.
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ def greedy_step(logits, tok, out, step, pos, chunks: int = 0, index: torch.Tenso
     """logits float32 [B, V] -> tok[:, 0] = out[:, step] = argmax (first index of the maximum), pos += 1,
     step += 1. tok int64 [B, 1], out int64 [B, S], step int64 [1], pos int32 [B]. chunks: programs a row
     (default: about 256 programs in all). index int32 [B, V] (the shape and strides of logits): logits hold
-    the maxima of vocabulary tiles in order and index their first indices (`launch.w8a16_argmax`); the token is
+    the maxima of vocabulary tiles in order and index their first indices (`head.w8a16_argmax`); the token is
     index[b, argmax]."""
     b, v = logits.shape
     if index is not None and (index.shape != logits.shape or index.stride() != logits.stride()):

@@ -14,10 +14,12 @@ import triton.language as tl
 
 from bitnetlm.kernels.triton.common import (
     _activate,
+    _argmax_key,
     _argmax_parts,
     _codes8,
     _epilogue,
     _gated_epilogue,
+    _greedy_fold,
     _pdl_wait,
     _prefetch_l2,
     _prefetch_scales,
@@ -353,6 +355,7 @@ def _w8a16_kernel(
     lo_ptr,
     a_ptr,
     w_ptr,
+    w_desc,
     s_ptr,
     y_ptr,
     yi_ptr,
@@ -361,14 +364,28 @@ def _w8a16_kernel(
     K,
     stride_qm,
     stride_ym,
+    best_ptr,
+    cnt_ptr,
+    tok_ptr,
+    out_ptr,
+    stride_out,
+    step_ptr,
+    pos_ptr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
     PDL: tl.constexpr = False,
     ARGMAX: tl.constexpr = False,
+    FOLD: tl.constexpr = False,
+    BMR: tl.constexpr = 16,
+    TMA: tl.constexpr = False,
+    EVICT: tl.constexpr = "",
 ):
     """y [M, N] logits; ARGMAX: no logits, each row's maximum over the tile's BN outputs and its first index (a NaN
-    above every number, the first NaN winning, as torch.argmax) into y and yi [M, cdiv(N, BN)]."""
+    above every number, the first NaN winning, as torch.argmax) into y and yi [M, cdiv(N, BN)]; FOLD (with
+    ARGMAX): neither, the greedy step instead (`_greedy_fold`: tok, out[:, step], pos and step; best, cnt).
+    TMA: the weights through w_desc, a [BN, BK] tensor descriptor of w (K a multiple of BK); EVICT: the plain
+    weight loads' eviction policy."""
     offs_m, offs_n, mask_m, mask_n = _head_tile(M, N, BM, BN, PDL)
     acc_h = tl.zeros([BM, BN], tl.int32)
     acc_l = tl.zeros([BM, BN], tl.int32)
@@ -378,9 +395,13 @@ def _w8a16_kernel(
         mx = mask_m[:, None] & mk[None, :]
         xh = tl.load(hi_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], mask=mx, other=0)
         xl = tl.load(lo_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], mask=mx, other=0)
-        w = tl.load(
-            w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & mk[None, :], other=0
-        )
+        if TMA:  # the [BN, BK] weight tile by the tensor memory accelerator (rows past N read as zeros)
+            w = w_desc.load([tl.program_id(0) * BN, k0])
+        else:
+            wm = mask_n[:, None] & mk[None, :]
+            w = tl.load(
+                w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=wm, other=0, eviction_policy=EVICT
+            )
         wt = tl.trans(w)
         acc_h = tl.dot(xh, wt, acc_h, out_dtype=tl.int32)
         acc_l = tl.dot(xl, wt, acc_l, out_dtype=tl.int32)
@@ -390,9 +411,26 @@ def _w8a16_kernel(
     if ARGMAX:
         mx, first, first_nan = _argmax_parts(y, offs_n[None, :], mask_n[None, :], N, 1)  # [BM] each
         has_nan = first_nan < N
-        t = offs_m * stride_ym + tl.program_id(0)
-        tl.store(y_ptr + t, tl.where(has_nan, float("nan"), mx), mask=mask_m)
-        tl.store(yi_ptr + t, tl.where(has_nan, first_nan, first), mask=mask_m)
+        if FOLD:
+            key = _argmax_key(mx, tl.where(has_nan, first_nan, first), has_nan)
+            _greedy_fold(
+                key,
+                offs_m,
+                mask_m,
+                M,
+                best_ptr,
+                cnt_ptr,
+                tok_ptr,
+                out_ptr,
+                stride_out,
+                step_ptr,
+                pos_ptr,
+                BMR,
+            )
+        else:
+            t = offs_m * stride_ym + tl.program_id(0)
+            tl.store(y_ptr + t, tl.where(has_nan, float("nan"), mx), mask=mask_m)
+            tl.store(yi_ptr + t, tl.where(has_nan, first_nan, first), mask=mask_m)
     else:
         tl.store(
             y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=mask_m[:, None] & mask_n[None, :]

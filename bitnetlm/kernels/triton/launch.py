@@ -13,10 +13,10 @@ import triton
 
 from bitnetlm.kernels.triton.common import ACT_CODES, HAS_GDC, INTERPRET
 from bitnetlm.kernels.triton.deferred import SplitKSums, launch_finish, sums_buffer
-from bitnetlm.kernels.triton.gemm import _gemm_kernel, _w8_kernel, _w8a16_kernel
+from bitnetlm.kernels.triton.gemm import _gemm_kernel
 from bitnetlm.kernels.triton.gemv import _gemv_kernel, _gemv_row_kernel
 from bitnetlm.kernels.triton.layout import packed_row_bytes
-from bitnetlm.kernels.triton.quant import _quant16_kernel, _quant_kernel
+from bitnetlm.kernels.triton.quant import _quant_kernel
 from bitnetlm.kernels.triton.tune import (
     _gemm_candidates,
     _gemv8_candidates,
@@ -25,7 +25,6 @@ from bitnetlm.kernels.triton.tune import (
     _row_candidates,
     _splitk_candidates,
     _tune,
-    _w8_candidates,
 )
 
 ROW_MAX_M = 2  # rows up to this try the row GEMV first (dp4a work grows with M; tensor cores take over)
@@ -430,114 +429,3 @@ def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps:
     rs = torch.empty((m,), dtype=torch.int32, device=x.device)
     launch_quant(x2, norm_weight, q, a, rs, eps)
     return q[:, :k], a, rs
-
-
-def w8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, cfg: dict | None = None) -> torch.Tensor:
-    """float32 [..., N] = (x in bf16) @ (int8 w [N, K])^T * s[N]: the int8 LM head (tiles tuned per M bucket,
-    or `cfg`, one of `tune._w8_candidates`, for tests)."""
-    k = x.shape[-1]
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m, n = x2.shape[0], w.shape[0]
-    y = torch.empty((m, n), dtype=torch.float32, device=x.device)
-
-    def launch(cfg: dict, w: torch.Tensor) -> None:
-        grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]))
-        _w8_kernel[grid](x2, w, s, y, m, n, k, x2.stride(0), y.stride(0), PTX=PTX, **cfg, **pdl_kw())
-
-    key = ("w8", n, k, min(_next_pow2(m), 1024))  # tune per power-of-two bucket of M
-    launch(cfg or _tune(key, lambda: _w8_candidates(m), launch, w), w)
-    return y.reshape(*lead, n)
-
-
-def quantize16(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float = 1e-5):
-    """RMSNorm (rounded to x's dtype; none without `norm_weight`) then int16 codes per row as two int8 halves:
-    (hi, lo int8 [M, K], a float32 [M]) with rmsnorm(x) ~= (256 * hi + lo) / a."""
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m = x2.shape[0]
-    hi = torch.empty((m, k), dtype=torch.int8, device=x.device)
-    lo = torch.empty_like(hi)
-    a = torch.empty((m,), dtype=torch.float32, device=x.device)
-    nw = 1 if INTERPRET else (8 if k > 4096 else 4)
-    _quant16_kernel[(m,)](
-        x2,
-        x2 if norm_weight is None else norm_weight,
-        hi,
-        lo,
-        a,
-        k,
-        x2.stride(0),
-        hi.stride(0),
-        eps,
-        HAS_NORM=norm_weight is not None,
-        BK=triton.next_power_of_2(k),
-        PTX=PTX,
-        num_warps=nw,
-        EARLY_G=PREFETCH_CONSTS,
-        **pdl_kw(),
-    )
-    return hi, lo, a
-
-
-def w8a16_linear(
-    x: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    w: torch.Tensor,
-    s: torch.Tensor,
-    cfg: dict | None = None,
-) -> torch.Tensor:
-    """float32 [..., N] = rmsnorm(x) as int16 codes @ (int8 w [N, K])^T * s[N]: the int8 LM head by two int8 MMAs
-    (no weight conversion). `cfg`: one of `tune._w8_candidates`, for tests."""
-    k = x.shape[-1]
-    lead = x.shape[:-1]
-    hi, lo, a = quantize16(x, norm_weight, eps)
-    m, n = hi.shape[0], w.shape[0]
-    y = torch.empty((m, n), dtype=torch.float32, device=x.device)
-
-    def launch(cfg: dict, w: torch.Tensor) -> None:
-        grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]))
-        _w8a16_kernel[grid](hi, lo, a, w, s, y, y, m, n, k, hi.stride(0), y.stride(0), **cfg, **pdl_kw())
-
-    key = ("w8a16", n, k, min(_next_pow2(m), 1024))
-    launch(cfg or _tune(key, lambda: _w8_candidates(m), launch, w), w)
-    return y.reshape(*lead, n)
-
-
-def w8a16_argmax(
-    x: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    w: torch.Tensor,
-    s: torch.Tensor,
-    cfg: dict | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`w8a16_linear`'s logits reduced inside its tiles, never stored: (float32 maxima, int32 indices), both
-    [M, T], the maximum of each row over each tile of BN vocabulary entries (T tiles, in vocabulary order) and its
-    first index; a NaN ranks above every number (the first one wins), as `torch.argmax`. The row's argmax is then
-    indices[r, argmax(maxima[r])] (`ends.greedy_step(..., index=)`). x [M, K]."""
-    k = x.shape[-1]
-    hi, lo, a = quantize16(x, norm_weight, eps)  # [M, K] rows
-    m, n = hi.shape[0], w.shape[0]
-    bufs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def launch(cfg: dict, w: torch.Tensor) -> None:
-        t = triton.cdiv(n, cfg["BN"])
-        if t not in bufs:
-            bufs[t] = (
-                torch.empty((m, t), dtype=torch.float32, device=x.device),
-                torch.empty((m, t), dtype=torch.int32, device=x.device),
-            )
-        ym, yi = bufs[t]
-        grid = (t, triton.cdiv(m, cfg["BM"]))
-        _w8a16_kernel[grid](hi, lo, a, w, s, ym, yi, m, n, k, hi.stride(0), t, ARGMAX=True, **cfg, **pdl_kw())
-
-    key = ("w8a16_argmax", n, k, min(_next_pow2(m), 1024))
-    cfg = cfg or _tune(key, lambda: _w8_candidates(m), launch, w)
-    launch(cfg, w)
-    return bufs[triton.cdiv(n, cfg["BN"])]

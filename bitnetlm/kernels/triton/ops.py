@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from bitnetlm.kernels.triton import launch
+from bitnetlm.kernels.triton import head, launch
 
 
 @torch.library.custom_op("bitnetlm::ternary_linear", mutates_args=())
@@ -29,7 +29,7 @@ def _(x, packed, scale, out_features, norm_weight=None, residual=None, gated=Fal
 
 @torch.library.custom_op("bitnetlm::w8_linear", mutates_args=())
 def w8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    return launch.w8_linear(x, w, s)
+    return head.w8_linear(x, w, s)
 
 
 @w8_linear.register_fake
