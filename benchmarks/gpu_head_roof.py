@@ -147,17 +147,8 @@ def main() -> int:
             L.HEAD_LOAD = "" if load == "plain" else load
             both = _graph_us(lambda h=h: L.w8a16_argmax(h, nw, 1e-5, w, s), REPS, 1)  # tunes on its warm-up
             cfg = tune._choice[("w8a16_argmax", v, k, min(triton.next_power_of_2(b), 1024))]
-            hi, lo, a = L.quantize16(h, nw, 1e-5)
-            t = triton.cdiv(v, cfg["BN"])
-            ym = torch.empty((b, t), dtype=torch.float32, device="cuda")
-            yi = torch.empty((b, t), dtype=torch.int32, device="cuda")
-            alone = _graph_us(
-                lambda ym=ym, yi=yi, t=t, c=cfg, hi=hi, lo=lo, a=a, b=b: L._w8a16_launch(
-                    hi, lo, a, w, s, ym, yi, b, v, k, t, c, ARGMAX=True
-                ),
-                REPS,
-                1,
-            )
+            launch, _ = L._argmax_launcher(*L.quantize16(h, nw, 1e-5), s, v)
+            alone = _graph_us(lambda f=launch, c=cfg: f(c, w), REPS, 1)
             tile = f"{cfg['BM']}, {cfg['BN']}, {cfg['BK']}, {cfg['num_warps']}"
             print(
                 f"| {b} | {load} | {tile} | {both:.1f} | {mb / both * 1e3:.0f} | {roof / both:.2f} "

@@ -13,7 +13,7 @@ from bitnetlm.kernels.triton.common import INTERPRET
 from bitnetlm.kernels.triton.gemm import _w8_kernel, _w8a16_kernel
 from bitnetlm.kernels.triton.launch import PREFETCH_CONSTS, PTX, pdl_kw
 from bitnetlm.kernels.triton.quant import _quant16_kernel
-from bitnetlm.kernels.triton.tune import _choice, _next_pow2, _tune, _w8_candidates
+from bitnetlm.kernels.triton.tune import _next_pow2, _tune, _w8_candidates
 
 
 def w8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, cfg: dict | None = None) -> torch.Tensor:
@@ -104,25 +104,37 @@ def w8a16_argmax(
     [M, T], the maximum of each row over each tile of BN vocabulary entries (T tiles, in vocabulary order) and its
     first index; a NaN ranks above every number (the first one wins), as `torch.argmax`. The row's argmax is then
     indices[r, argmax(maxima[r])] (`ends.greedy_step(..., index=)`). x [M, K]."""
-    k = x.shape[-1]
     hi, lo, a = quantize16(x, norm_weight, eps)  # [M, K] rows
-    m, n = hi.shape[0], w.shape[0]
+    launch, bufs = _argmax_launcher(hi, lo, a, s, w.shape[0])
+    cfg = cfg or _argmax_tune(hi, w, launch)
+    launch(cfg, w)
+    return bufs[triton.cdiv(w.shape[0], cfg["BN"])]
+
+
+def _argmax_launcher(hi, lo, a, s, n: int):
+    """`w8a16_argmax`'s launch(cfg, w) over the int16 codes hi / lo [M, K] and scales a, and the (maxima, indices)
+    it writes, by tile count (one pair a tile width)."""
+    m, k = hi.shape
     bufs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def launch(cfg: dict, w: torch.Tensor) -> None:
         t = triton.cdiv(n, cfg["BN"])
         if t not in bufs:
             bufs[t] = (
-                torch.empty((m, t), dtype=torch.float32, device=x.device),
-                torch.empty((m, t), dtype=torch.int32, device=x.device),
+                torch.empty((m, t), dtype=torch.float32, device=hi.device),
+                torch.empty((m, t), dtype=torch.int32, device=hi.device),
             )
         ym, yi = bufs[t]
         _w8a16_launch(hi, lo, a, w, s, ym, yi, m, n, k, t, cfg, ARGMAX=True)
 
-    key = ("w8a16_argmax", n, k, min(_next_pow2(m), 1024))
-    cfg = cfg or _tune(key, lambda: _w8_candidates(m), launch, w)
-    launch(cfg, w)
-    return bufs[triton.cdiv(n, cfg["BN"])]
+    return launch, bufs
+
+
+def _argmax_tune(hi: torch.Tensor, w: torch.Tensor, launch) -> dict:
+    """The tile of `w8a16_argmax` (and of `w8a16_greedy`, which uses its choice) for hi's M rows."""
+    m, k = hi.shape
+    key = ("w8a16_argmax", w.shape[0], k, min(_next_pow2(m), 1024))
+    return _tune(key, lambda: _w8_candidates(m), launch, w)
 
 
 # How the int8 head's kernel reads its weights (328 MB at the 2B4T shape, from DRAM at every call): "" plain
@@ -178,13 +190,9 @@ def w8a16_greedy(
     `ends.greedy_step(*w8a16_argmax(...), tok, out, step, pos, index=)` does in two. The tiles are tuned as
     `w8a16_argmax`'s (the fold's own launches would advance the state). tok int64 [M, 1], out int64 [M, S], step
     int64 [1], pos int32 [M]."""
-    k = x.shape[-1]
-    m, n = x.reshape(-1, k).shape[0], w.shape[0]
-    if cfg is None:
-        key = ("w8a16_argmax", n, k, min(_next_pow2(m), 1024))
-        if key not in _choice:
-            w8a16_argmax(x, norm_weight, eps, w, s)  # tunes the key; its launches change no state
-        cfg = _choice[key]
+    hi, lo, a = quantize16(x, norm_weight, eps)
+    (m, k), n = hi.shape, w.shape[0]
+    cfg = cfg or _argmax_tune(hi, w, _argmax_launcher(hi, lo, a, s, n)[0])  # timed without FOLD
     ws = (str(x.device), m)
     if ws not in _fold_ws:  # zeroed once, before any graph capture; every launch leaves them zero
         _fold_ws[ws] = (
@@ -192,6 +200,5 @@ def w8a16_greedy(
             torch.zeros((1,), dtype=torch.int32, device=x.device),
         )
     best, cnt = _fold_ws[ws]
-    hi, lo, a = quantize16(x, norm_weight, eps)
     fold = (best, cnt, tok, out, step, pos)
     _w8a16_launch(hi, lo, a, w, s, a, a, m, n, k, 0, cfg, fold=fold, ARGMAX=True, BMR=min(_next_pow2(m), 64))
