@@ -46,8 +46,10 @@ def kernels(cache: str) -> dict[str, tuple]:
     """name -> (module, kernel name, pointer types, ints divisible by 16, constexprs, default warps)."""
     kv = "*fp8e4nv" if cache == "fp8" else "*bf16"
     attn_ptrs = dict(q_ptr="*bf16", k_ptr=kv, v_ptr=kv, pos_ptr="*i32", o_ptr="*bf16", pacc_ptr="*fp32")
-    attn_ptrs.update(pml_ptr="*fp32", cnt_ptr="*i32")
-    attn = dict(G=4, GP=16, GM=4, D=128, BS=64, NS2=1, IEEE=False, PDL=True, KV8=cache == "fp8", LATE=True)
+    attn_ptrs.update(pml_ptr="*fp32", cnt_ptr="*i32", pf_ptr="*u8")
+    attn = dict(
+        G=4, GP=16, GM=4, D=128, BS=64, NS2=1, IEEE=False, PTX=True, PDL=True, KV8=cache == "fp8", LATE=True
+    )
     quant_ptrs = dict(x_ptr="*bf16", nw_ptr="*bf16", q_ptr="*i8", a_ptr="*fp32", rs_ptr="*i32")
     qkv_ptrs = dict(ROW_PTRS, qo_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i32")
     qkv_ptrs.update(kc_ptr=kv, vc_ptr=kv)

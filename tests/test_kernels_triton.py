@@ -494,6 +494,52 @@ def test_decode_attention_split_merge(h, hkv, keys, pos_early, monkeypatch):
             torch.testing.assert_close(out[i], (w[:, None, :] @ v).squeeze(1), rtol=1e-5, atol=1e-5)
 
 
+def _prefetch_case(b, h, hkv, s, d, kv, pf_programs, dev, keys=0):
+    """The decode attention with and without its weight-prefetching programs: the same bits out, the weights
+    untouched (the prefetch is a hint; those programs take no part in the splits' merge)."""
+    from bitnetlm.kernels.triton.attention import attn_decode
+
+    g = torch.Generator(device=dev).manual_seed(b + s)
+    q = torch.randn(b, h, d, device=dev, generator=g).to(kv if kv == torch.float32 else torch.bfloat16)
+    kc = torch.randn(b, hkv, s, d, device=dev, generator=g).to(kv)
+    vc = torch.randn(b, hkv, s, d, device=dev, generator=g).to(kv)
+    pos = torch.randint(0, s, (b,), device=dev, generator=g, dtype=torch.int32)
+    pos[0] = s - 1
+    w = torch.randint(-(2**31), 2**31 - 1, (777, 33), device=dev, generator=g, dtype=torch.int32)
+    w0 = w.clone()
+    outs = []
+    for n in (0, pf_programs, pf_programs):  # twice with: the merge counters still reset
+        out = torch.full((b, h, d), float("nan"), device=dev, dtype=q.dtype)
+        attn_decode(q, kc, vc, pos, out, d**-0.5, keys, w if n else None, n)
+        outs.append(out)
+    assert not outs[0].isnan().any()
+    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
+    assert torch.equal(w, w0)
+
+
+@pytest.mark.parametrize("b,pf_programs", [(1, 6), (3, 7), (2, 1)])
+def test_decode_attention_prefetch_programs_change_nothing(b, pf_programs):
+    """Under the interpreter the prefetch is a no-op, but the extra programs' early exit and their share of the
+    lines run: the splits' outputs are the same bits with them as without."""
+    _prefetch_case(b, 6, 2, 200, 16, torch.float32, pf_programs, DEV)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", [torch.bfloat16, torch.float8_e4m3fn])
+def test_gpu_decode_attention_prefetch_exact(kv):
+    """At the 2B4T head shape, every batch the engine prefetches at (attention.ATTN_PF_TABLE) and one past its
+    programs' rounding: the attention's outputs with the L2 prefetch of a weight tensor equal those without."""
+    for b, n, keys in (
+        (1, 2048, 1024),
+        (1, 2048, 0),
+        (2, 2048, 1024),
+        (4, 512, 0),
+        (8, 2048, 0),
+        (8, 2048, 256),
+    ):
+        _prefetch_case(b, 20, 5, 700, 128, kv, n, "cuda", keys)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", [torch.bfloat16, torch.float8_e4m3fn])
 def test_gpu_decode_attention_2b4t_bf16(kv):

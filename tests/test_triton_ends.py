@@ -195,14 +195,33 @@ def test_gpu_engine_head_fold_exact(b, monkeypatch):
     the head (`engine_cuda.HEAD_FOLD`) and as its own launch: the same tokens, outputs, positions and step over 8
     replays."""
     import bitnetlm.engine_cuda as E
+
+    _greedy_steps_agree(b, lambda fold: monkeypatch.setattr(E, "HEAD_FOLD", fold))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_gpu_engine_attention_prefetch_exact(b, monkeypatch):
+    """The same captured greedy step with and without the attention's L2 prefetch of gate|up's weights
+    (`attention.ATTN_PF_TABLE`, at every batch it names a count for): the same tokens, outputs and positions."""
+    from bitnetlm.kernels.triton import attention as A
+
+    assert A.prefetch_programs(b) > 0
+    _greedy_steps_agree(b, lambda on: monkeypatch.setattr(A, "ATTN_PF_PROGRAMS", -1 if on else 0))
+
+
+def _greedy_steps_agree(b, variant):
+    """8 replays of a 2B4T-shaped engine's captured greedy step of b rows, with variant(False) and variant(True)
+    set before each capture: the same tokens, outputs, positions and step."""
+    import bitnetlm.engine_cuda as E
     from bitnetlm.models import ModelConfig
 
     eng = E.CudaEngine.random(
         ModelConfig(), E.EngineConfig(max_batch=b, max_seq_len=600, head="int8", kv_dtype=torch.float8_e4m3fn)
     )
     runs = []
-    for fold in (False, True):
-        monkeypatch.setattr(E, "HEAD_FOLD", fold)
+    for on in (False, True):
+        variant(on)
         eng._graphs.clear()
         st = eng.decode_state(b, max_keys=1024)
         for c in eng.k_cache + eng.v_cache:

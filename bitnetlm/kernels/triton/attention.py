@@ -123,6 +123,18 @@ def _merge_add(o, pml_ptr, pacc_ptr, row0, p, nact, mx, offs_h, offs_d, G, GP: t
 
 
 @triton.jit
+def _prefetch_part(ptr, nbytes, part, nparts, PTX: tl.constexpr, PFB: tl.constexpr):
+    """`_prefetch_l2` of part `part` of `nparts` of the nbytes at ptr (a uint8 tensor), 128-byte lines."""
+    nl = tl.cdiv(nbytes, 128)
+    per = tl.cdiv(nl, nparts)
+    lo = part * per
+    hi = tl.minimum(lo + per, nl)
+    for c in range(lo, hi, PFB):
+        ln = c + tl.arange(0, PFB)
+        _prefetch_l2(ptr + ln.to(tl.int64) * 128, ln < hi, PTX)
+
+
+@triton.jit
 def _attn_gqa_kernel(
     q_ptr,
     k_ptr,
@@ -144,11 +156,17 @@ def _attn_gqa_kernel(
     BS: tl.constexpr,
     NS2: tl.constexpr,
     IEEE: tl.constexpr,
+    PTX: tl.constexpr,
     PDL: tl.constexpr = False,
     KV8: tl.constexpr = False,
     LATE: tl.constexpr = False,
     POS_EARLY: tl.constexpr = False,
     IDLE_EARLY: tl.constexpr = False,
+    pf_ptr=None,
+    pf_bytes=0,
+    PFP: tl.constexpr = 0,
+    PF_WAIT: tl.constexpr = True,
+    PFB: tl.constexpr = 512,
 ):
     """Flash-decoding over a GQA group: program (b, kv head, split) loads each K/V block of its keys once for
     all G query heads sharing it (scores and P@V on tensor cores, the G rows padded to GP >= 16). The row's live
@@ -156,11 +174,26 @@ def _attn_gqa_kernel(
     short context in a long cache still spreads over every split; the last split of (b, kv head) holding keys
     to finish (an atomic counter) merges the partial (max, sum, acc) and resets the counter for the next call
     (CUDA-graph replays need no memset). When one split holds every key (batch 64 runs one split a row; a short
-    context) that program normalizes and stores its output itself: no partials, counter or merge."""
+    context) that program normalizes and stores its output itself: no partials, counter or merge.
+    PFP > 0: PFP more programs a (row, kv head), past the NSPLIT splits, pull their share of pf_bytes of a later
+    kernel's weights into L2 (after the PDL wait with PF_WAIT) and end; they take no part in the merge."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     base = (b * HKV + kvh) * S * D
+    if PFP:
+        if sp >= NSPLIT:
+            if PF_WAIT:
+                _pdl_wait(PDL, TRIGGER=not LATE)
+            _prefetch_part(
+                pf_ptr,
+                pf_bytes,
+                (b * HKV + kvh) * PFP + sp - NSPLIT,
+                tl.num_programs(0) * HKV * PFP,
+                PTX,
+                PFB,
+            )
+            return
     # pos is constant for the whole step: its first kernel (F.embedding or `ends.embed_int8`) lets the next one
     # launch only after the previous step's sampler has written it
     if POS_EARLY:
@@ -309,6 +342,26 @@ ATTN_POS_EARLY = 1
 # On an H200 a batch-1 step took 0.6% less time (0.700 against 0.704 ms); batch 8, whose splits all hold keys,
 # the same (docs/PERF_LOG.md stop 46).
 ATTN_IDLE_EARLY = 1
+# The decode attention is latency-bound, with DRAM mostly idle; at the batches in ATTN_PF_TABLE it also runs about
+# that many more programs (rounded up to a multiple of rows x kv heads), which pull the layer's gate|up weights into
+# L2 after the PDL wait (ATTN_PF_WAIT) and end, so that gate|up, two kernels later, reads them from L2. On an H200
+# (int8 head, float8 cache, context 512; docs/PERF_LOG.md stop 47) a step took 2.4% / 3.5% / 1.0% / 1.3% less time at
+# batch 1 / 2 / 4 / 8; at batch 4 more than 512 programs, and at batch 1 other counts than 2,048, gained nothing or
+# lost; batch 16 gained nothing and 64 lost. ATTN_PF_PROGRAMS overrides the table for benchmarks (-1: the table,
+# 0: none at any batch, n: n programs up to batch 32).
+ATTN_PF_TABLE = {1: 2048, 2: 2048, 3: 1024, 4: 512, 5: 2048, 6: 2048, 7: 2048, 8: 2048}
+ATTN_PF_PROGRAMS = -1
+ATTN_PF_WAIT = 1
+ATTN_PF_BLOCK = 0
+
+
+def prefetch_programs(b: int) -> int:
+    """How many programs batch b's decode attention adds to pull a later kernel's weights into L2 (0: none)."""
+    if ATTN_PF_PROGRAMS >= 0:
+        return ATTN_PF_PROGRAMS if b <= 32 else 0
+    return ATTN_PF_TABLE.get(b, 0)
+
+
 ATTN_RANGE_BS = 256
 ATTN_RANGE_WARPS = 8
 # Up to batch ATTN_SMALL_MAX_B, a captured step told that its rows stay within ATTN_SMALL_MAX_KEYS keys runs the
@@ -388,9 +441,13 @@ def _attn_splits(b: int, hkv: int, s: int, kv8: bool, device: torch.device) -> i
     return max(1, min(want, 32, triton.cdiv(s, 16)))
 
 
-def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float, keys: int = 0) -> None:
+def attn_decode(
+    q, k_cache, v_cache, pos, out, sm_scale: float, keys: int = 0, prefetch=None, pf_programs: int = 0
+) -> None:
     """One query per row: q [B, H, D] attends to cache slots 0..pos[b]; out [B, H, D]. GQA: the H // Hkv
-    query heads of a KV head share one program's K/V loads. keys: `key_range`'s range (0: the default splits)."""
+    query heads of a KV head share one program's K/V loads. keys: `key_range`'s range (0: the default splits).
+    prefetch: a later kernel's weight tensor, which about pf_programs more programs pull into L2 (a hint: no
+    result changes)."""
     b, h, d = q.shape[0], q.shape[1], q.shape[-1]
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     g = h // hkv
@@ -415,7 +472,11 @@ def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float, keys: int = 0) -
             torch.zeros((b * hkv,), dtype=torch.int32, device=q.device),
         )
     pacc, pml, cnt = _attn_ws[key]
-    _attn_gqa_kernel[(b, hkv, nsplit)](
+    if INTERPRET:  # the prefetch is a no-op there: a few programs run its code path
+        pf_programs = min(pf_programs, 2 * b * hkv)
+    pfp = triton.cdiv(pf_programs, b * hkv) if prefetch is not None else 0
+    pf = prefetch.view(torch.uint8) if pfp else None  # [N, K/4] bytes (a view: no copy)
+    _attn_gqa_kernel[(b, hkv, nsplit + pfp)](
         q,
         k_cache,
         v_cache,
@@ -436,6 +497,7 @@ def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float, keys: int = 0) -
         BS=bs,
         NS2=triton.next_power_of_2(nsplit),
         IEEE=q.dtype == torch.float32,
+        PTX=not INTERPRET,
         KV8=kv8,
         num_warps=warps,
         **({"num_stages": stages} if stages else {}),
@@ -443,6 +505,11 @@ def attn_decode(q, k_cache, v_cache, pos, out, sm_scale: float, keys: int = 0) -
         LATE=late_launch(b),
         POS_EARLY=bool(ATTN_POS_EARLY),
         IDLE_EARLY=bool(ATTN_IDLE_EARLY),
+        pf_ptr=pf,
+        pf_bytes=pf.numel() if pfp else 0,
+        PFP=pfp,
+        PF_WAIT=bool(ATTN_PF_WAIT),
+        PFB=ATTN_PF_BLOCK or 512,
         **pdl_kw(),
     )
 
