@@ -340,7 +340,7 @@ class CudaEngine:
         if t > 1 and start:
             keys = torch.arange(start + t, device=h.device)
             mask = keys[None, :] <= (start + torch.arange(t, device=h.device))[:, None]  # [T, start+T]
-        # the decode attention pulls gate|up's weights into L2 (attention.ATTN_PF_TABLE)
+        # the decode attention pulls gate|up's weights into L2 (attention.ATTN_PF_TABLE, ATTN_PF_QKV_MAX_B)
         pf_programs = attention.prefetch_programs(b) if t == 1 and self.ecfg.weights == "ternary" else 0
         for li, L in enumerate(self.layers):
             kc, vc = self.k_cache[li][row0 : row0 + b], self.v_cache[li][row0 : row0 + b]  # contiguous views
@@ -358,7 +358,10 @@ class CudaEngine:
             h = _rows(h)  # the residual rows (a deferred down's: finished by the quantization above)
             if t == 1:
                 o = torch.empty((b, nh, hd), device=h.device, dtype=h.dtype)
-                attn_decode(q.view(b, nh, hd), kc, vc, pos, o, scale, keys, L.gate_up, pf_programs)
+                pf = L.gate_up
+                if b <= attention.ATTN_PF_QKV_MAX_B:  # and the next layer's q|k|v (the last's: the first's)
+                    pf = (pf, self.layers[(li + 1) % len(self.layers)].qkv)
+                attn_decode(q.view(b, nh, hd), kc, vc, pos, o, scale, keys, pf, pf_programs)
                 o = o.view(b, nh * hd)
             elif mask is None:  # from position 0: queries and keys padded to tp (see PREFILL_ALIGN)
                 qp = q

@@ -506,15 +506,17 @@ def _prefetch_case(b, h, hkv, s, d, kv, pf_programs, dev, keys=0):
     pos = torch.randint(0, s, (b,), device=dev, generator=g, dtype=torch.int32)
     pos[0] = s - 1
     w = torch.randint(-(2**31), 2**31 - 1, (777, 33), device=dev, generator=g, dtype=torch.int32)
-    w0 = w.clone()
+    w2 = torch.randint(-(2**31), 2**31 - 1, (300, 5), device=dev, generator=g, dtype=torch.int32)
+    w0, w20 = w.clone(), w2.clone()
     outs = []
-    for n in (0, pf_programs, pf_programs):  # twice with: the merge counters still reset
+    # twice with one tensor (the merge counters still reset), once with two
+    for n, pf in ((0, None), (pf_programs, w), (pf_programs, w), (pf_programs, (w, w2))):
         out = torch.full((b, h, d), float("nan"), device=dev, dtype=q.dtype)
-        attn_decode(q, kc, vc, pos, out, d**-0.5, keys, w if n else None, n)
+        attn_decode(q, kc, vc, pos, out, d**-0.5, keys, pf, n)
         outs.append(out)
     assert not outs[0].isnan().any()
-    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
-    assert torch.equal(w, w0)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    assert torch.equal(w, w0) and torch.equal(w2, w20)
 
 
 @pytest.mark.parametrize("b,pf_programs", [(1, 6), (3, 7), (2, 1)])

@@ -164,6 +164,9 @@ def _attn_gqa_kernel(
     IDLE_EARLY: tl.constexpr = False,
     pf_ptr=None,
     pf_bytes=0,
+    pf2_ptr=None,
+    pf2_bytes=0,
+    PF2: tl.constexpr = False,
     PFP: tl.constexpr = 0,
     PF_WAIT: tl.constexpr = True,
     PFB: tl.constexpr = 512,
@@ -193,6 +196,9 @@ def _attn_gqa_kernel(
                 PTX,
                 PFB,
             )
+            if PF2:
+                part = (b * HKV + kvh) * PFP + sp - NSPLIT
+                _prefetch_part(pf2_ptr, pf2_bytes, part, tl.num_programs(0) * HKV * PFP, PTX, PFB)
             return
     # pos is constant for the whole step: its first kernel (F.embedding or `ends.embed_int8`) lets the next one
     # launch only after the previous step's sampler has written it
@@ -344,15 +350,20 @@ ATTN_POS_EARLY = 1
 ATTN_IDLE_EARLY = 1
 # The decode attention is latency-bound, with DRAM mostly idle; at the batches in ATTN_PF_TABLE it also runs about
 # that many more programs (rounded up to a multiple of rows x kv heads), which pull the layer's gate|up weights into
-# L2 after the PDL wait (ATTN_PF_WAIT) and end, so that gate|up, two kernels later, reads them from L2. On an H200
-# (int8 head, float8 cache, context 512; docs/PERF_LOG.md stop 47) a step took 2.4% / 3.5% / 1.0% / 1.3% less time at
-# batch 1 / 2 / 4 / 8; at batch 4 more than 512 programs, and at batch 1 other counts than 2,048, gained nothing or
-# lost; batch 16 gained nothing and 64 lost. ATTN_PF_PROGRAMS overrides the table for benchmarks (-1: the table,
-# 0: none at any batch, n: n programs up to batch 32).
+# L2 after the PDL wait and end, so that gate|up, two kernels later, reads them from L2. On an H200 (int8 head,
+# float8 cache, context 512; docs/PERF_LOG.md stop 47) a step took 2.3 / 3.5 / 1.6 / 1.0 / 2.1 / 2.7 / 2.4 / 1.2%
+# less time at batch 1-8 (at 900 keys batch 1 / 2 / 8: 1.5 / 4.2 / 1.0%). Counts are per batch: at batch 1 1,536
+# and 3,072 gained nothing and 4,096 lost 5%; at batch 4 over 512 lost; batch 16 gained nothing, 64 lost 3%. The
+# prefetch runs in programs of its own: issued by the splits themselves it cost 1-12% (their merge waits behind it).
+# ATTN_PF_PROGRAMS overrides the table for benchmarks (-1: the table, 0: none, n: n programs up to batch 32);
+# ATTN_PF_WAIT = 0 has them prefetch without waiting, ATTN_PF_BLOCK sets the lines a vector (512).
 ATTN_PF_TABLE = {1: 2048, 2: 2048, 3: 1024, 4: 512, 5: 2048, 6: 2048, 7: 2048, 8: 2048}
 ATTN_PF_PROGRAMS = -1
 ATTN_PF_WAIT = 1
 ATTN_PF_BLOCK = 0
+# Up to this batch they also pull the next layer's q|k|v weights in: a batch-1 step 0.675 / 0.676 ms against 0.685
+# (H200, stop 47); batch 8 1.038 against 1.036. down's weights instead: batch 1 0.681, batch 8 1.053-1.055.
+ATTN_PF_QKV_MAX_B = 1
 
 
 def prefetch_programs(b: int) -> int:
@@ -446,8 +457,8 @@ def attn_decode(
 ) -> None:
     """One query per row: q [B, H, D] attends to cache slots 0..pos[b]; out [B, H, D]. GQA: the H // Hkv
     query heads of a KV head share one program's K/V loads. keys: `key_range`'s range (0: the default splits).
-    prefetch: a later kernel's weight tensor, which about pf_programs more programs pull into L2 (a hint: no
-    result changes)."""
+    prefetch: a later kernel's weight tensor, or a pair of them, which about pf_programs more programs pull into
+    L2 (a hint: no result changes)."""
     b, h, d = q.shape[0], q.shape[1], q.shape[-1]
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     g = h // hkv
@@ -475,7 +486,11 @@ def attn_decode(
     if INTERPRET:  # the prefetch is a no-op there: a few programs run its code path
         pf_programs = min(pf_programs, 2 * b * hkv)
     pfp = triton.cdiv(pf_programs, b * hkv) if prefetch is not None else 0
+    pf2 = None
+    if isinstance(prefetch, tuple):
+        prefetch, pf2 = prefetch
     pf = prefetch.view(torch.uint8) if pfp else None  # [N, K/4] bytes (a view: no copy)
+    pf2 = pf2.view(torch.uint8) if pfp and pf2 is not None else None
     _attn_gqa_kernel[(b, hkv, nsplit + pfp)](
         q,
         k_cache,
@@ -507,6 +522,9 @@ def attn_decode(
         IDLE_EARLY=bool(ATTN_IDLE_EARLY),
         pf_ptr=pf,
         pf_bytes=pf.numel() if pfp else 0,
+        pf2_ptr=pf2,
+        pf2_bytes=pf2.numel() if pf2 is not None else 0,
+        PF2=pf2 is not None,
         PFP=pfp,
         PF_WAIT=bool(ATTN_PF_WAIT),
         PFB=ATTN_PF_BLOCK or 512,
