@@ -341,7 +341,8 @@ class CudaEngine:
             keys = torch.arange(start + t, device=h.device)
             mask = keys[None, :] <= (start + torch.arange(t, device=h.device))[:, None]  # [T, start+T]
         # the decode attention pulls gate|up's weights into L2 (attention.ATTN_PF_TABLE, ATTN_PF_QKV_MAX_B)
-        pf_programs = attention.prefetch_programs(b) if t == 1 and self.ecfg.weights == "ternary" else 0
+        kv8 = self.k_cache[0].element_size() == 1
+        pf_programs = attention.prefetch_programs(b, kv8) if t == 1 and self.ecfg.weights == "ternary" else 0
         for li, L in enumerate(self.layers):
             kc, vc = self.k_cache[li][row0 : row0 + b], self.v_cache[li][row0 : row0 + b]  # contiguous views
             q = torch.empty((b, t, nh, hd), device=self.device, dtype=self.ecfg.dtype)

@@ -207,7 +207,7 @@ def test_gpu_engine_attention_prefetch_exact(b, monkeypatch):
     same tokens, outputs and positions."""
     from bitnetlm.kernels.triton import attention as A
 
-    assert A.prefetch_programs(b) > 0
+    assert A.prefetch_programs(b, kv8=True) > 0
     _greedy_steps_agree(b, lambda on: monkeypatch.setattr(A, "ATTN_PF_PROGRAMS", -1 if on else 0))
 
 

@@ -358,6 +358,10 @@ ATTN_IDLE_EARLY = 1
 # ATTN_PF_PROGRAMS overrides the table for benchmarks (-1: the table, 0: none, n: n programs up to batch 32);
 # ATTN_PF_WAIT = 0 has them prefetch without waiting, ATTN_PF_BLOCK sets the lines a vector (512).
 ATTN_PF_TABLE = {1: 2048, 2: 2048, 3: 1024, 4: 512, 5: 2048, 6: 2048, 7: 2048, 8: 2048}
+# Over a bf16 cache (twice the K/V bytes and shared memory a program) the table was not tuned: the engine table's
+# run measured batch 1 2.8-3.4% slower with it (0.826 / 0.738 ms/step against stop 46's 0.799 / 0.718, bf16 / int8
+# head) and batch 8 no slower (1.205 / 1.108 against 1.209 / 1.120), so a bf16 cache prefetches at batch 8 only.
+ATTN_PF_TABLE_KV16 = {8: 2048}
 ATTN_PF_PROGRAMS = -1
 ATTN_PF_WAIT = 1
 ATTN_PF_BLOCK = 0
@@ -366,11 +370,12 @@ ATTN_PF_BLOCK = 0
 ATTN_PF_QKV_MAX_B = 1
 
 
-def prefetch_programs(b: int) -> int:
-    """How many programs batch b's decode attention adds to pull a later kernel's weights into L2 (0: none)."""
+def prefetch_programs(b: int, kv8: bool) -> int:
+    """How many programs batch b's decode attention (kv8: over a float8 cache) adds to pull a later kernel's
+    weights into L2 (0: none)."""
     if ATTN_PF_PROGRAMS >= 0:
         return ATTN_PF_PROGRAMS if b <= 32 else 0
-    return ATTN_PF_TABLE.get(b, 0)
+    return (ATTN_PF_TABLE if kv8 else ATTN_PF_TABLE_KV16).get(b, 0)
 
 
 ATTN_RANGE_BS = 256
