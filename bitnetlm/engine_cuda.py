@@ -340,9 +340,6 @@ class CudaEngine:
         if t > 1 and start:
             keys = torch.arange(start + t, device=h.device)
             mask = keys[None, :] <= (start + torch.arange(t, device=h.device))[:, None]  # [T, start+T]
-        # the decode attention pulls gate|up's weights into L2 (attention.ATTN_PF_TABLE, ATTN_PF_QKV_MAX_B)
-        kv8 = self.k_cache[0].element_size() == 1
-        pf_programs = attention.prefetch_programs(b, kv8) if t == 1 and self.ecfg.weights == "ternary" else 0
         for li, L in enumerate(self.layers):
             kc, vc = self.k_cache[li][row0 : row0 + b], self.v_cache[li][row0 : row0 + b]  # contiguous views
             q = torch.empty((b, t, nh, hd), device=self.device, dtype=self.ecfg.dtype)
@@ -359,10 +356,12 @@ class CudaEngine:
             h = _rows(h)  # the residual rows (a deferred down's: finished by the quantization above)
             if t == 1:
                 o = torch.empty((b, nh, hd), device=h.device, dtype=h.dtype)
-                pf = L.gate_up
-                if b <= attention.ATTN_PF_QKV_MAX_B:  # and the next layer's q|k|v (the last's: the first's)
+                # the attention pulls gate|up's weights into L2 (attention.ATTN_PF_TABLE), at batch <=
+                # ATTN_PF_QKV_MAX_B also the next layer's q|k|v (the last layer's: the first's)
+                pf = L.gate_up if self.ecfg.weights == "ternary" else None
+                if pf is not None and b <= attention.ATTN_PF_QKV_MAX_B:
                     pf = (pf, self.layers[(li + 1) % len(self.layers)].qkv)
-                attn_decode(q.view(b, nh, hd), kc, vc, pos, o, scale, keys, pf, pf_programs)
+                attn_decode(q.view(b, nh, hd), kc, vc, pos, o, scale, keys, pf)
                 o = o.view(b, nh * hd)
             elif mask is None:  # from position 0: queries and keys padded to tp (see PREFILL_ALIGN)
                 qp = q

@@ -188,17 +188,10 @@ def _attn_gqa_kernel(
         if sp >= NSPLIT:
             if PF_WAIT:
                 _pdl_wait(PDL, TRIGGER=not LATE)
-            _prefetch_part(
-                pf_ptr,
-                pf_bytes,
-                (b * HKV + kvh) * PFP + sp - NSPLIT,
-                tl.num_programs(0) * HKV * PFP,
-                PTX,
-                PFB,
-            )
+            part, nparts = (b * HKV + kvh) * PFP + sp - NSPLIT, tl.num_programs(0) * HKV * PFP
+            _prefetch_part(pf_ptr, pf_bytes, part, nparts, PTX, PFB)
             if PF2:
-                part = (b * HKV + kvh) * PFP + sp - NSPLIT
-                _prefetch_part(pf2_ptr, pf2_bytes, part, tl.num_programs(0) * HKV * PFP, PTX, PFB)
+                _prefetch_part(pf2_ptr, pf2_bytes, part, nparts, PTX, PFB)
             return
     # pos is constant for the whole step: its first kernel (F.embedding or `ends.embed_int8`) lets the next one
     # launch only after the previous step's sampler has written it
@@ -356,7 +349,7 @@ ATTN_IDLE_EARLY = 1
 # and 3,072 gained nothing and 4,096 lost 5%; at batch 4 over 512 lost; batch 16 gained nothing, 64 lost 3%. The
 # prefetch runs in programs of its own: issued by the splits themselves it cost 1-12% (their merge waits behind it).
 # ATTN_PF_PROGRAMS overrides the table for benchmarks (-1: the table, 0: none, n: n programs up to batch 32);
-# ATTN_PF_WAIT = 0 has them prefetch without waiting, ATTN_PF_BLOCK sets the lines a vector (512).
+# ATTN_PF_WAIT = 0 has them prefetch without waiting, ATTN_PF_BLOCK sets the lines a vector.
 ATTN_PF_TABLE = {1: 2048, 2: 2048, 3: 1024, 4: 512, 5: 2048, 6: 2048, 7: 2048, 8: 2048}
 # Over a bf16 cache (twice the K/V bytes and shared memory a program) the table was not tuned: the engine table's
 # run measured batch 1 2.8-3.4% slower with it (0.826 / 0.738 ms/step against stop 46's 0.799 / 0.718, bf16 / int8
@@ -364,7 +357,7 @@ ATTN_PF_TABLE = {1: 2048, 2: 2048, 3: 1024, 4: 512, 5: 2048, 6: 2048, 7: 2048, 8
 ATTN_PF_TABLE_KV16 = {8: 2048}
 ATTN_PF_PROGRAMS = -1
 ATTN_PF_WAIT = 1
-ATTN_PF_BLOCK = 0
+ATTN_PF_BLOCK = 512
 # Up to this batch they also pull the next layer's q|k|v weights in: a batch-1 step 0.675 / 0.676 ms against 0.685
 # (H200, stop 47); batch 8 1.038 against 1.036. down's weights instead: batch 1 0.681, batch 8 1.053-1.055.
 ATTN_PF_QKV_MAX_B = 1
@@ -458,12 +451,20 @@ def _attn_splits(b: int, hkv: int, s: int, kv8: bool, device: torch.device) -> i
 
 
 def attn_decode(
-    q, k_cache, v_cache, pos, out, sm_scale: float, keys: int = 0, prefetch=None, pf_programs: int = 0
+    q,
+    k_cache,
+    v_cache,
+    pos,
+    out,
+    sm_scale: float,
+    keys: int = 0,
+    prefetch=None,
+    pf_programs: int | None = None,
 ) -> None:
     """One query per row: q [B, H, D] attends to cache slots 0..pos[b]; out [B, H, D]. GQA: the H // Hkv
     query heads of a KV head share one program's K/V loads. keys: `key_range`'s range (0: the default splits).
-    prefetch: a later kernel's weight tensor, or a pair of them, which about pf_programs more programs pull into
-    L2 (a hint: no result changes)."""
+    prefetch: a later kernel's weight tensor, or a pair of them, which about pf_programs more programs (None:
+    `prefetch_programs`' count for this batch and cache) pull into L2 (a hint: no result changes)."""
     b, h, d = q.shape[0], q.shape[1], q.shape[-1]
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     g = h // hkv
@@ -488,14 +489,14 @@ def attn_decode(
             torch.zeros((b * hkv,), dtype=torch.int32, device=q.device),
         )
     pacc, pml, cnt = _attn_ws[key]
+    pfs = () if prefetch is None else prefetch if isinstance(prefetch, tuple) else (prefetch,)
+    if pf_programs is None:
+        pf_programs = prefetch_programs(b, kv8)
     if INTERPRET:  # the prefetch is a no-op there: a few programs run its code path
         pf_programs = min(pf_programs, 2 * b * hkv)
-    pfp = triton.cdiv(pf_programs, b * hkv) if prefetch is not None else 0
-    pf2 = None
-    if isinstance(prefetch, tuple):
-        prefetch, pf2 = prefetch
-    pf = prefetch.view(torch.uint8) if pfp else None  # [N, K/4] bytes (a view: no copy)
-    pf2 = pf2.view(torch.uint8) if pfp and pf2 is not None else None
+    pfp = triton.cdiv(pf_programs, b * hkv) if pfs else 0
+    pfs = [t.view(torch.uint8) for t in pfs] if pfp else []  # [N, K/4] bytes (views: no copy)
+    pf, pf2 = (pfs + [None, None])[:2]
     _attn_gqa_kernel[(b, hkv, nsplit + pfp)](
         q,
         k_cache,
@@ -526,13 +527,13 @@ def attn_decode(
         POS_EARLY=bool(ATTN_POS_EARLY),
         IDLE_EARLY=bool(ATTN_IDLE_EARLY),
         pf_ptr=pf,
-        pf_bytes=pf.numel() if pfp else 0,
+        pf_bytes=pf.numel() if pf is not None else 0,
         pf2_ptr=pf2,
         pf2_bytes=pf2.numel() if pf2 is not None else 0,
         PF2=pf2 is not None,
         PFP=pfp,
         PF_WAIT=bool(ATTN_PF_WAIT),
-        PFB=ATTN_PF_BLOCK or 512,
+        PFB=ATTN_PF_BLOCK,
         **pdl_kw(),
     )
 
