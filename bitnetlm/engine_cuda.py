@@ -356,11 +356,14 @@ class CudaEngine:
             h = _rows(h)  # the residual rows (a deferred down's: finished by the quantization above)
             if t == 1:
                 o = torch.empty((b, nh, hd), device=h.device, dtype=h.dtype)
-                # the attention pulls gate|up's weights into L2 (attention.ATTN_PF_TABLE), at batch <=
-                # ATTN_PF_QKV_MAX_B also the next layer's q|k|v (the last layer's: the first's)
-                pf = L.gate_up if self.ecfg.weights == "ternary" else None
-                if pf is not None and b <= attention.ATTN_PF_QKV_MAX_B:
-                    pf = (pf, self.layers[(li + 1) % len(self.layers)].qkv)
+                # the attention pulls gate|up's weights into L2 (attention.ATTN_PF_TABLE), at batches in
+                # ATTN_PF_DOWN_BATCHES down's too, at batch <= ATTN_PF_QKV_MAX_B the next layer's q|k|v (the last
+                # layer's: the first's), in the order the step reads them
+                pf = None
+                if self.ecfg.weights == "ternary":
+                    pf = (L.gate_up,) + ((L.down,) if b in attention.ATTN_PF_DOWN_BATCHES else ())
+                    if b <= attention.ATTN_PF_QKV_MAX_B:
+                        pf += (self.layers[(li + 1) % len(self.layers)].qkv,)
                 attn_decode(q.view(b, nh, hd), kc, vc, pos, o, scale, keys, pf)
                 o = o.view(b, nh * hd)
             elif mask is None:  # from position 0: queries and keys padded to tp (see PREFILL_ALIGN)

@@ -507,16 +507,23 @@ def _prefetch_case(b, h, hkv, s, d, kv, pf_programs, dev, keys=0):
     pos[0] = s - 1
     w = torch.randint(-(2**31), 2**31 - 1, (777, 33), device=dev, generator=g, dtype=torch.int32)
     w2 = torch.randint(-(2**31), 2**31 - 1, (300, 5), device=dev, generator=g, dtype=torch.int32)
-    w0, w20 = w.clone(), w2.clone()
+    w3 = torch.randint(0, 255, (1000,), device=dev, generator=g, dtype=torch.uint8)
+    w0, w20, w30 = w.clone(), w2.clone(), w3.clone()
     outs = []
-    # twice with one tensor (the merge counters still reset), once with two
-    for n, pf in ((0, None), (pf_programs, w), (pf_programs, w), (pf_programs, (w, w2))):
+    # twice with one tensor (the merge counters still reset), once with two, once with three
+    for n, pf in (
+        (0, None),
+        (pf_programs, w),
+        (pf_programs, w),
+        (pf_programs, (w, w2)),
+        (pf_programs, (w, w2, w3)),
+    ):
         out = torch.full((b, h, d), float("nan"), device=dev, dtype=q.dtype)
         attn_decode(q, kc, vc, pos, out, d**-0.5, keys, pf, n)
         outs.append(out)
     assert not outs[0].isnan().any()
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
-    assert torch.equal(w, w0) and torch.equal(w2, w20)
+    assert torch.equal(w, w0) and torch.equal(w2, w20) and torch.equal(w3, w30)
 
 
 @pytest.mark.parametrize("b,pf_programs", [(1, 6), (3, 7), (2, 1)])
@@ -524,6 +531,16 @@ def test_decode_attention_prefetch_programs_change_nothing(b, pf_programs):
     """Under the interpreter the prefetch is a no-op, but the extra programs' early exit and their share of the
     lines run: the splits' outputs are the same bits with them as without."""
     _prefetch_case(b, 6, 2, 200, 16, torch.float32, pf_programs, DEV)
+
+
+def test_decode_attention_prefetch_takes_three_tensors_at_most():
+    from bitnetlm.kernels.triton.attention import attn_decode
+
+    q = torch.zeros(1, 2, 16, device=DEV)
+    kc = torch.zeros(1, 1, 32, 16, device=DEV)
+    w = torch.zeros(8, dtype=torch.uint8, device=DEV)
+    with pytest.raises(ValueError, match="up to 3 tensors, got 4"):
+        attn_decode(q, kc, kc, torch.zeros(1, dtype=torch.int32, device=DEV), q.clone(), 0.25, 0, (w,) * 4, 2)
 
 
 @pytest.mark.gpu

@@ -203,8 +203,8 @@ def test_gpu_engine_head_fold_exact(b, monkeypatch):
 @pytest.mark.parametrize("b", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_gpu_engine_attention_prefetch_exact(b, monkeypatch):
     """The same captured greedy step with and without the attention's L2 prefetch of gate|up's weights
-    (`attention.ATTN_PF_TABLE`, at every batch it names a count for; at batch 1 the next layer's q|k|v too): the
-    same tokens, outputs and positions."""
+    (`attention.ATTN_PF_TABLE`, at every batch it names a count for; at batch 1 the next layer's q|k|v too, at
+    batch 2 down's): the same tokens, outputs and positions."""
     from bitnetlm.kernels.triton import attention as A
 
     assert A.prefetch_programs(b, kv8=True) > 0

@@ -166,7 +166,10 @@ def _attn_gqa_kernel(
     pf_bytes=0,
     pf2_ptr=None,
     pf2_bytes=0,
+    pf3_ptr=None,
+    pf3_bytes=0,
     PF2: tl.constexpr = False,
+    PF3: tl.constexpr = False,
     PFP: tl.constexpr = 0,
     PF_WAIT: tl.constexpr = True,
     PFB: tl.constexpr = 512,
@@ -192,6 +195,8 @@ def _attn_gqa_kernel(
             _prefetch_part(pf_ptr, pf_bytes, part, nparts, PTX, PFB)
             if PF2:
                 _prefetch_part(pf2_ptr, pf2_bytes, part, nparts, PTX, PFB)
+            if PF3:
+                _prefetch_part(pf3_ptr, pf3_bytes, part, nparts, PTX, PFB)
             return
     # pos is constant for the whole step: its first kernel (F.embedding or `ends.embed_int8`) lets the next one
     # launch only after the previous step's sampler has written it
@@ -351,16 +356,21 @@ ATTN_IDLE_EARLY = 1
 # ATTN_PF_PROGRAMS overrides the table for benchmarks (-1: the table, 0: none, n: n programs up to batch 32);
 # ATTN_PF_WAIT = 0 has them prefetch without waiting, ATTN_PF_BLOCK sets the lines a vector.
 ATTN_PF_TABLE = {1: 2048, 2: 2048, 3: 1024, 4: 512, 5: 2048, 6: 2048, 7: 2048, 8: 2048}
-# Over a bf16 cache (twice the K/V bytes and shared memory a program) the table was not tuned: the engine table's
-# run measured batch 1 2.8-3.4% slower with it (0.826 / 0.738 ms/step against stop 46's 0.799 / 0.718, bf16 / int8
-# head) and batch 8 no slower (1.205 / 1.108 against 1.209 / 1.120), so a bf16 cache prefetches at batch 8 only.
-ATTN_PF_TABLE_KV16 = {8: 2048}
+# Over a bf16 cache (twice the K/V bytes and shared memory a program) batch 1 differs: timed against none (H200,
+# int8 head, one round each, stop 48) it lost at every count (2,048: +1.7%; bf16 head +1.8%), while 2,048 took 1.0 /
+# 2.1 / 2.1 / 2.0 / 2.0 / 0.8% less time at batch 2 / 3 / 5 / 6 / 7 / 8 (bf16 head, batch 8: 0.7%) and 512-1,024
+# 1.4% less at batch 4.
+ATTN_PF_TABLE_KV16 = {2: 2048, 3: 2048, 4: 1024, 5: 2048, 6: 2048, 7: 2048, 8: 2048}
 ATTN_PF_PROGRAMS = -1
 ATTN_PF_WAIT = 1
 ATTN_PF_BLOCK = 512
 # Up to this batch they also pull the next layer's q|k|v weights in: a batch-1 step 0.675 / 0.676 ms against 0.685
 # (H200, stop 47); batch 8 1.038 against 1.036. down's weights instead: batch 1 0.681, batch 8 1.053-1.055.
 ATTN_PF_QKV_MAX_B = 1
+# At these batches they also pull the layer's down weights in (after gate|up's): a batch-2 step 0.983 / 0.983 ms
+# against 0.994 / 0.993 (H200, stop 48); batch 1 0.682 / 0.682 against 0.675 / 0.675, at 2,560 / 3,072 programs
+# 0.691 / 0.707; with q|k|v's at batch 2 as well 0.991 (q|k|v's alone 0.987-0.988).
+ATTN_PF_DOWN_BATCHES = (2,)
 
 
 def prefetch_programs(b: int, kv8: bool) -> int:
@@ -463,7 +473,7 @@ def attn_decode(
 ) -> None:
     """One query per row: q [B, H, D] attends to cache slots 0..pos[b]; out [B, H, D]. GQA: the H // Hkv
     query heads of a KV head share one program's K/V loads. keys: `key_range`'s range (0: the default splits).
-    prefetch: a later kernel's weight tensor, or a pair of them, which about pf_programs more programs (None:
+    prefetch: a later kernel's weight tensor, or a tuple of up to three, which about pf_programs more programs (None:
     `prefetch_programs`' count for this batch and cache) pull into L2 (a hint: no result changes)."""
     b, h, d = q.shape[0], q.shape[1], q.shape[-1]
     hkv, s = k_cache.shape[1], k_cache.shape[2]
@@ -490,13 +500,15 @@ def attn_decode(
         )
     pacc, pml, cnt = _attn_ws[key]
     pfs = () if prefetch is None else prefetch if isinstance(prefetch, tuple) else (prefetch,)
+    if len(pfs) > 3:
+        raise ValueError(f"attn_decode: prefetch takes up to 3 tensors, got {len(pfs)}")
     if pf_programs is None:
         pf_programs = prefetch_programs(b, kv8)
     if INTERPRET:  # the prefetch is a no-op there: a few programs run its code path
         pf_programs = min(pf_programs, 2 * b * hkv)
     pfp = triton.cdiv(pf_programs, b * hkv) if pfs else 0
     pfs = [t.view(torch.uint8) for t in pfs] if pfp else []  # [N, K/4] bytes (views: no copy)
-    pf, pf2 = (pfs + [None, None])[:2]
+    pf, pf2, pf3 = (pfs + [None, None, None])[:3]
     _attn_gqa_kernel[(b, hkv, nsplit + pfp)](
         q,
         k_cache,
@@ -530,7 +542,10 @@ def attn_decode(
         pf_bytes=pf.numel() if pf is not None else 0,
         pf2_ptr=pf2,
         pf2_bytes=pf2.numel() if pf2 is not None else 0,
+        pf3_ptr=pf3,
+        pf3_bytes=pf3.numel() if pf3 is not None else 0,
         PF2=pf2 is not None,
+        PF3=pf3 is not None,
         PFP=pfp,
         PF_WAIT=bool(ATTN_PF_WAIT),
         PFB=ATTN_PF_BLOCK,
