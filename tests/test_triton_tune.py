@@ -17,6 +17,7 @@ import torch
 _CHECK = r"""
 import ast, json, re
 from bitnetlm.kernels.triton import tune
+from bitnetlm.kernels.triton.attention import prefetch_candidates
 from bitnetlm.kernels.triton.decode import qkv_rope_candidates
 from bitnetlm.kernels.triton.launch import linear_candidates
 assert not tune.INTERPRET
@@ -29,6 +30,8 @@ for f in files:
         if kind == "qkv_rope":
             _, rows, k, m, _, _, _, preq = key
             cands = qkv_rope_candidates(m, rows, k, preq)
+        elif kind == "attn_pf":
+            cands = prefetch_candidates(key[1], key[3])
         elif kind.startswith("w8"):
             cands = tune._w8_candidates(key[3])
         else:
@@ -83,6 +86,42 @@ def test_user_table_first_then_shipped_and_stale_entries_skipped(monkeypatch, tm
         assert tune.table_choice(k1, cands, "Other GPU") is None
     finally:
         tune._tables.cache_clear()
+
+
+def test_attention_prefetch_count_is_a_step_only_key(monkeypatch, tmp_path):
+    """The attention's prefetch count (`attention._prefetch_count`): a step table's count where it holds one that is
+    still a candidate, else the first candidate, `prefetch_programs`' table; never timed on its own (no launch)."""
+    from bitnetlm.kernels.triton import attention
+
+    keys = [("attn_pf", 1, 5, True, (n,)) for n in (100, 200, 300)]
+    user = {str(keys[0]): {"programs": 512}, str(keys[1]): {"programs": 999}}  # 999: no longer a candidate
+    tune = _tables_in(monkeypatch, tmp_path, user, None)
+    for mod in (tune, attention):  # the CPU suite runs Triton's interpreter, which never tunes
+        monkeypatch.setattr(mod, "INTERPRET", False)
+    monkeypatch.setattr(tune, "TUNE", True)
+    monkeypatch.setattr(tune, "STEP_TABLES", True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Test GPU 9")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(tune, "_disk_load", lambda: pytest.fail("a step-only key went on to the disk cache"))
+    monkeypatch.setattr(attention, "ATTN_PF_PROGRAMS", -1)
+    w = [torch.empty(n, dtype=torch.uint8) for n in (100, 200, 300)]
+    try:
+        first = attention.prefetch_programs(1, kv8=True)
+        assert first > 0 and attention.prefetch_candidates(1, True)[0] == {"programs": first}
+        assert attention._prefetch_count(1, 5, True, w[:1]) == 512
+        assert attention._prefetch_count(1, 5, True, w[1:2]) == first
+        assert attention._prefetch_count(1, 5, True, w[2:]) == first
+        assert [len(tune._candidates[k]) for k in keys] == [
+            len(attention.ATTN_PF_COUNTS) + (first not in attention.ATTN_PF_COUNTS)
+        ] * 3
+        monkeypatch.setattr(attention, "ATTN_PF_PROGRAMS", 7)  # the benchmarks' override skips the key
+        assert attention._prefetch_count(2, 5, True, w[:1]) == 7
+        assert ("attn_pf", 2, 5, True, (100,)) not in tune._choice
+    finally:
+        tune._tables.cache_clear()
+        for k in keys:
+            tune._choice.pop(k, None)
+            tune._candidates.pop(k, None)
 
 
 def test_unreadable_user_table_falls_back_to_shipped(monkeypatch, tmp_path):

@@ -375,10 +375,34 @@ ATTN_PF_DOWN_BATCHES = (2,)
 
 def prefetch_programs(b: int, kv8: bool) -> int:
     """How many programs batch b's decode attention (kv8: over a float8 cache) adds to pull a later kernel's
-    weights into L2 (0: none)."""
+    weights into L2 (0: none), by the tables above; a GPU model's step table may hold other counts
+    (`prefetch_candidates`)."""
     if ATTN_PF_PROGRAMS >= 0:
         return ATTN_PF_PROGRAMS if b <= 32 else 0
     return (ATTN_PF_TABLE if kv8 else ATTN_PF_TABLE_KV16).get(b, 0)
+
+
+# The counts the step tuner tries besides the table's: batch 1's optimum on the H200 is narrow (2,048 gained, 1,536
+# and 3,072 nothing), so another GPU model may well want others (`bitnet tune` times them in the whole step).
+ATTN_PF_COUNTS = (0, 512, 1024, 2048, 3072)
+
+
+def prefetch_candidates(b: int, kv8: bool) -> list[dict]:
+    """The prefetch counts of batch b as a step-only tuning key's candidates, `prefetch_programs`' first."""
+    first = prefetch_programs(b, kv8)
+    if b > 32:
+        return [{"programs": first}]
+    return [{"programs": n} for n in (first, *(c for c in ATTN_PF_COUNTS if c != first))]
+
+
+def _prefetch_count(b: int, hkv: int, kv8: bool, pfs: list[torch.Tensor]) -> int:
+    """The count of this launch: the override, else the step-tuned key's choice (a step table's, else the table's)."""
+    if ATTN_PF_PROGRAMS >= 0 or INTERPRET:
+        return prefetch_programs(b, kv8)
+    from bitnetlm.kernels.triton.tune import _tune
+
+    key = ("attn_pf", b, hkv, kv8, tuple(t.numel() for t in pfs))
+    return _tune(key, lambda: prefetch_candidates(b, kv8), None, None)["programs"]
 
 
 ATTN_RANGE_BS = 256
@@ -474,7 +498,7 @@ def attn_decode(
     """One query per row: q [B, H, D] attends to cache slots 0..pos[b]; out [B, H, D]. GQA: the H // Hkv
     query heads of a KV head share one program's K/V loads. keys: `key_range`'s range (0: the default splits).
     prefetch: a later kernel's weight tensor, or a tuple of up to three, which about pf_programs more programs (None:
-    `prefetch_programs`' count for this batch and cache) pull into L2 (a hint: no result changes)."""
+    this batch's tuned count, `prefetch_candidates`) pull into L2 (a hint: no result changes)."""
     b, h, d = q.shape[0], q.shape[1], q.shape[-1]
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     g = h // hkv
@@ -503,7 +527,7 @@ def attn_decode(
     if len(pfs) > 3:
         raise ValueError(f"attn_decode: prefetch takes up to 3 tensors, got {len(pfs)}")
     if pf_programs is None:
-        pf_programs = prefetch_programs(b, kv8)
+        pf_programs = _prefetch_count(b, hkv, kv8, pfs) if pfs else 0
     if INTERPRET:  # the prefetch is a no-op there: a few programs run its code path
         pf_programs = min(pf_programs, 2 * b * hkv)
     pfp = triton.cdiv(pf_programs, b * hkv) if pfs else 0

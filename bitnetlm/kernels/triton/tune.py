@@ -198,10 +198,12 @@ def write_json(path: str | os.PathLike, obj) -> None:
     os.replace(tmp, path)
 
 
-def _tune(key: tuple, make_candidates, launch, weight: torch.Tensor) -> dict:
+def _tune(key: tuple, make_candidates, launch, weight: torch.Tensor | None) -> dict:
     """The fastest of `make_candidates()` for `key` (the first one under the interpreter or during capture), each
     run as `launch(cfg, w)` over the weights w (`weight`, or in chain mode its copies). The list is built only
-    for a key not chosen yet: building it costs about 0.5 ms on the host, every call."""
+    for a key not chosen yet: building it costs about 0.5 ms on the host, every call. launch None: a step-only
+    key, whose choice shows only in the whole step (`step_tune.tune_step` times it there): a step table's
+    choice, else the first candidate, never timed alone."""
     if key in _choice:
         return _choice[key]
     candidates = _candidates[key] = make_candidates()
@@ -211,6 +213,9 @@ def _tune(key: tuple, make_candidates, launch, weight: torch.Tensor) -> dict:
     if STEP_TABLES and (cfg := table_choice(key, candidates, torch.cuda.get_device_name())) is not None:
         _choice[key] = cfg
         return cfg
+    if launch is None:
+        _choice[key] = candidates[0]
+        return candidates[0]
     _disk_load()
     stored = _disk.get(_disk_key(key))
     if stored in candidates:
