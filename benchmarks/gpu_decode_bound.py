@@ -25,14 +25,10 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--n-gen", type=int, default=128)
     args = ap.parse_args()
-    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
-    from bitnetlm.kernels.triton.bench import bench_engine, gpu_name
-    from bitnetlm.models import ModelConfig
+    from bitnetlm.kernels.triton.bench import bench_engine, gpu_name, random_engine
 
     batches = tuple(int(b) for b in args.batches.split(","))
-    eng = CudaEngine.random(
-        ModelConfig(), EngineConfig(max_batch=max(batches), max_seq_len=args.context + args.n_gen + 1)
-    )
+    eng = random_engine(max(batches), args.context + args.n_gen + 1)
     own = list(eng.layers)
     ms: dict = {}
     for _ in range(args.rounds):

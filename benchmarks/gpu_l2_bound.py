@@ -30,23 +30,12 @@ def main() -> int:
     ap.add_argument("--kv-cache-dtype", default="fp8", help="auto (bf16), bf16 or fp8")
     args = ap.parse_args()
 
-    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
     from bitnetlm.kernels.triton import attention
-    from bitnetlm.kernels.triton.bench import gpu_name
+    from bitnetlm.kernels.triton.bench import gpu_name, random_engine
     from bitnetlm.kernels.triton.step_tune import step_ms
-    from bitnetlm.models import ModelConfig
-    from bitnetlm.models.cache import parse_kv_cache_dtype
 
     batches = [int(b) for b in args.batches.split(",")]
-    eng = CudaEngine.random(
-        ModelConfig(),
-        EngineConfig(
-            max_batch=max(batches),
-            max_seq_len=args.context + 200,
-            head=args.head,
-            kv_dtype=parse_kv_cache_dtype(args.kv_cache_dtype),
-        ),
-    )
+    eng = random_engine(max(batches), args.context + 200, args.head, args.kv_cache_dtype)
     own = list(eng.layers)
     l0 = own[0]
     shared = [dataclasses.replace(L, qkv=l0.qkv, o=l0.o, gate_up=l0.gate_up, down=l0.down) for L in own]

@@ -29,18 +29,9 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto (bf16), bf16 or fp8")
     args = ap.parse_args()
-    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
-    from bitnetlm.models import ModelConfig
-    from bitnetlm.models.cache import parse_kv_cache_dtype
+    from bitnetlm.kernels.triton.bench import random_engine
 
-    eng = CudaEngine.random(
-        ModelConfig(),
-        EngineConfig(
-            max_batch=args.batch,
-            max_seq_len=args.context + 200,
-            kv_dtype=parse_kv_cache_dtype(args.kv_cache_dtype),
-        ),
-    )
+    eng = random_engine(args.batch, args.context + 200, kv_cache_dtype=args.kv_cache_dtype)
     st = eng.decode_state(args.batch)
     for _ in range(3):
         st.pos.fill_(args.context)

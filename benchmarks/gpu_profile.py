@@ -114,26 +114,21 @@ def main() -> int:
         "an empty variant is the package as it is",
     )
     args = ap.parse_args()
-    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
     from bitnetlm.kernels.triton import attention, launch
+    from bitnetlm.kernels.triton.bench import random_engine
     from bitnetlm.kernels.triton.step_tune import step_ms
-    from bitnetlm.models import ModelConfig
-    from bitnetlm.models.cache import parse_kv_cache_dtype
 
     launch.QUANT_WARPS = args.quant_warps
 
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.context.split(",")]
     variants = args.variants.split(";") if args.variants else [""]
-    eng = CudaEngine.random(
-        ModelConfig(),
-        EngineConfig(
-            max_batch=max(batches),
-            max_seq_len=args.max_seq_len or max(contexts) + 200,
-            weights=args.weights,
-            head=args.head,
-            kv_dtype=parse_kv_cache_dtype(args.kv_cache_dtype),
-        ),
+    eng = random_engine(
+        max(batches),
+        args.max_seq_len or max(contexts) + 200,
+        args.head,
+        args.kv_cache_dtype,
+        weights=args.weights,
     )
     for b in batches:
         for _ in range(args.rounds):

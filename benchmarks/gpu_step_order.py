@@ -26,10 +26,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import subprocess
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ENTRIES = ("eager1", "keep1", "empty", "gc", "mem", "sleep", "again", "smi", "zero", "tokens", "prof", "tiny")
 ENTRIES += ("dropkept", "newcs", "upload", "settle")
@@ -56,11 +60,8 @@ def main() -> int:
     ap.add_argument("--trace-dir", default=".", help="where `prof` entries write their Chrome traces")
     ap.add_argument("--again-stream", choices=("default", "side", "capture"), default="default")
     args = ap.parse_args()
-    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
-    from bitnetlm.kernels.triton.bench import gpu_name
+    from bitnetlm.kernels.triton.bench import gpu_name, random_engine
     from bitnetlm.kernels.triton.step_tune import settle_graphs, small_graph, step_ms
-    from bitnetlm.models import ModelConfig
-    from bitnetlm.models.cache import parse_kv_cache_dtype
 
     seq = args.sequence.split(",")
     bad = [
@@ -73,15 +74,7 @@ def main() -> int:
             f"gpu_step_order.py: --sequence entry {bad[0]!r}: expected a batch size or an entry the docstring names"
         )
     batches = [int(x) for x in seq if x.isdigit()] + [1]
-    eng = CudaEngine.random(
-        ModelConfig(),
-        EngineConfig(
-            max_batch=max(batches),
-            max_seq_len=args.context + 200,
-            head=args.head,
-            kv_dtype=parse_kv_cache_dtype(args.kv_cache_dtype),
-        ),
-    )
+    eng = random_engine(max(batches), args.context + 200, args.head, args.kv_cache_dtype)
     print(
         f"GPU: {gpu_name()}; context {args.context}, max keys {args.max_keys}, head {args.head}", flush=True
     )

@@ -44,25 +44,15 @@ def main() -> int:
         help="start from the shipped table's choices (a re-tune: no chain timing) instead of the chain's",
     )
     args = ap.parse_args()
-    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
     from bitnetlm.kernels.triton import step_tune, tune
-    from bitnetlm.models import ModelConfig
-    from bitnetlm.models.cache import parse_kv_cache_dtype
+    from bitnetlm.kernels.triton.bench import random_engine
 
     if args.from_table:
         tune.USER_TABLE_DIR = ""  # the shipped table only
     else:
         tune.STEP_TABLES = False  # start from the chain's own choices
     batches = [int(b) for b in args.batches.split(",")]
-    eng = CudaEngine.random(
-        ModelConfig(),
-        EngineConfig(
-            max_batch=max(batches),
-            max_seq_len=args.context + args.reps + 8,
-            head=args.head,
-            kv_dtype=parse_kv_cache_dtype(args.kv_cache_dtype),
-        ),
-    )
+    eng = random_engine(max(batches), args.context + args.reps + 8, args.head, args.kv_cache_dtype)
     print(f"# {torch.cuda.get_device_name()}, 2B4T shape, head {args.head}, cache {args.kv_cache_dtype}")
     chosen: dict[str, dict] = {}
     for b in batches:

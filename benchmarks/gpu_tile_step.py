@@ -52,22 +52,14 @@ def main() -> int:
     ap.add_argument("--head", default="int8")
     ap.add_argument("--kv-cache-dtype", default="fp8")
     args = ap.parse_args()
-    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
     from bitnetlm.kernels.triton import step_tune, tune
-    from bitnetlm.models import ModelConfig
-    from bitnetlm.models.cache import parse_kv_cache_dtype
+    from bitnetlm.kernels.triton.bench import random_engine
 
     tune.USER_TABLE_DIR = ""  # the shipped table only
     batches = [int(b) for b in args.batches.split(",")]
-    eng = CudaEngine.random(
-        ModelConfig(),
-        EngineConfig(
-            max_batch=max(batches),
-            max_seq_len=args.context + 108,  # step_ms replays 100 steps past the context
-            head=args.head,
-            kv_dtype=parse_kv_cache_dtype(args.kv_cache_dtype),
-        ),
-    )
+    eng = random_engine(
+        max(batches), args.context + 108, args.head, args.kv_cache_dtype
+    )  # step_ms replays 100 steps past the context
     n, k = PROJ[args.proj]
     fields = [json.loads(t) for t in args.tile]
     print(

@@ -2,6 +2,7 @@
 
     bitnet bench --shape 2b4t -p 128,512 -n 128 -t 1,2          # random weights of the exact 2B4T shape
     bitnet bench -m path/to/model --head-dtype int8 --json
+    bitnet bench -m path/to/model --device cuda -b 1,8,64 --kv-cache-dtype auto,fp8   # CUDA-graph engine vs bf16
 
 ppN: one forward pass over an N-token prompt into an empty KV cache (only the last position's logits, as
 llama.cpp computes them). tgN: N single-token decode steps from an empty cache. Each test repeats `-r`
@@ -316,6 +317,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="bf16",
         help="embedding/LM head storage on CPU: bf16 (default), int8 (per-row scaled) or none (model dtype)",
     )
+    p.add_argument(
+        "-b",
+        "--batch",
+        type=_int_list,
+        default=None,
+        help="--device cuda: decode batch sizes (default: 1,8,64)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        type=lambda s: [v for v in s.split(",") if v],
+        default=None,
+        help="--device cuda: KV-cache types of the ternary rows, comma-separated auto|bf16|fp8 (default: auto)",
+    )
     p.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
     p.add_argument("--backend", default=None, help="kernel backend (default: best for the device)")
     p.add_argument("--json", action="store_true", help="print results as JSON")
@@ -332,6 +346,9 @@ def run(args: argparse.Namespace) -> int:
         return run_cuda(args)
     if args.device != "cpu":
         print(f"bitnet bench: device {args.device!r} is not supported by this command yet", file=sys.stderr)
+        return 2
+    if args.batch or args.kv_cache_dtype:
+        print("bitnet bench: -b/--batch and --kv-cache-dtype apply to --device cuda only", file=sys.stderr)
         return 2
     if args.shape:
         model = random_model(args.shape, head_dtype=head, backend=args.backend)

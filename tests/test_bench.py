@@ -1,9 +1,11 @@
-"""`bitnet bench` (CPU parts): random real-shape models, the test loop, table and --json output."""
+"""`bitnet bench`: random real-shape models, the test loop, table and --json output; its CUDA half's options
+and, on a GPU, its engines built from a checkpoint."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from bitnetlm import bench
@@ -94,3 +96,53 @@ def test_cpu_model_name_names_the_family(tmp_path):
     intel.write_text(block.format(p=0, v="GenuineIntel", f=6, m=143, n="Intel(R) Xeon(R) Platinum 8480+"))
     assert cpu_model_name(str(intel)) == "Intel(R) Xeon(R) Platinum 8480+ (family 6 model 143)"
     assert cpu_model_name(str(tmp_path / "missing"))  # platform's answer, never empty
+
+
+def test_cuda_bench_without_a_gpu_says_so(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "--shape", "2b4t", "--device", "cuda"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert main(["bench", "--shape", "2b4t", "--device", "cuda", "--kv-cache-dtype", "auto,fp4"]) == 2
+    assert "--kv-cache-dtype 'fp4': expected auto, bf16 or fp8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("opt", [["-b", "1,8"], ["--kv-cache-dtype", "fp8"]])
+def test_batch_and_kv_cache_options_are_cuda_only(opt, capsys):
+    assert main(["bench", "--shape", "2b4t", *opt]) == 2
+    assert "apply to --device cuda only" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_cuda_bench_of_a_checkpoint_times_its_own_weights(oracle_dirs, capsys):
+    """`bitnet bench -m DIR --device cuda` builds its engines from that checkpoint (not a random shape): every
+    row's resident weights are those of an engine built from the loaded model, ternary and bf16 baseline."""
+    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
+    from bitnetlm.loading import load_model
+
+    ours, _ = oracle_dirs["packed-autobitlinear"]
+    argv = ["bench", "-m", str(ours), "--device", "cuda", "-p", "16", "-n", "8", "-b", "1,2", "-r", "1"]
+    assert main([*argv, "--json", "--head-dtype", "int8", "--kv-cache-dtype", "auto,fp8"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert str(ours) in res["config"]["weights"] and res["config"]["max_seq_len"] == 25
+    kinds = [(r["weights"], r["head"], r["kv"], r["batch"]) for r in res["results"]]
+    assert kinds == [
+        ("ternary", "int8", "auto", 1),
+        ("ternary", "int8", "auto", 2),
+        ("ternary", "int8", "fp8", 1),
+        ("ternary", "int8", "fp8", 2),
+        ("dense", "fp", "auto", 1),
+        ("dense", "fp", "auto", 2),
+    ]
+    model = load_model(ours, device="cuda").eval()
+    for weights, head in (("ternary", "int8"), ("dense", "fp")):
+        eng = CudaEngine.from_model(
+            model, EngineConfig(max_batch=2, max_seq_len=25, weights=weights, head=head)
+        )
+        gib = sum(eng.weight_bytes().values()) / 2**30
+        for r in (r for r in res["results"] if r["weights"] == weights):
+            assert r["weight_gib"] == pytest.approx(gib)
+            assert r["weight_bytes_per_step"] == eng.bytes_per_step(r["batch"])
+            assert r["decode_tok_s"] == pytest.approx(r["batch"] / r["decode_ms_per_step"] * 1e3)
+    assert len(res["ratios"]) == 4 and all(x["decode_speedup"] > 0 for x in res["ratios"])
+    assert main([*argv, "--kv-cache-dtype", "fp8"]) == 0  # the markdown table names the checkpoint
+    assert f"the weights of {ours}" in capsys.readouterr().out

@@ -77,6 +77,32 @@ def bench_engine(eng, batches=(1, 8, 64), n_prompt: int = 512, n_gen: int = 128,
     return rows
 
 
+def _engine_config(max_batch: int, max_seq_len: int, head: str, kv_cache_dtype: str, weights: str):
+    from bitnetlm.engine_cuda import EngineConfig
+    from bitnetlm.models.cache import parse_kv_cache_dtype
+
+    kv = parse_kv_cache_dtype(kv_cache_dtype)
+    return EngineConfig(max_batch=max_batch, max_seq_len=max_seq_len, weights=weights, head=head, kv_dtype=kv)
+
+
+def random_engine(
+    max_batch: int,
+    max_seq_len: int,
+    head: str = "fp",
+    kv_cache_dtype: str = "auto",
+    weights: str = "ternary",
+    shape: dict | None = None,
+):
+    """A `CudaEngine` of random weights in the real packed layout, of the 2B4T shape (`ModelConfig`'s defaults,
+    or those `shape` overrides): what `bitnet bench` and the GPU scripts in benchmarks/ time. kv_cache_dtype:
+    "auto" (the activations' bf16) or "fp8"."""
+    from bitnetlm.engine_cuda import CudaEngine
+    from bitnetlm.models import ModelConfig
+
+    ecfg = _engine_config(max_batch, max_seq_len, head, kv_cache_dtype, weights)
+    return CudaEngine.random(ModelConfig(**(shape or {})), ecfg)
+
+
 def bench_cuda(
     shape: dict | None = None,
     batches=(1, 8, 64),
@@ -87,26 +113,25 @@ def bench_cuda(
     reps: int = 5,
     kv=("auto",),
     max_seq_len: int | None = None,
+    model=None,
+    label: str = "",
 ) -> dict:
     """Ternary engine (each head option x KV-cache type: "auto" = bf16, "fp8") and the bf16 baseline on the same
-    shape; returns rows + ratios."""
-    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
-    from bitnetlm.models import ModelConfig
-    from bitnetlm.models.cache import parse_kv_cache_dtype
+    shape; returns rows + ratios. model: a loaded bitnetlm CausalLM to build the engines from (the baseline from
+    its ternary weights times their scales, in bf16) instead of random weights of `shape`; label names it."""
+    from bitnetlm.engine_cuda import CudaEngine
 
-    cfg = ModelConfig(**(shape or {}))
     seq = max_seq_len or n_prompt + n_gen + 1  # KV-cache positions (a server allocates its whole context)
     if seq < n_prompt + n_gen + 1:
         raise ValueError(f"max_seq_len {seq} is shorter than prompt + decode ({n_prompt} + {n_gen} + 1)")
     rows = []
     kinds = [("ternary", h, c) for h in heads for c in kv] + ([("dense", "fp", "auto")] if baseline else [])
     for weights, head, cache in kinds:
-        kv_dtype = parse_kv_cache_dtype(cache)
-        ecfg = EngineConfig(
-            max_batch=max(batches), max_seq_len=seq, weights=weights, head=head, kv_dtype=kv_dtype
-        )
         torch.cuda.reset_peak_memory_stats()
-        eng = CudaEngine.random(cfg, ecfg)
+        if model is None:
+            eng = random_engine(max(batches), seq, head, cache, weights, shape)
+        else:
+            eng = CudaEngine.from_model(model, _engine_config(max(batches), seq, head, cache, weights))
         rows += [dict(r, kv=cache) for r in bench_engine(eng, batches, n_prompt, n_gen, reps)]
         del eng
         gc.collect()
@@ -126,14 +151,16 @@ def bench_cuda(
                     prefill_speedup=r["prefill_tok_s"] / base[0]["prefill_tok_s"],
                 )
             )
-    config = dict(n_prompt=n_prompt, n_gen=n_gen, max_seq_len=seq)
+    source = label or "random weights of the shape"
+    config = dict(n_prompt=n_prompt, n_gen=n_gen, max_seq_len=seq, weights=source)
     return dict(gpu=gpu_name(), config=config, results=rows, ratios=ratios)
 
 
 def markdown(res: dict) -> str:
     out = [
         f"GPU: {res['gpu']}; prompt {res['config']['n_prompt']} tokens, decode {res['config']['n_gen']} steps "
-        f"after it; KV cache of {res['config']['max_seq_len']} positions; random weights of the shape",
+        f"after it; KV cache of {res['config']['max_seq_len']} positions; "
+        f"{res['config'].get('weights', 'random weights of the shape')}",
         "",
         "| weights | head | KV cache | batch | prefill ms | prefill tok/s | decode ms/step | decode tok/s | weights GB/s "
         "| vs bf16 (decode) |",
@@ -157,14 +184,43 @@ def markdown(res: dict) -> str:
 
 
 def run_cuda(args) -> int:
-    """`bitnet bench --device cuda`: the hook called by bitnetlm.bench.run."""
-    from bitnetlm.bench import SHAPES
+    """`bitnet bench --device cuda`: the hook called by bitnetlm.bench.run. -m: the engines are built from that
+    model (its own weights; the bf16 baseline from them); --shape (default 2b4t): random weights of the shape."""
+    import sys
 
-    shape = SHAPES[args.shape or "2b4t"]
+    from bitnetlm.bench import SHAPES
+    from bitnetlm.models.cache import parse_kv_cache_dtype
+
+    kv = tuple(getattr(args, "kv_cache_dtype", None) or ("auto",))
+    try:
+        for c in kv:
+            parse_kv_cache_dtype(c)
+    except ValueError as exc:
+        print(f"bitnet bench: {exc}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print(f"bitnet bench: --device {args.device} needs a CUDA GPU; torch sees none", file=sys.stderr)
+        return 2
     n_prompt = args.n_prompt[-1] if args.n_prompt else 512
     n_gen = args.n_gen[-1] if args.n_gen else 128
     batches = tuple(getattr(args, "batch", None) or (1, 8, 64))
     heads = ("int8",) if args.head_dtype == "int8" else ("fp",)
-    res = bench_cuda(shape, batches, n_prompt, n_gen, heads=heads, reps=max(1, args.repetitions))
+    model, label, shape = None, "", SHAPES[args.shape or "2b4t"]
+    if args.model:
+        from bitnetlm.loading import load_model
+
+        model = load_model(args.model, device=args.device, backend=args.backend).eval()
+        label = f"the weights of {args.model}"
+    res = bench_cuda(
+        shape,
+        batches,
+        n_prompt,
+        n_gen,
+        heads=heads,
+        reps=max(1, args.repetitions),
+        kv=kv,
+        model=model,
+        label=label,
+    )
     print(json.dumps(res, indent=2) if args.json else markdown(res))
     return 0
