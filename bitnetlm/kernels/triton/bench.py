@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import json
 import statistics
+import sys
 
 import torch
 
@@ -186,12 +187,10 @@ def markdown(res: dict) -> str:
 def run_cuda(args) -> int:
     """`bitnet bench --device cuda`: the hook called by bitnetlm.bench.run. -m: the engines are built from that
     model (its own weights; the bf16 baseline from them); --shape (default 2b4t): random weights of the shape."""
-    import sys
-
     from bitnetlm.bench import SHAPES
     from bitnetlm.models.cache import parse_kv_cache_dtype
 
-    kv = tuple(getattr(args, "kv_cache_dtype", None) or ("auto",))
+    kv = tuple(args.kv_cache_dtype or ("auto",))
     try:
         for c in kv:
             parse_kv_cache_dtype(c)
@@ -203,7 +202,7 @@ def run_cuda(args) -> int:
         return 2
     n_prompt = args.n_prompt[-1] if args.n_prompt else 512
     n_gen = args.n_gen[-1] if args.n_gen else 128
-    batches = tuple(getattr(args, "batch", None) or (1, 8, 64))
+    batches = tuple(args.batch or (1, 8, 64))
     heads = ("int8",) if args.head_dtype == "int8" else ("fp",)
     model, label, shape = None, "", SHAPES[args.shape or "2b4t"]
     if args.model:
