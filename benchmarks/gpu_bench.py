@@ -1,6 +1,6 @@
 """GPU benchmark (device machine): per-kernel W2A8 timings at the 2B4T shapes, then the engine table.
 
-    python benchmarks/gpu_bench.py [--out DIR] [--kernels] [--engine] [--n-gen 128] [--batches 1,8,64]
+    python benchmarks/gpu_bench.py [--out DIR] [--kernels] [--engine] [--n-gen 128] [--batches 1,8,64] [--depths 0,512]
 
 Prints markdown tables naming the GPU; writes gpu_bench.json (+ .md) into --out. Random weights of the exact
 BitNet b1.58 2B4T shapes in the real packed layout (the real checkpoint is not available offline).
@@ -82,6 +82,11 @@ def main() -> int:
     ap.add_argument("--n-prompt", type=int, default=512)
     ap.add_argument("--n-gen", type=int, default=128)
     ap.add_argument(
+        "--depths",
+        default="0",
+        help="tokens already in each row's KV cache before each test, comma-separated (llama-bench's -d)",
+    )
+    ap.add_argument(
         "--max-seq-len",
         type=int,
         default=0,
@@ -110,6 +115,7 @@ def main() -> int:
             reps=args.reps,
             kv=tuple(args.kv.split(",")),
             max_seq_len=args.max_seq_len or None,
+            depths=tuple(int(d) for d in args.depths.split(",")),
         )
         out["engine"] = res
         md += ["", markdown(res)]

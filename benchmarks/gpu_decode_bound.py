@@ -28,7 +28,8 @@ def main() -> int:
     from bitnetlm.kernels.triton.bench import bench_engine, gpu_name, random_engine
 
     batches = tuple(int(b) for b in args.batches.split(","))
-    eng = random_engine(max(batches), args.context + args.n_gen + 1)
+    pre = 16  # bench_engine's prefill rows (not shown): a short chunk after the context
+    eng = random_engine(max(batches), args.context + pre + args.n_gen + 1)
     own = list(eng.layers)
     ms: dict = {}
     for _ in range(args.rounds):
@@ -37,7 +38,7 @@ def main() -> int:
             ("all layers share layer 0 (L2)", [own[0]] * len(own)),
         ):
             eng.layers = layers
-            for r in bench_engine(eng, batches, args.context, args.n_gen, reps=3):
+            for r in bench_engine(eng, batches, pre, args.n_gen, reps=3, depths=(args.context,)):
                 ms.setdefault((label, r["batch"]), []).append(r["decode_ms_per_step"])
     eng.layers = own
     print(

@@ -5,9 +5,10 @@
     bitnet bench -m path/to/model --device cuda -b 1,8,64 --kv-cache-dtype auto,fp8   # CUDA-graph engine vs bf16
 
 ppN: one forward pass over an N-token prompt into an empty KV cache (only the last position's logits, as
-llama.cpp computes them). tgN: N single-token decode steps from an empty cache. Each test repeats `-r`
-times; the table shows mean +- std of tokens/s. Device-specific parts (`_setup_threads`, `_sync`) are
-small functions so other devices extend the same command.
+llama.cpp computes them). tgN: N single-token decode steps from an empty cache. `-d D` (llama-bench's
+--n-depth) runs each test after D tokens already in the cache instead ("pp512 @ d512": the context a test
+starts from, filled untimed). Each test repeats `-r` times; the table shows mean +- std of tokens/s.
+Device-specific parts (`_setup_threads`, `_sync`) are small functions so other devices extend the same command.
 """
 
 from __future__ import annotations
@@ -155,24 +156,37 @@ def default_threads() -> list[int]:
 
 
 # ---- the tests ------------------------------------------------------------------------------------
+def _cache_at_depth(model, n: int, depth: int, device: torch.device, vocab: int, gen: torch.Generator):
+    """A KV cache for `depth` + n positions whose first `depth` hold a random prompt (run untimed)."""
+    cache = model.new_cache(1, depth + n, device=device)
+    if depth:
+        model(torch.randint(0, vocab, (1, depth), generator=gen).to(device), cache=cache, last_only=True)
+    return cache
+
+
 @torch.inference_mode()
-def time_prefill(model, n_prompt: int, device: torch.device, vocab: int, gen: torch.Generator) -> float:
+def time_prefill(
+    model, n_prompt: int, device: torch.device, vocab: int, gen: torch.Generator, depth: int = 0
+) -> float:
+    cache = _cache_at_depth(model, n_prompt, depth, device, vocab, gen)
     ids = torch.randint(0, vocab, (1, n_prompt), generator=gen).to(device)
-    cache = model.new_cache(1, n_prompt, device=device)
+    positions = torch.arange(depth, depth + n_prompt, device=device)[None]  # [1, N] after the cached context
     _sync(device)
     t0 = time.perf_counter()
-    model(ids, cache=cache, last_only=True)
+    model(ids, positions=positions, cache=cache, last_only=True)
     _sync(device)
     return time.perf_counter() - t0
 
 
 @torch.inference_mode()
-def time_decode(model, n_gen: int, device: torch.device, vocab: int, gen: torch.Generator) -> float:
-    cache = model.new_cache(1, n_gen, device=device)
+def time_decode(
+    model, n_gen: int, device: torch.device, vocab: int, gen: torch.Generator, depth: int = 0
+) -> float:
+    cache = _cache_at_depth(model, n_gen, depth, device, vocab, gen)
     tok = torch.randint(0, vocab, (1, 1), generator=gen).to(device)
     _sync(device)
     t0 = time.perf_counter()
-    for pos in range(n_gen):
+    for pos in range(depth, depth + n_gen):
         logits = model(tok, positions=torch.tensor([[pos]], device=device), cache=cache)
         tok = logits[:, -1].argmax(-1, keepdim=True)
     _sync(device)
@@ -188,8 +202,10 @@ def bench(
     device="cpu",
     label: str = "",
     warmup: bool = True,
+    depths=(0,),
 ) -> list[dict]:
-    """Run ppN / tgN for each thread count; returns one dict per (threads, test)."""
+    """Run ppN / tgN at each depth (cached tokens before the test) for each thread count; returns one dict per
+    (threads, test, depth)."""
     device = torch.device(device)
     threads = list(threads or default_threads())
     vocab = model.config.vocab_size
@@ -203,8 +219,9 @@ def bench(
             time_prefill(model, 16, device, vocab, gen)
         tests = [(f"pp{n}", n, time_prefill) for n in n_prompt if n > 0]
         tests += [(f"tg{n}", n, time_decode) for n in n_gen if n > 0]
-        for name, n, fn in tests:
-            speeds = [n / fn(model, n, device, vocab, gen) for _ in range(repetitions)]
+        for (name, n, fn), d in ((t, d) for t in tests for d in depths):
+            speeds = [n / fn(model, n, device, vocab, gen, d) for _ in range(repetitions)]
+            name_d = f"{name} @ d{d}" if d else name  # llama-bench's names
             rows.append(
                 dict(
                     model=label,
@@ -214,7 +231,8 @@ def bench(
                     head=_head_name(model),
                     device=device.type,
                     threads=nt,
-                    test=name,
+                    test=name_d,
+                    depth=d,
                     tokens_per_s=statistics.mean(speeds),
                     std=statistics.stdev(speeds) if len(speeds) > 1 else 0.0,
                     runs=speeds,
@@ -312,6 +330,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("-r", "--repetitions", type=int, default=3, help="runs of each test (default: 3)")
     p.add_argument(
+        "-d",
+        "--n-depth",
+        type=_int_list,
+        default=[0],
+        help="tokens already in the KV cache before each test, comma-separated (default: 0, an empty cache)",
+    )
+    p.add_argument(
         "--head-dtype",
         choices=["bf16", "int8", "none"],
         default="bf16",
@@ -340,6 +365,9 @@ def run(args: argparse.Namespace) -> int:
     if bool(args.model) == bool(args.shape):
         print("bitnet bench: give exactly one of -m/--model or --shape", file=sys.stderr)
         return 2
+    if any(d < 0 for d in args.n_depth):
+        print(f"bitnet bench: -d/--n-depth takes counts >= 0, found {args.n_depth}", file=sys.stderr)
+        return 2
     if args.device.startswith("cuda"):  # the CUDA half lives with the Triton kernels
         from bitnetlm.kernels.triton.bench import run_cuda
 
@@ -358,7 +386,16 @@ def run(args: argparse.Namespace) -> int:
 
         model = load_model(args.model, device=args.device, backend=args.backend, head_dtype=head).eval()
         label = str(args.model)
-    rows = bench(model, args.n_prompt, args.n_gen, args.threads, args.repetitions, args.device, label)
+    rows = bench(
+        model,
+        args.n_prompt,
+        args.n_gen,
+        args.threads,
+        args.repetitions,
+        args.device,
+        label,
+        depths=args.n_depth,
+    )
     if args.json:
         print(json.dumps({"machine": machine_name(), "results": rows}, indent=2))
     else:

@@ -49,6 +49,25 @@ def test_random_model_runs_and_bench_rows():
     assert "| tg4 |" in table and "cpu-" in table
 
 
+def test_depth_runs_each_test_after_a_cached_context(capsys):
+    """-d (llama-bench's --n-depth): each test again after D tokens already in the cache, named as llama-bench
+    names it; the cache really holds the context (the prefill's queries see it)."""
+    model = bench.random_model(TINY)
+    rows = bench.bench(model, n_prompt=(8,), n_gen=(4,), threads=[1], repetitions=1, depths=(0, 5))
+    assert [(r["test"], r["depth"]) for r in rows] == [
+        ("pp8", 0),
+        ("pp8 @ d5", 5),
+        ("tg4", 0),
+        ("tg4 @ d5", 5),
+    ]
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        cache = bench._cache_at_depth(model, 8, 5, torch.device("cpu"), 300, gen)
+        assert cache.valid[0].tolist() == [True] * 5 + [False] * 8
+    assert main(["bench", "--shape", "2b4t", "-d", "0,-1"]) == 2
+    assert "-d/--n-depth takes counts >= 0, found [0, -1]" in capsys.readouterr().err
+
+
 def test_cli_json_on_a_checkpoint(oracle_dirs, capsys):
     ours, _ = oracle_dirs["packed-autobitlinear"]
     rc = main(
@@ -121,17 +140,15 @@ def test_cuda_bench_of_a_checkpoint_times_its_own_weights(oracle_dirs, capsys):
 
     ours, _ = oracle_dirs["packed-autobitlinear"]
     argv = ["bench", "-m", str(ours), "--device", "cuda", "-p", "16", "-n", "8", "-b", "1,2", "-r", "1"]
-    assert main([*argv, "--json", "--head-dtype", "int8", "--kv-cache-dtype", "auto,fp8"]) == 0
+    assert main([*argv, "--json", "--head-dtype", "int8", "--kv-cache-dtype", "auto,fp8", "-d", "0,4"]) == 0
     res = json.loads(capsys.readouterr().out)
-    assert str(ours) in res["config"]["weights"] and res["config"]["max_seq_len"] == 25
-    kinds = [(r["weights"], r["head"], r["kv"], r["batch"]) for r in res["results"]]
+    assert str(ours) in res["config"]["weights"] and res["config"]["max_seq_len"] == 4 + 16 + 8 + 1
+    kinds = [(r["weights"], r["head"], r["kv"], r["batch"], r["depth"]) for r in res["results"]]
     assert kinds == [
-        ("ternary", "int8", "auto", 1),
-        ("ternary", "int8", "auto", 2),
-        ("ternary", "int8", "fp8", 1),
-        ("ternary", "int8", "fp8", 2),
-        ("dense", "fp", "auto", 1),
-        ("dense", "fp", "auto", 2),
+        (w, h, kv, b, d)
+        for w, h, kv in (("ternary", "int8", "auto"), ("ternary", "int8", "fp8"), ("dense", "fp", "auto"))
+        for b in (1, 2)
+        for d in (0, 4)
     ]
     model = load_model(ours, device="cuda").eval()
     for weights, head in (("ternary", "int8"), ("dense", "fp")):
@@ -143,6 +160,6 @@ def test_cuda_bench_of_a_checkpoint_times_its_own_weights(oracle_dirs, capsys):
             assert r["weight_gib"] == pytest.approx(gib)
             assert r["weight_bytes_per_step"] == eng.bytes_per_step(r["batch"])
             assert r["decode_tok_s"] == pytest.approx(r["batch"] / r["decode_ms_per_step"] * 1e3)
-    assert len(res["ratios"]) == 4 and all(x["decode_speedup"] > 0 for x in res["ratios"])
+    assert len(res["ratios"]) == 8 and all(x["decode_speedup"] > 0 for x in res["ratios"])
     assert main([*argv, "--kv-cache-dtype", "fp8"]) == 0  # the markdown table names the checkpoint
     assert f"the weights of {ours}" in capsys.readouterr().out

@@ -336,8 +336,12 @@ def late_launch(b: int) -> bool:
 # unrolled merge (stop 35) it ties with the default splits there (batch 3 / 4 / 8: +0.3% / -0.8% / +0.1%), and two
 # such blocks within 512 keys took 5% more than the default splits, so there are no two-block ranges any more.
 # Batches 1-2 take small blocks instead (ATTN_SMALL_MAX_B). Any context stays exact: a range outgrown only makes the
-# split loop over more blocks.
-ATTN_RANGE_MAX_B = 8
+# split loop over more blocks. Since the prefetch programs (stop 47) the default splits win again from batch 5: at
+# contexts of 0 / 150 keys (int8 head, float8 cache, H200, stop 50) a step took 0.966 / 1.044 against 1.042 / 1.044
+# ms at batch 5, 0.973 / 1.038 against 1.047 / 1.054 at 6, 0.985 / 1.037 against 1.062 / 1.065 at 7 and 0.971-0.978
+# / 1.008 against 1.045-1.050 / 1.051 at 8, while batch 3 and 4 keep the range block (0.908 / 0.907 against 0.924 /
+# 0.936; 0.928 against 0.957 at 0 keys).
+ATTN_RANGE_MAX_B = 4
 # The attention reads pos before its PDL wait (constant for a step: its first kernel lets the next launch only
 # after the previous step's sampler wrote it), so that only q and the K/V loads wait for q|k|v.
 ATTN_POS_EARLY = 1

@@ -2,8 +2,9 @@
 
 Both engines are `bitnetlm.engine_cuda.CudaEngine` over the same model shape with random weights (ternary in
 the real packed layout vs unquantized bf16 matrices), with the same CUDA-graph treatment, timed with CUDA
-events. Reported per batch size: prefill ms and tokens/s, decode ms/step, tokens/s and the GB/s of weights
-a decode step reads (projections + LM head + embedding rows, gpt-fast style), and the ternary/bf16 ratio.
+events. Reported per batch size and depth (tokens already in each row's KV cache when a test starts, as
+llama-bench's --n-depth; 0: an empty cache): prefill ms and tokens/s, decode ms/step, tokens/s and the GB/s of
+weights a decode step reads (projections + LM head + embedding rows, gpt-fast style), and the ternary/bf16 ratio.
 """
 
 from __future__ import annotations
@@ -34,22 +35,29 @@ def _events_ms(fn, reps: int) -> list[float]:
 
 
 @torch.no_grad()
-def bench_engine(eng, batches=(1, 8, 64), n_prompt: int = 512, n_gen: int = 128, reps: int = 5) -> list[dict]:
-    """Rows of prefill/decode timings of one engine (graphs captured per batch size)."""
+def bench_engine(
+    eng, batches=(1, 8, 64), n_prompt: int = 512, n_gen: int = 128, reps: int = 5, depths=(0,)
+) -> list[dict]:
+    """Rows of prefill/decode timings of one engine, per batch size and depth (graphs captured for each). At
+    depth d each row's cache first holds d random tokens (run untimed); the prefill then starts at position d
+    (a chunk continuing the prompt) and the decode steps at d, captured for d + n_gen keys."""
     from bitnetlm.engine_cuda import capture
 
     vocab = eng.cfg.vocab_size
     rows = []
-    for b in batches:
-        tok = torch.randint(0, vocab, (b, n_prompt), device=eng.device)
-        pos0 = torch.zeros((b,), dtype=torch.int32, device=eng.device)
-        graph, _ = capture(lambda tok=tok, pos0=pos0: eng.forward(tok, pos0))
+    for b, d in ((b, d) for b in batches for d in depths):
+        tok = torch.randint(0, vocab, (b, d + n_prompt), device=eng.device)
+        pos = torch.full((b,), d, dtype=torch.int32, device=eng.device)
+        if d:
+            eng.forward(tok[:, :d], torch.zeros_like(pos))  # the context: positions 0..d-1 of every row
+        graph, _ = capture(lambda tok=tok[:, d:], pos=pos, d=d: eng.forward(tok, pos, start=d))
         pre = _events_ms(graph.replay, reps)
-        st = eng.decode_state(b, max_keys=n_prompt + n_gen)
+        del graph
+        st = eng.decode_state(b, max_keys=d + n_gen)
 
-        def decode(st=st):
+        def decode(st=st, d=d):
             st.tok.random_(0, vocab)
-            st.pos.fill_(n_prompt)  # continue after the prefilled prompt
+            st.pos.fill_(d)  # after the d tokens of context
             st.step.fill_(1)
             for _ in range(n_gen):
                 st.graph.replay()
@@ -62,6 +70,7 @@ def bench_engine(eng, batches=(1, 8, 64), n_prompt: int = 512, n_gen: int = 128,
                 weights=eng.ecfg.weights,
                 head=eng.ecfg.head,
                 batch=b,
+                depth=d,
                 prefill_tokens=n_prompt,
                 prefill_ms=pre_ms,
                 prefill_tok_s=b * n_prompt / pre_ms * 1e3,
@@ -72,7 +81,6 @@ def bench_engine(eng, batches=(1, 8, 64), n_prompt: int = 512, n_gen: int = 128,
                 weight_gib=sum(eng.weight_bytes().values()) / 2**30,
             )
         )
-        del graph
         eng._graphs.clear()
         torch.cuda.empty_cache()
     return rows
@@ -116,15 +124,21 @@ def bench_cuda(
     max_seq_len: int | None = None,
     model=None,
     label: str = "",
+    depths=(0,),
 ) -> dict:
     """Ternary engine (each head option x KV-cache type: "auto" = bf16, "fp8") and the bf16 baseline on the same
-    shape; returns rows + ratios. model: a loaded bitnetlm CausalLM to build the engines from (the baseline from
-    its ternary weights times their scales, in bf16) instead of random weights of `shape`; label names it."""
+    shape, at each depth (`bench_engine`); returns rows + ratios. model: a loaded bitnetlm CausalLM to build the
+    engines from (the baseline from its ternary weights times their scales, in bf16) instead of random weights of
+    `shape`; label names it."""
     from bitnetlm.engine_cuda import CudaEngine
 
-    seq = max_seq_len or n_prompt + n_gen + 1  # KV-cache positions (a server allocates its whole context)
-    if seq < n_prompt + n_gen + 1:
-        raise ValueError(f"max_seq_len {seq} is shorter than prompt + decode ({n_prompt} + {n_gen} + 1)")
+    need = max(depths) + n_prompt + n_gen + 1
+    seq = max_seq_len or need  # KV-cache positions (a server allocates its whole context)
+    if seq < need:
+        raise ValueError(
+            f"max_seq_len {seq} is shorter than depth + prompt + decode "
+            f"({max(depths)} + {n_prompt} + {n_gen} + 1)"
+        )
     rows = []
     kinds = [("ternary", h, c) for h in heads for c in kv] + ([("dense", "fp", "auto")] if baseline else [])
     for weights, head, cache in kinds:
@@ -133,7 +147,7 @@ def bench_cuda(
             eng = random_engine(max(batches), seq, head, cache, weights, shape)
         else:
             eng = CudaEngine.from_model(model, _engine_config(max(batches), seq, head, cache, weights))
-        rows += [dict(r, kv=cache) for r in bench_engine(eng, batches, n_prompt, n_gen, reps)]
+        rows += [dict(r, kv=cache) for r in bench_engine(eng, batches, n_prompt, n_gen, reps, depths)]
         del eng
         gc.collect()
         torch.cuda.empty_cache()
@@ -141,43 +155,49 @@ def bench_cuda(
     for r in rows:
         if r["weights"] != "ternary":
             continue
-        base = [d for d in rows if d["weights"] == "dense" and d["batch"] == r["batch"]]
+        base = [
+            d
+            for d in rows
+            if d["weights"] == "dense" and (d["batch"], d["depth"]) == (r["batch"], r["depth"])
+        ]
         if base:
             ratios.append(
                 dict(
                     head=r["head"],
                     kv=r["kv"],
                     batch=r["batch"],
+                    depth=r["depth"],
                     decode_speedup=r["decode_tok_s"] / base[0]["decode_tok_s"],
                     prefill_speedup=r["prefill_tok_s"] / base[0]["prefill_tok_s"],
                 )
             )
     source = label or "random weights of the shape"
-    config = dict(n_prompt=n_prompt, n_gen=n_gen, max_seq_len=seq, weights=source)
+    config = dict(n_prompt=n_prompt, n_gen=n_gen, depths=list(depths), max_seq_len=seq, weights=source)
     return dict(gpu=gpu_name(), config=config, results=rows, ratios=ratios)
 
 
 def markdown(res: dict) -> str:
+    cfg = res["config"]
     out = [
-        f"GPU: {res['gpu']}; prompt {res['config']['n_prompt']} tokens, decode {res['config']['n_gen']} steps "
-        f"after it; KV cache of {res['config']['max_seq_len']} positions; "
-        f"{res['config'].get('weights', 'random weights of the shape')}",
+        f"GPU: {res['gpu']}; prompt {cfg['n_prompt']} tokens, decode {cfg['n_gen']} steps, each test after "
+        f"`depth` tokens already in every row's KV cache; KV cache of {cfg['max_seq_len']} positions; "
+        f"{cfg.get('weights', 'random weights of the shape')}",
         "",
-        "| weights | head | KV cache | batch | prefill ms | prefill tok/s | decode ms/step | decode tok/s | weights GB/s "
-        "| vs bf16 (decode) |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| weights | head | KV cache | batch | depth | prefill ms | prefill tok/s | decode ms/step | decode tok/s "
+        "| weights GB/s | vs bf16 (decode) |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in res["results"]:
         sp = [
             x
             for x in res["ratios"]
-            if x["batch"] == r["batch"] and x["head"] == r["head"] and x["kv"] == r["kv"]
+            if (x["batch"], x["depth"], x["head"], x["kv"]) == (r["batch"], r["depth"], r["head"], r["kv"])
         ]
         ratio = f"{sp[0]['decode_speedup']:.2f}x" if r["weights"] == "ternary" and sp else "-"
         name = "ternary (Triton W2A8)" if r["weights"] == "ternary" else "bf16 (cuBLAS)"
         out.append(
             f"| {name} | {'bf16' if r['head'] == 'fp' else r['head']} | {'fp8' if r['kv'] == 'fp8' else 'bf16'} "
-            f"| {r['batch']} | {r['prefill_ms']:.2f} | "
+            f"| {r['batch']} | {r['depth']} | {r['prefill_ms']:.2f} | "
             f"{r['prefill_tok_s']:,.0f} | {r['decode_ms_per_step']:.3f} | {r['decode_tok_s']:,.0f} | "
             f"{r['decode_weight_gb_s']:,.0f} | {ratio} |"
         )
@@ -220,6 +240,7 @@ def run_cuda(args) -> int:
         kv=kv,
         model=model,
         label=label,
+        depths=tuple(args.n_depth),
     )
     print(json.dumps(res, indent=2) if args.json else markdown(res))
     return 0
