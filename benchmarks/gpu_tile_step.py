@@ -57,9 +57,8 @@ def main() -> int:
 
     tune.USER_TABLE_DIR = ""  # the shipped table only
     batches = [int(b) for b in args.batches.split(",")]
-    eng = random_engine(
-        max(batches), args.context + 108, args.head, args.kv_cache_dtype
-    )  # step_ms replays 100 steps past the context
+    # step_ms replays 100 steps past the context
+    eng = random_engine(max(batches), args.context + 108, args.head, args.kv_cache_dtype)
     n, k = PROJ[args.proj]
     fields = [json.loads(t) for t in args.tile]
     print(

@@ -181,7 +181,7 @@ def markdown(res: dict) -> str:
     out = [
         f"GPU: {res['gpu']}; prompt {cfg['n_prompt']} tokens, decode {cfg['n_gen']} steps, each test after "
         f"`depth` tokens already in every row's KV cache; KV cache of {cfg['max_seq_len']} positions; "
-        f"{cfg.get('weights', 'random weights of the shape')}",
+        f"{cfg['weights']}",
         "",
         "| weights | head | KV cache | batch | depth | prefill ms | prefill tok/s | decode ms/step | decode tok/s "
         "| weights GB/s | vs bf16 (decode) |",
