@@ -32,17 +32,20 @@ from bitnetlm.models.config import ModelConfig
 PREFILL_ALIGN = 128  # prefill attention runs on lengths padded to a multiple of this (see prefill_attention)
 
 
-def prefill_attention(q, k, v, mask=None, gqa: bool = False) -> torch.Tensor:
-    """SDPA for prefill. Causal from position 0 (mask None): PyTorch's choice of backend, cuDNN's on an H100,
-    the fastest here but it builds a plan for every new sequence length (tens of ms each), which is why the
-    engine pads prefill lengths to a multiple of PREFILL_ALIGN. With a mask (a chunk continuing a cached
-    prompt): memory-efficient or math attention, never cuDNN, so no per-length plan either."""
-    if mask is None:
+def prefill_attention(q, k, v, start: int = 0, gqa: bool = False) -> torch.Tensor:
+    """SDPA for prefill: q [B, H, T, D] at positions start..start+T-1 over keys k, v [B, Hkv, start+T, D].
+    From position 0: plain causal, PyTorch's choice of backend, cuDNN's on an H100, the fastest here but it
+    builds a plan for every new sequence length (tens of ms each), which is why the engine pads prefill lengths
+    to a multiple of PREFILL_ALIGN. A chunk continuing a cached prompt: causal aligned to the last key (query i
+    sees keys 0..start+i), which flash attention runs natively with GQA; a dense mask took memory-efficient or
+    math attention, 7-17x slower on an H200 (docs/PERF_LOG.md stop 51)."""
+    if not start:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
 
-    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=causal_lower_right(q.shape[-2], k.shape[-2]), enable_gqa=gqa
+    )
 
 
 # Decode steps of 1-2 and of 8-64 rows fuse RoPE + KV write into the q|k|v projection (decode.py: the row GEMV at
@@ -334,12 +337,8 @@ class CudaEngine:
             if not qkv_in_row and b not in self._bufs:
                 self._bufs[b] = QuantBuf(b, self.cfg.hidden_size, self.device)
             xq = self._bufs.get(b)
-        mask = None  # prefill from 0: plain causal; from start: query i (position start + i) sees keys 0..start + i
         tp = -(-t // PREFILL_ALIGN) * PREFILL_ALIGN  # padded length (cache slots t..tp-1 hold finite K/V)
         tp = tp if tp <= self.ecfg.max_seq_len else t
-        if t > 1 and start:
-            keys = torch.arange(start + t, device=h.device)
-            mask = keys[None, :] <= (start + torch.arange(t, device=h.device))[:, None]  # [T, start+T]
         for li, L in enumerate(self.layers):
             kc, vc = self.k_cache[li][row0 : row0 + b], self.v_cache[li][row0 : row0 + b]  # contiguous views
             q = torch.empty((b, t, nh, hd), device=self.device, dtype=self.ecfg.dtype)
@@ -366,7 +365,7 @@ class CudaEngine:
                         pf += (self.layers[(li + 1) % len(self.layers)].qkv,)
                 attn_decode(q.view(b, nh, hd), kc, vc, pos, o, scale, keys, pf)
                 o = o.view(b, nh * hd)
-            elif mask is None:  # from position 0: queries and keys padded to tp (see PREFILL_ALIGN)
+            elif not start:  # from position 0: queries and keys padded to tp (see PREFILL_ALIGN)
                 qp = q
                 if tp != t:  # real query i sees keys 0..i only: the pad rows never reach the real ones
                     qp = q.new_zeros((b, tp, nh, hd))
@@ -376,7 +375,7 @@ class CudaEngine:
                 o = o.transpose(1, 2)[:, :t].reshape(b * t, nh * hd)  # [B*T, H*D]; no copy when tp == t
             else:
                 kp, vp = kc[:, :, : start + t].to(q.dtype), vc[:, :, : start + t].to(q.dtype)
-                o = prefill_attention(q.transpose(1, 2), kp, vp, mask, nh != nkv)  # [B, H, T, D]
+                o = prefill_attention(q.transpose(1, 2), kp, vp, start, nh != nkv)  # [B, H, T, D]
                 o = o.transpose(1, 2).reshape(b * t, nh * hd)
             h = self._lin(
                 o,

@@ -288,7 +288,8 @@ def test_backend_and_custom_op_trace():
 
 
 def test_engine_forward_matches_model(tiny_model):
-    """The fused engine (prefill: GEMV path + SDPA; decode: attention kernel) vs the model's own forward."""
+    """The fused engine (prefill: GEMV path + SDPA, from 0 and continuing cached tokens; decode: attention
+    kernel) vs the model's own forward."""
     from bitnetlm.engine_cuda import CudaEngine, EngineConfig
 
     eng = CudaEngine.from_model(
@@ -304,6 +305,10 @@ def test_engine_forward_matches_model(tiny_model):
         ref2 = m(torch.cat([tok, nxt], 1))[:, -1]
         got2 = eng.forward(nxt, torch.full((2,), 5, dtype=torch.int32, device=DEV))
         torch.testing.assert_close(got2, ref2, rtol=1e-4, atol=1e-4 * ref2.abs().max().item())
+        # chunked prefill: the last 3 prompt tokens after the first 2 are cached (causal to the last key)
+        eng.forward(tok[:, :2], torch.zeros(2, dtype=torch.int32, device=DEV))
+        got3 = eng.forward(tok[:, 2:], torch.full((2,), 2, dtype=torch.int32, device=DEV), start=2)
+        torch.testing.assert_close(got3, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
     tiny_model.to("cpu")
 
 
