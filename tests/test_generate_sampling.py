@@ -221,7 +221,9 @@ def test_logprobs_are_raw_model_logprobs():
     torch.testing.assert_close(out.logprobs, raw.gather(1, out.tokens[:, None])[:, 0])
     torch.testing.assert_close(out.top_logprobs, raw.topk(5).values)
     assert torch.equal(out.top_ids, raw.topk(5).indices)
-    assert math.isclose(float(out.top_logprobs[0].exp().sum()), float(raw[0].topk(5).values.exp().sum()))
+    assert math.isclose(
+        float(out.top_logprobs[0].exp().sum()), float(raw[0].topk(5).values.exp().sum()), rel_tol=1e-6
+    )
 
 
 def test_bad_params():
@@ -231,3 +233,153 @@ def test_bad_params():
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="logit_bias"):
         process_logits(_logits(1), [SamplingParams(logit_bias={V + 5: 1.0})])
+
+
+def test_row_random_is_one_stream_however_it_is_taken():
+    """A row's uniforms come in BLOCKs from its generator: one at a time (the host sampler), a run up front (the
+    CUDA-graph sampler) or across a block edge, the numbers are the same; on a CPU generator they are also what
+    one draw at a time gives (so seeded CPU sampling is what it was before blocks)."""
+    from bitnetlm.generate.sampling import BLOCK, RowRandom
+
+    n = 2 * BLOCK + 37
+    r = RowRandom(torch.Generator().manual_seed(3), "cpu")
+    one = torch.cat([r.take(1) for _ in range(n)])
+    r = RowRandom(torch.Generator().manual_seed(3), "cpu")
+    runs = torch.cat([r.take(5), r.take(BLOCK), r.take(n - 5 - BLOCK)])
+    g = torch.Generator().manual_seed(3)
+    plain = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for _ in range(n)])
+    assert torch.equal(one, runs) and torch.equal(one, plain)
+    assert one.dtype == torch.float64 and len(set(one.tolist())) == n
+
+
+def _mixed_params():
+    return [
+        SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=1),  # llama.cpp's defaults
+        SamplingParams(temperature=0.7, top_p=0.9, seed=2),  # no top-k: the full sort
+        SamplingParams(temperature=0, logit_bias={7: 30.0}),  # greedy, biased
+        SamplingParams(temperature=1.3, min_p=0.02, logit_bias={3: 2.5, 11: -4.0}, seed=3),
+    ]
+
+
+def test_full_filter_equals_the_candidates_and_fallback_path():
+    """The CUDA-graph sampler's filter (full=True: rows without top-k always sort the whole vocabulary) removes
+    exactly what the host's candidates-then-fallback path removes, for sharp and for flat rows."""
+    from bitnetlm.generate.sampling import CANDIDATES, _filter_mask_over, filtered, row_tensors
+
+    params = _mixed_params()
+    for scale in (3.0, 0.05):  # sharp: the candidates hold the cut; flat: the fallback sort is needed
+        x = _logits(len(params), 8 * CANDIDATES, seed=11) * scale
+        t = row_tensors(params, x.shape[1], "cpu")
+        host, full = filtered(x, t), filtered(x, t, full=True)
+        inside = _filter_mask_over(x / t.temps, t, t.n)[1]
+        assert bool(inside[1]) == (scale == 3.0)  # the flat row's cut lies past the candidates
+        assert torch.equal(host, full)
+        assert torch.isinf(full[1]).any() and not torch.isinf(full[2]).any()
+
+
+def _top_k_params():
+    return [
+        SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=1),
+        SamplingParams(temperature=1.2, top_k=5, seed=2),
+        SamplingParams(temperature=0, logit_bias={7: 30.0}),
+        SamplingParams(temperature=0.6, top_k=300, logit_bias={3: 2.5, 11: -4.0}, seed=3),
+    ]
+
+
+@pytest.mark.parametrize("rows", ["mixed", "top_k"])  # top_k: every sampled row draws among its candidates
+def test_graph_sampler_ops_equal_the_host_sampler(rows):
+    """GraphSampler's ops (run eagerly on a CPU), over 30 steps of a batch mixing llama.cpp's sampler, top-p
+    alone (or only top-k rows), a biased greedy row and logit biases, with the top log-probabilities: the
+    tokens, log-probabilities and top lists of `sample` with the same rows' streams, step for step. The graph
+    samples every row each step; the host loop only the rows still running (rows 1 and 3 stop early)."""
+    from bitnetlm.generate.graph_sampler import GraphSampler
+    from bitnetlm.generate.sampling import RowRandom
+
+    params = _mixed_params() if rows == "mixed" else _top_k_params()
+    b, v, steps = len(params), 3 * 256 + 17, 30
+    ends = [steps, 12, steps, 20]  # the step each row stops at
+    logits = torch.zeros(b, v)
+    nxt = torch.zeros(b, 1, dtype=torch.long)
+
+    def streams():
+        return [RowRandom(p.make_generator(), "cpu") for p in params]
+
+    gs = GraphSampler(logits, nxt, params, top_n=3, cap=64, bias=True)
+    assert gs.t.cand == (rows == "top_k")
+    gs.load(params, streams(), ends)
+    host_rows = streams()
+    seen = []
+    for s in range(steps):
+        logits.copy_(_logits(b, v, seed=100 + s) * 2)
+        gs.run()
+        act = [i for i in range(b) if s < ends[i]]
+        ref = sample(logits[act], [params[i] for i in act], [host_rows[i] for i in act], num_top_logprobs=3)
+        assert torch.equal(gs.tok[act], ref.tokens) and torch.equal(nxt[act, 0], ref.tokens), s
+        torch.testing.assert_close(gs.lp[act], ref.logprobs)
+        torch.testing.assert_close(gs.top_v[act], ref.top_logprobs)
+        assert torch.equal(gs.top_i[act], ref.top_ids)
+        seen.append(gs.tok.clone())
+    toks = torch.stack(seen)  # [steps, B]
+    assert (toks[:, 2] == 7).all()  # the biased greedy row
+    assert len(set(toks[:, 0].tolist())) > 3 and len(set(toks[:, 1].tolist())) > 3  # really sampled
+    with pytest.raises(ValueError, match="captured for"):
+        gs.load([SamplingParams(temperature=0)] * b, streams(), [steps] * b)
+
+
+def test_top_k_rows_draw_from_the_processed_distribution():
+    """Rows that all have a top-k draw among their kmax best tokens (sampling._candidate_probs, no pass over the
+    vocabulary besides the top-k): their probabilities are softmax(process_logits), itself checked against
+    transformers' warpers above, and 20000 draws follow them (chi-square); no removed token is ever drawn."""
+    from bitnetlm.generate.sampling import _candidate_probs, row_tensors
+
+    def chi2_999(k):  # the chi-square distribution's 99.9% quantile, Wilson-Hilferty (z = 3.09)
+        return k * (1 - 2 / (9 * k) + 3.09 * math.sqrt(2 / (9 * k))) ** 3
+
+    logits = _logits(2, 300, seed=21)
+    params = [
+        SamplingParams(temperature=0.9, top_k=20, top_p=0.9, min_p=0.02, seed=0),
+        SamplingParams(temperature=1.4, top_k=8),
+    ]
+    t = row_tensors(params, 300, "cpu")
+    assert t.cand and t.kmax == 20
+    probs, order = _candidate_probs(logits, t)
+    dense = torch.zeros(2, 300).scatter_(1, order, probs)
+    expected = process_logits(logits, params).softmax(-1)
+    torch.testing.assert_close(dense, expected, rtol=1e-5, atol=1e-7)
+    assert (
+        1 < int((expected[0] > 0).sum()) < 20 and int((expected[1] > 0).sum()) == 8
+    )  # top-p/min-p cut row 0
+    n = 20000
+    g = torch.Generator().manual_seed(6)
+    for row in range(2):
+        toks = sample(logits[row : row + 1].expand(n, -1), [params[row]] * n, [g] * n).tokens
+        kept = expected[row] > 0
+        assert bool(kept[toks].all())
+        counts = torch.bincount(toks, minlength=300)[kept].double()
+        want = expected[row][kept].double() * n
+        stat = float(((counts - want) ** 2 / want).sum())
+        assert stat < chi2_999(int(kept.sum()) - 1), (counts, want)
+
+
+def test_a_seeded_row_samples_the_same_tokens_whatever_the_batch():
+    """A row's draw depends on its own parameters only (a top-k row draws among its top-k, a row without one over
+    the vocabulary): the same seeded rows alone, together, beside greedy rows or rows of the other kind give the
+    same tokens, step for step (the server batches requests of every kind; offline generate runs them alone)."""
+    from bitnetlm.generate.sampling import RowRandom
+
+    logits = _logits(4, 700, seed=8)
+    k_row = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=1)
+    p_row = SamplingParams(temperature=0.7, top_p=0.9, seed=2)
+    greedy = SamplingParams(temperature=0)
+    plain = SamplingParams(temperature=1.0, seed=3)
+
+    def run(params, rows):
+        streams = [RowRandom(p.make_generator(), "cpu") for p in params]
+        return [sample(logits[rows], params, streams).tokens.tolist() for _ in range(25)]
+
+    k_alone = [s[0] for s in run([k_row], [0])]
+    p_alone = [s[0] for s in run([p_row], [1])]
+    mixed = run([k_row, p_row, greedy, plain], [0, 1, 2, 3])
+    assert [s[0] for s in mixed] == k_alone and [s[1] for s in mixed] == p_alone
+    assert [s[1] for s in run([greedy, k_row], [2, 0])] == k_alone
+    assert len(set(k_alone)) > 3 and len(set(p_alone)) > 3

@@ -157,6 +157,61 @@ def test_graph_generate_sampling_is_seeded():
     )
 
 
+def test_graph_sampler_equals_the_host_sampler(monkeypatch):
+    """The captured sampler (generate/graph_sampler.py) against the host sampler on the same engine: a batch
+    mixing llama.cpp's sampler, top-p alone (the full sort) and a biased greedy row, rows of different lengths,
+    gives the same tokens and log-probabilities, and a stream with top log-probabilities the same top lists."""
+    from bitnetlm.generate import SamplingParams, batch_generate, stream_generate
+    from bitnetlm.generate import graph as graph_mod
+    from bitnetlm.serve.testing import tiny_model_and_tokenizer
+
+    model, tok = tiny_model_and_tokenizer(max_len=256, layers=2, hidden=64)
+    model = model.to("cuda")
+    prompts = ["Hello", "It is a truth universally acknowledged", "the quick brown"]
+    params = [
+        SamplingParams(
+            max_tokens=40, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=1, ignore_eos=True
+        ),
+        SamplingParams(max_tokens=25, temperature=0.7, top_p=0.9, seed=2, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0, logit_bias={7: 3.0}, ignore_eos=True),
+    ]
+    top = SamplingParams(max_tokens=20, temperature=1.1, top_k=50, seed=4, ignore_eos=True, top_logprobs=3)
+
+    def run():
+        rows = batch_generate(model, tok, prompts, params)
+        chunks = list(stream_generate(model, tok, prompts[1], top))
+        return [(r.tokens, r.logprobs) for r in rows], [(c.token, c.logprob, c.top_logprobs) for c in chunks]
+
+    graph_rows, graph_stream = run()
+    assert any(k[0] == "sampler" for k in _graph_engine_of(model)._graphs)
+    monkeypatch.setattr(graph_mod, "GRAPH_SAMPLER", False)
+    host_rows, host_stream = run()
+    assert [len(t) for t, _ in graph_rows] == [40, 25, 40]
+    # the tokens exactly; log-probabilities to float32 rounding: once a row has finished, the host sampler
+    # reduces over fewer rows than the graph's, and a reduction's order may follow the rows' count
+    for (gt, glp), (ht, hlp) in zip(graph_rows, host_rows, strict=True):
+        assert gt == ht and glp == pytest.approx(hlp, abs=1e-5)
+    assert [c[0] for c in graph_stream] == [c[0] for c in host_stream]
+    for (_, glp, gtop), (_, hlp, htop) in zip(graph_stream, host_stream, strict=True):
+        assert glp == pytest.approx(hlp, abs=1e-5) and [i for i, _ in gtop] == [i for i, _ in htop]
+        assert [q for _, q in gtop] == pytest.approx([q for _, q in htop], abs=1e-5)
+    assert len(set(graph_rows[0][0])) > 5 and len(graph_stream[0][2]) == 3
+
+
+def test_row_random_on_cuda_is_one_stream():
+    """On a CUDA generator one draw of n numbers is not n draws of one: RowRandom's blocks make a request's
+    up-front run (the graph sampler) the numbers its one-a-step draws (the server's host sampler) get."""
+    from bitnetlm.generate.sampling import BLOCK, RowRandom
+
+    n = BLOCK + 9
+    r = RowRandom(torch.Generator("cuda").manual_seed(8), "cuda")
+    one = torch.cat([r.take(1) for _ in range(n)])
+    run = RowRandom(torch.Generator("cuda").manual_seed(8), "cuda").take(n)
+    g = torch.Generator("cuda").manual_seed(8)
+    plain = torch.cat([torch.rand(1, generator=g, device="cuda", dtype=torch.float64) for _ in range(n)])
+    assert torch.equal(one, run) and not torch.equal(one, plain)
+
+
 def test_captured_prefill_equals_eager_and_touches_only_its_row(oracle_dirs):
     """CudaEngine.prefill (the prompt padded to 128 tokens, one graph replay in the scratch row, then copied to
     its row) gives the eager prefill's logits and keys/values; capturing it writes no other row."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from bitnetlm.generate.detok import StreamDetokenizer
-from bitnetlm.generate.sampling import SamplingParams, sample
+from bitnetlm.generate.sampling import RowRandom, SamplingParams, sample
 from bitnetlm.kernels import torch_threads_beside_c
 
 _ALIASES = {
@@ -129,7 +129,7 @@ class _Row:
         self.index = index
         self.ids = ids
         self.params = params
-        self.generator = params.make_generator(device)
+        self.generator = RowRandom(params.make_generator(device), device)  # the row's uniforms
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         self.max_new = max_new
         self.out: list[int] = []

@@ -9,8 +9,9 @@ eager forward with a Python call per layer.
   or positions than it holds.
 - Each prompt is prefilled into its own KV-cache row by a captured prefill (`CudaEngine.prefill`), so rows
   need no left padding; the captured step then decodes all rows at their own positions.
-- Sampling is `sampling.sample`, the code and per-row generators of the eager loop, so every SamplingParams
-  feature behaves the same.
+- Sampling runs the ops of `sampling.sample` and each row's random stream (`sampling.RowRandom`), so every
+  SamplingParams feature behaves as in the eager loop: captured in a graph of its own (graph_sampler.py), or
+  for requests with penalties on the host.
 - Pipelining: a step's tokens are copied to pinned host memory and fed to the next graph replay before the host
   reads them, so the GPU computes step s+1 while the host detokenizes step s and checks the stop conditions.
   When the last row stops, that one speculative step is discarded.
@@ -119,22 +120,79 @@ def graph_engine(model, batch: int, seq: int):
     return new
 
 
+# Rows without penalties sample inside a captured graph of their own (graph_sampler.py); False: always the host
+# sampler, as before stop 51.
+GRAPH_SAMPLER = True
+
+
 @torch.no_grad()
 def run_graph(eng, rows, t0: float) -> Iterator:
     """The decode loop of `generate._engine` over the engine: yields the same GenerationChunk stream."""
-    from bitnetlm.generate.generate import _emit
-
     dev = eng.device
     b = len(rows)
     lens = [len(r.ids) for r in rows]
     # captured before the prefill (its warm-up writes KV slots 0-2 of every row); finished rows keep stepping
     # until the last one ends, so no row passes the longest prompt + the most new tokens
     st = eng.logits_state(b, max_keys=max(lens) + max(r.max_new for r in rows))
+    top_n = max(r.params.top_logprobs for r in rows)
+    gs = None
+    if GRAPH_SAMPLER and not any(r.params.needs_penalties for r in rows):
+        from bitnetlm.generate.graph_sampler import graph_sampler
+
+        gs = graph_sampler(eng, st, [r.params for r in rows], top_n)  # (captured before the prefill too)
     logits = torch.stack([eng.prefill(r.ids, i) for i, r in enumerate(rows)])  # [B, V], a graph replay each
     st.pos.copy_(torch.tensor(lens, dtype=torch.int32))
     torch.cuda.synchronize(dev)
     prompt_tps = sum(lens) / max(time.perf_counter() - t0, 1e-9)
-    top_n = max(r.params.top_logprobs for r in rows)
+    if gs is None:
+        yield from _host_sampled(st, rows, logits, top_n, t0, prompt_tps)
+    else:
+        gs.load([r.params for r in rows], [r.generator for r in rows], [r.max_new for r in rows])
+        st.logits.copy_(logits)  # the prefill's logits: the first step's
+        yield from _graph_sampled(st, gs, rows, top_n, t0, prompt_tps)
+
+
+def _graph_sampled(st, gs, rows, top_n, t0, prompt_tps) -> Iterator:
+    """Each step: the sampler's replay (tokens into the step's input), then the step's, queued before the host
+    reads the tokens; every row samples and steps, the finished ones unseen."""
+    from bitnetlm.generate.generate import _emit
+    from bitnetlm.generate.sampling import SampleOutput
+
+    b = len(rows)
+    tok_h = torch.empty((b,), dtype=torch.long, pin_memory=True)
+    lp_h = torch.empty((b,), dtype=torch.float32, pin_memory=True)
+    top_v = torch.empty((b, top_n), dtype=torch.float32, pin_memory=True)
+    top_i = torch.empty((b, top_n), dtype=torch.long, pin_memory=True)
+    ready = torch.cuda.Event()
+    active = [r for r in rows if r.finish_reason is None]
+    while True:
+        gs.run()
+        tok_h.copy_(gs.tok, non_blocking=True)
+        lp_h.copy_(gs.lp, non_blocking=True)
+        if top_n:
+            top_v.copy_(gs.top_v, non_blocking=True)
+            top_i.copy_(gs.top_i, non_blocking=True)
+        ready.record()
+        st.graph.replay()  # the next step's logits, while the host handles this step's tokens
+        ready.synchronize()
+        ai = [r.index for r in active]
+        toks, lps = tok_h.tolist(), lp_h.tolist()
+        out = SampleOutput(tok_h, lp_h, top_i[ai] if top_n else None, top_v[ai] if top_n else None)
+        yield from _emit(
+            active, out, [toks[i] for i in ai], [lps[i] for i in ai], time.perf_counter(), t0, prompt_tps
+        )
+        active = [r for r in active if r.finish_reason is None]
+        if not active:
+            return
+
+
+def _host_sampled(st, rows, logits, top_n, t0, prompt_tps) -> Iterator:
+    """Each step: `sampling.sample` of the active rows (penalties need their outputs on the host), its tokens
+    into the step's input, then the step's replay, queued before the host reads the tokens."""
+    from bitnetlm.generate.generate import _emit
+
+    dev = logits.device
+    b = len(rows)
     active = [r for r in rows if r.finish_reason is None]
     idx = None if len(active) == b else torch.tensor([r.index for r in active], device=dev)
     tok_h = torch.empty((b,), dtype=torch.long, pin_memory=True)

@@ -126,16 +126,114 @@ def _ids(x, device) -> torch.Tensor:
     return torch.tensor(list(x), dtype=torch.long, device=device)
 
 
-def process_logits(
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    prompt_tokens: Sequence | None = None,
-    output_tokens: Sequence | None = None,
-) -> torch.Tensor:
-    """Processed logits [B, V] float32: penalties, bias, temperature, top-k/top-p/min-p (removed = -inf).
+# Uniforms are drawn from a row's generator this many at a time (RowRandom); the block size is part of the
+# random stream (on a CUDA generator, one draw of n numbers is not n draws of one).
+BLOCK = 256
 
-    Greedy rows (temperature 0) get penalties and bias only; their argmax is the greedy token.
-    """
+
+class RowRandom:
+    """A row's stream of uniforms in [0, 1) (float64, on `device`), drawn from its generator (None: torch's
+    global RNG) BLOCK at a time. The host sampler takes one a step, the CUDA-graph sampler (graph_sampler.py)
+    a request's whole budget up front: both see the same numbers, so a seeded request samples the same tokens
+    on either path. On a CPU generator the stream equals one draw at a time (the pre-BLOCK behaviour)."""
+
+    def __init__(self, generator: torch.Generator | None, device):
+        self.generator = generator
+        self.device = torch.device(device)
+        self._block = None
+        self._i = BLOCK
+
+    def take(self, n: int) -> torch.Tensor:
+        """The next n uniforms [n]."""
+        parts = []
+        while n > 0:
+            if self._i == BLOCK:
+                self._block = torch.rand(
+                    BLOCK, generator=self.generator, device=self.device, dtype=torch.float64
+                )
+                self._i = 0
+            m = min(n, BLOCK - self._i)
+            parts.append(self._block[self._i : self._i + m])
+            self._i += m
+            n -= m
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+# top-p / min-p first look at this many best tokens; the full-vocabulary sort runs only when a row's cut is
+# not provably inside them (a flat distribution)
+CANDIDATES = 256
+
+
+@dataclass
+class RowTensors:
+    """The per-row parameters of a batch of SamplingParams as tensors on the logits' device, and the flags that
+    fix which ops run: the host-free part of the sampler, built by sample() for each call and by the CUDA-graph
+    sampler once per generate call (whose captured ops read these tensors in place)."""
+
+    temps: torch.Tensor  # [B, 1] float32 temperature (1 for greedy rows)
+    k: torch.Tensor  # [B] long top-k (V = none)
+    top_p: torch.Tensor  # [B] float32 (2 = never cuts)
+    min_p: torch.Tensor  # [B] float32
+    filt: torch.Tensor  # [B] bool: the row filters (not greedy, some of top-k / top-p / min-p on)
+    greedy: torch.Tensor  # [B] bool
+    ck: torch.Tensor  # [B] bool: the row samples and has a top-k (it draws among its top-k, see `choose`)
+    n: int  # candidates: the best n tokens of every row are sorted (n < V) before any full sort
+    kmax: int  # the largest top-k of a filtered row (0: none)
+    cand: bool  # some row samples, and every one that does has a top-k
+    some_k: bool  # some row samples and has a top-k
+    scale: bool  # some row's temperature is not 1
+    any_filter: bool
+    need_p: bool  # some filtered row has top-p or min-p
+    all_k: bool  # every filtered row has top-k (then the n candidates always hold the cut)
+    all_greedy: bool
+    any_greedy: bool
+
+    def key(self) -> tuple:
+        return (
+            self.n,
+            self.scale,
+            self.any_filter,
+            self.need_p,
+            self.all_k,
+            self.all_greedy,
+            self.any_greedy,
+        )
+
+
+def row_tensors(params: Sequence[SamplingParams], v: int, device) -> RowTensors:
+    filt = [not p.greedy and (0 < p.top_k < v or p.top_p < 1.0 or p.min_p > 0) for p in params]
+    kvals = [p.top_k if 0 < p.top_k < v else v for p in params]
+    kmax = max((k for k, f in zip(kvals, filt, strict=True) if f and k < v), default=0)
+    temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+    greedy = [p.greedy for p in params]
+    ck = [f and k < v for f, k in zip(filt, kvals, strict=True)]  # (a filtered row is never greedy)
+    floats = _row_tensor(
+        [temps, [p.top_p if p.top_p < 1.0 else 2.0 for p in params], [p.min_p for p in params]], device
+    )  # [3, B]
+    ints = _row_tensor([kvals, filt, greedy, ck], device, torch.long)  # [4, B]
+    return RowTensors(
+        temps=floats[0][:, None],
+        k=ints[0],
+        top_p=floats[1],
+        min_p=floats[2],
+        filt=ints[1].bool(),
+        greedy=ints[2].bool(),
+        ck=ints[3].bool(),
+        n=min(v, max(CANDIDATES, kmax)),
+        kmax=kmax,
+        cand=not all(greedy) and all(c for c, g in zip(ck, greedy, strict=True) if not g),
+        some_k=any(ck),
+        scale=any(t != 1.0 for t in temps),
+        any_filter=any(filt),
+        need_p=any(f and (p.top_p < 1.0 or p.min_p > 0) for f, p in zip(filt, params, strict=True)),
+        all_k=all(k < v for k, f in zip(kvals, filt, strict=True) if f),
+        all_greedy=all(greedy),
+        any_greedy=any(greedy),
+    )
+
+
+def _penalised(logits, params, prompt_tokens, output_tokens) -> torch.Tensor:
+    """float32 copy of logits [B, V] with penalties and logit_bias applied."""
     b, v = logits.shape
     if len(params) != b:
         raise ValueError(f"process_logits: {b} logit rows but {len(params)} SamplingParams")
@@ -147,36 +245,42 @@ def process_logits(
                 raise ValueError(f"logit_bias token id out of range [0, {v}): {sorted(p.logit_bias)}")
             ids = _row_tensor(list(p.logit_bias), x.device, torch.long)
             x[i, ids] += _row_tensor(list(p.logit_bias.values()), x.device, x.dtype)
-    temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
-    if any(t != 1.0 for t in temps):  # a Python scalar when the rows agree (no copy at all)
-        x = x / (temps[0] if len(set(temps)) == 1 else _row_tensor(temps, x.device)[:, None])
-    mask = _filter_mask(x, params)
-    if mask is None:
+    return x
+
+
+def process_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    prompt_tokens: Sequence | None = None,
+    output_tokens: Sequence | None = None,
+) -> torch.Tensor:
+    """Processed logits [B, V] float32: penalties, bias, temperature, top-k/top-p/min-p (removed = -inf).
+
+    Greedy rows (temperature 0) get penalties and bias only; their argmax is the greedy token.
+    """
+    x = _penalised(logits, params, prompt_tokens, output_tokens)
+    return filtered(x, row_tensors(params, x.shape[1], x.device))
+
+
+def filtered(x: torch.Tensor, t: RowTensors, full: bool = False) -> torch.Tensor:
+    """Temperature, then top-k / top-p / min-p over penalised logits x [B, V] (a new tensor where anything
+    changes). full=True: no data-dependent fallback (the CUDA-graph sampler): rows without top-k sort the whole
+    vocabulary every time, which gives what the candidates-then-fallback path gives, ties aside."""
+    if t.scale:
+        x = x / t.temps
+    if not t.any_filter:
         return x
+    v = x.shape[1]
+    n = t.n if t.all_k or not full else v
+    mask, inside = _filter_mask_over(x, t, n) if n < v else (None, None)
+    if mask is None or (inside is not None and not bool(inside.all())):  # (host sync: not in a graph)
+        mask, _ = _filter_mask_over(x, t, v)
     return x.masked_fill(mask, float("-inf"))
 
 
-# top-p / min-p first look at this many best tokens; the full-vocabulary sort runs only when a row's cut is
-# not provably inside them (a flat distribution)
-CANDIDATES = 256
-
-
-def _filter_mask(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor | None:
-    """[B, V] bool, True = removed by top-k / top-p / min-p (None when no row filters anything)."""
-    b, v = x.shape
-    filt = [not p.greedy and (0 < p.top_k < v or p.top_p < 1.0 or p.min_p > 0) for p in params]
-    if not any(filt):
-        return None
-    kvals = [p.top_k if 0 < p.top_k < v else v for p in params]  # v = no top-k
-    kmax = max((k for k, f in zip(kvals, filt, strict=True) if f and k < v), default=0)
-    n = min(v, max(CANDIDATES, kmax))
-    mask = _filter_mask_over(x, params, filt, kvals, n) if n < v else None
-    if mask is None:
-        mask = _filter_mask_over(x, params, filt, kvals, v)
-    return mask
-
-
-def _filter_mask_over(x, params, filt, kvals, n):
+def _filter_mask_over(x: torch.Tensor, t: RowTensors, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """([B, V] bool, True = removed by top-k / top-p / min-p, from the n best tokens of each row; [B] bool: the
+    cut provably lies inside the n, or None when it always does)."""
     b, v = x.shape
     dev = x.device
     if n < v:
@@ -184,61 +288,61 @@ def _filter_mask_over(x, params, filt, kvals, n):
     else:
         sorted_x, order = x.sort(dim=-1, descending=True)  # [B, V]
     rank = torch.arange(n, device=dev)[None, :]  # [1, n]
-    k = _row_tensor(kvals, dev, torch.long)
-    has_k = k < v
-    remove = rank >= k[:, None]
-    rows = _row_tensor(filt, dev, torch.bool)
-    if any(f and (p.top_p < 1.0 or p.min_p > 0) for f, p in zip(filt, params, strict=True)):
+    has_k = t.k < v
+    remove = rank >= t.k[:, None]
+    inside = None
+    if t.need_p:
         masked = sorted_x.masked_fill(remove, float("-inf"))
         # true probabilities over each row's surviving set: its top-k, or the whole vocabulary
         lse = masked.logsumexp(dim=-1)  # [B]
-        if not all(kv < v for kv, f in zip(kvals, filt, strict=True) if f):  # a row without top-k: all of V
+        if not t.all_k:  # a row without top-k: all of V
             lse = torch.where(has_k, lse, x.logsumexp(dim=-1))
         probs = (masked - lse[:, None]).exp()  # [B, n]
-        top_p = _row_tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params], dev)  # 2 = never cuts
-        min_p = _row_tensor([p.min_p for p in params], dev)
         # keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does
-        remove |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-        remove |= probs < min_p[:, None] * probs[:, :1]
-        if n < v and not all(k < v for k, f in zip(kvals, filt, strict=True) if f):
+        remove |= (probs.cumsum(dim=-1) - probs) >= t.top_p[:, None]
+        remove |= probs < t.min_p[:, None] * probs[:, :1]
+        if n < v and not t.all_k:
             # every token outside the candidates is removed too iff the candidates already hold top_p of
             # the mass, or the last candidate is already below the min-p threshold; else use the full sort
-            inside = has_k | (probs.sum(dim=-1) >= top_p) | (probs[:, -1] < min_p * probs[:, 0])
-            if not bool(inside[rows].all()):
-                return None
+            inside = ~t.filt | has_k | (probs.sum(dim=-1) >= t.top_p) | (probs[:, -1] < t.min_p * probs[:, 0])
     remove[:, 0] = False  # always keep the most likely token
     mask = torch.ones_like(x, dtype=torch.bool).scatter_(1, order, remove)  # [B, V] back to vocab order
-    return mask & rows[:, None]  # greedy / unfiltered rows: nothing removed
+    return mask & t.filt[:, None], inside  # greedy / unfiltered rows: nothing removed
 
 
 CDF_CHUNK = 256  # the inverse-CDF search: chunk masses first, then a cumulative sum inside one chunk
 
 
-def _inverse_cdf(x: torch.Tensor, greedy: list[bool], generators) -> torch.Tensor:
-    """One token per row of processed logits x [B, V]: the first whose cumulative probability exceeds u times the
-    row's total, u uniform in [0, 1) drawn from the row's own generator (one draw per sampled row, in row order,
-    so a row's draws do not depend on the rest of the batch; greedy rows draw nothing and their result is unused).
-    The draw torch.multinomial(replacement=True) makes, without its pass per row (4.6 ms a row for 128k entries
-    on a 2-core CPU) or a sequential sum over the vocabulary: the chunk holding the target is found from chunk
-    masses, then the token inside it (cumulative sums in float64, so no tail token loses its mass to their
-    rounding). A token of probability 0 (removed by a filter) is never drawn."""
+def uniforms(generators, greedy: Sequence[bool], device) -> torch.Tensor:
+    """One uniform [B] float64 per sampled row, from its RowRandom or generator (None: torch's global RNG), in
+    row order; greedy rows draw nothing (0)."""
+    us = []
+    for i, gr in enumerate(greedy):
+        g = generators[i] if generators is not None else None
+        if gr:
+            us.append(torch.zeros(1, dtype=torch.float64, device=device))
+        elif isinstance(g, RowRandom):
+            us.append(g.take(1))
+        else:
+            us.append(torch.rand(1, generator=g, device=device, dtype=torch.float64))
+    return torch.cat(us)
+
+
+def inverse_cdf(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of processed logits x [B, V]: the first whose cumulative probability exceeds u [B]
+    times the row's total. The draw torch.multinomial(replacement=True) makes, without its pass per row (4.6 ms
+    a row for 128k entries on a 2-core CPU) or a sequential sum over the vocabulary: the chunk holding the target
+    is found from chunk masses, then the token inside it (cumulative sums in float64, so no tail token loses its
+    mass to their rounding). A token of probability 0 (removed by a filter) is never drawn. No host sync."""
     b, v = x.shape
     dev = x.device
-    us = []
-    for i in range(b):
-        g = generators[i] if generators is not None else None
-        us.append(
-            x.new_zeros(1, dtype=torch.float64)
-            if greedy[i]
-            else torch.rand(1, generator=g, device=dev, dtype=torch.float64)
-        )
     c = CDF_CHUNK
     p = torch.softmax(x, dim=-1).contiguous()  # [B, V]
     mass = p.as_strided((b, v // c, c), (v, c, 1)).sum(dim=-1)  # [B, V // c] whole chunks (a view, no copy)
     if v % c:
         mass = torch.cat([mass, p[:, v // c * c :].sum(dim=-1, keepdim=True)], dim=1)  # the short last chunk
     mass = mass.double().cumsum(dim=-1)  # [B, C] mass up to each chunk's end
-    target = torch.cat(us)[:, None] * mass[:, -1:]  # [B, 1]
+    target = u[:, None] * mass[:, -1:]  # [B, 1]
     # [B, 1]: the first chunk whose end passes the target
     j = torch.searchsorted(mass, target, right=True).clamp(max=mass.shape[1] - 1)
     before = torch.where(j > 0, mass.gather(1, (j - 1).clamp(min=0)), 0.0)  # [B, 1] mass of earlier chunks
@@ -251,28 +355,87 @@ def _inverse_cdf(x: torch.Tensor, greedy: list[bool], generators) -> torch.Tenso
     return (j * c + torch.minimum(k, last))[:, 0]
 
 
+def pick(x: torch.Tensor, t: RowTensors, u: torch.Tensor | None) -> torch.Tensor:
+    """Tokens [B] from processed logits x: argmax for greedy rows, the inverse-CDF draw at u for the others."""
+    if t.all_greedy:
+        return x.argmax(dim=-1)
+    if not t.any_greedy:
+        return inverse_cdf(x, u)
+    return torch.where(t.greedy, x.argmax(dim=-1), inverse_cdf(x, u))
+
+
+def _candidate_probs(x: torch.Tensor, t: RowTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """For rows that all have a top-k (t.cand): the kmax best tokens of each row [B, kmax] (best first) and their
+    probabilities after temperature, top-k, top-p and min-p, the rules of `filtered` (every other token is
+    removed there): sampling them samples the processed logits, with one pass over the vocabulary (the top-k)
+    instead of a dozen."""
+    vals, order = x.topk(t.kmax, dim=-1)  # [B, kmax] descending
+    if t.scale:
+        vals = vals / t.temps
+    rank = torch.arange(t.kmax, device=x.device)[None, :]  # [1, kmax]
+    remove = rank >= t.k[:, None]
+    if t.need_p:
+        masked = vals.masked_fill(remove, float("-inf"))
+        probs = (masked - masked.logsumexp(dim=-1, keepdim=True)).exp()  # over each row's top-k
+        remove |= (probs.cumsum(dim=-1) - probs) >= t.top_p[:, None]
+        remove |= probs < t.min_p[:, None] * probs[:, :1]
+        remove[:, 0] = False  # always keep the most likely token
+    return torch.softmax(vals.masked_fill(remove, float("-inf")), dim=-1), order
+
+
+def _draw_sorted(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[B] index into each row of probabilities p [B, n]: the first whose cumulative probability exceeds u times
+    the row's total (float64 sums; never a token of probability 0)."""
+    cum = p.double().cumsum(dim=-1)  # [B, n]
+    j = torch.searchsorted(cum, u[:, None] * cum[:, -1:], right=True)  # [B, 1]
+    last = torch.where(p > 0, torch.arange(p.shape[1], device=p.device), -1).amax(dim=-1, keepdim=True)
+    return torch.minimum(j, last)[:, 0]
+
+
+def choose(x: torch.Tensor, t: RowTensors, u: torch.Tensor | None, full: bool = False) -> torch.Tensor:
+    """Tokens [B] of penalised logits x [B, V]. Greedy rows: the argmax. A sampled row with a top-k: the draw at
+    its uniform u among its top-k, best first (`_candidate_probs`); one without: the inverse-CDF draw over the
+    whole processed vocabulary, in vocabulary order. Which draw a row makes depends on its own parameters only,
+    so a seeded row samples the same tokens whatever else is in the batch. No host sync with full=True (see
+    `filtered`) or when every sampled row has a top-k (then no pass over the vocabulary but the top-k's)."""
+    drawn = None
+    if t.some_k:
+        probs, order = _candidate_probs(x, t)
+        drawn = order.gather(1, _draw_sorted(probs, u)[:, None])[:, 0]
+    if not t.cand:
+        tokens = pick(filtered(x, t, full), t, u)
+        return tokens if drawn is None else torch.where(t.ck, drawn, tokens)
+    return torch.where(t.greedy, x.argmax(dim=-1), drawn) if t.any_greedy else drawn
+
+
+def raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int = 0):
+    """log p(token) [B] under the raw model distribution, and the top_n most likely (log-probabilities, ids)
+    [B, top_n] (None, None when top_n is 0). (log_softmax: one fused pass; a logsumexp, several, took a CPU
+    greedy step from 0.22 to 0.35 ms.)"""
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    lp = raw.gather(1, tokens[:, None])[:, 0]
+    if not top_n:
+        return lp, None, None
+    top = raw.topk(min(top_n, raw.shape[1]), dim=-1)
+    return lp, top.values, top.indices
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None] | None = None,
+    generators: Sequence[RowRandom | torch.Generator | None] | None = None,
     prompt_tokens: Sequence | None = None,
     output_tokens: Sequence | None = None,
     num_top_logprobs: int = 0,
 ) -> SampleOutput:
-    """Sample one token per row of `logits` [B, V] with that row's params and generator."""
+    """Sample one token per row of `logits` [B, V] with that row's params and random stream (a RowRandom, a
+    generator, or None for torch's global RNG)."""
     b, v = logits.shape
-    x = process_logits(logits, params, prompt_tokens, output_tokens)
+    x = _penalised(logits, params, prompt_tokens, output_tokens)
     greedy = [p.greedy for p in params]
-    if all(greedy):
+    if all(greedy):  # (what choose gives, without building the row tensors)
         tokens = x.argmax(dim=-1)
-    elif not any(greedy):
-        tokens = _inverse_cdf(x, greedy, generators)
     else:
-        is_greedy = _row_tensor(greedy, x.device, torch.bool)
-        tokens = torch.where(is_greedy, x.argmax(dim=-1), _inverse_cdf(x, greedy, generators))
-    raw = torch.log_softmax(logits.float(), dim=-1)
-    out = SampleOutput(tokens=tokens, logprobs=raw.gather(1, tokens[:, None])[:, 0])
-    if num_top_logprobs > 0:
-        top = raw.topk(min(num_top_logprobs, v), dim=-1)
-        out.top_logprobs, out.top_ids = top.values, top.indices
-    return out
+        tokens = choose(x, row_tensors(params, v, x.device), uniforms(generators, greedy, x.device))
+    lp, top_lp, top_ids = raw_logprobs(logits, tokens, num_top_logprobs)
+    return SampleOutput(tokens=tokens, logprobs=lp, top_ids=top_ids, top_logprobs=top_lp)

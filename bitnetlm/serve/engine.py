@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from bitnetlm.generate.sampling import SamplingParams, sample
+from bitnetlm.generate.sampling import RowRandom, SamplingParams, sample
 from bitnetlm.serve.metrics import Metrics
 
 log = logging.getLogger("bitnetlm.serve")
@@ -115,7 +115,7 @@ class _Seq:
         self.last_token_at: float | None = None
         self.done = False
         self.finish_reason: str | None = None
-        self.generator: torch.Generator | None = None
+        self.generator: RowRandom | None = None  # None: torch's global RNG, one draw a step
 
     @property
     def generated(self) -> list[int]:
@@ -199,7 +199,9 @@ class Engine:
                 s = _Seq(g, i, self._new_detok(p.skip_special_tokens), stop_ids)
                 if p.seed is not None:
                     # choice i of a seeded request draws from seed + i (choice 0 == the offline generate run)
-                    s.generator = torch.Generator(device=self.device).manual_seed(int(p.seed) + i)
+                    # (in BLOCKs, as offline generate draws them: sampling.RowRandom)
+                    gen = torch.Generator(device=self.device).manual_seed(int(p.seed) + i)
+                    s.generator = RowRandom(gen, self.device)
                 g.seqs.append(s)
                 self._waiting.append(s)
             self._groups[g.id] = g
