@@ -383,3 +383,32 @@ def test_a_seeded_row_samples_the_same_tokens_whatever_the_batch():
     assert [s[0] for s in mixed] == k_alone and [s[1] for s in mixed] == p_alone
     assert [s[1] for s in run([greedy, k_row], [2, 0])] == k_alone
     assert len(set(k_alone)) > 3 and len(set(p_alone)) > 3
+
+
+def test_graph_samplers_are_cached_per_kind_and_bounded():
+    """One captured sampler per kind of rows, reused while its kind comes back; past MAX_SAMPLERS the least
+    recently used is dropped, and the engine's step graphs stay (GraphSampler eager on a CPU, on a stand-in
+    for the engine's graph table)."""
+    from types import SimpleNamespace
+
+    from bitnetlm.generate import graph_sampler as gsm
+
+    st = SimpleNamespace(logits=torch.zeros(2, 50), tok=torch.zeros(2, 1, dtype=torch.long))
+    eng = SimpleNamespace(_graphs={(2, 0.0, 0, False, None): st}, ecfg=SimpleNamespace(max_seq_len=64))
+
+    def get(k):
+        return gsm.graph_sampler(eng, st, [SamplingParams(temperature=0.7, top_k=k)] * 2, 0)
+
+    first = get(1)
+    assert get(1) is first
+    for k in range(2, gsm.MAX_SAMPLERS + 1):
+        get(k)
+    assert get(1) is first  # used again: now the most recent
+    get(gsm.MAX_SAMPLERS + 1)  # one past the bound: top-k 2's, the least recently used, goes
+    kinds = [k for k in eng._graphs if k[0] == "sampler"]
+    assert len(kinds) == gsm.MAX_SAMPLERS and (2, 0.0, 0, False, None) in eng._graphs
+    assert get(1) is first and get(3) is get(3)
+    assert len([k for k in eng._graphs if k[0] == "sampler"]) == gsm.MAX_SAMPLERS
+    assert all(
+        k[2][1] != 2 for k in eng._graphs if k[0] == "sampler"
+    )  # (key[2] = RowTensors.key(): n, kmax, ...)

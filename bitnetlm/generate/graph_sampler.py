@@ -95,14 +95,22 @@ class GraphSampler:
         self.step.zero_()
 
 
+# Captured samplers kept per engine (each kind of rows -- batch size, top-k, flags -- has its own graph and memory
+# pool); past this many the least recently used one is dropped.
+MAX_SAMPLERS = 16
+
+
 def graph_sampler(eng, st, params: Sequence[SamplingParams], top_n: int) -> GraphSampler:
     """The engine's GraphSampler over the step state `st` for rows of this kind (captured on first use and
-    cached on the engine beside its step graphs)."""
+    cached on the engine beside its step graphs, the MAX_SAMPLERS most recently used)."""
     b, v = st.logits.shape
     bias = any(p.logit_bias for p in params)
     key = ("sampler", id(st), row_tensors(params, v, st.logits.device).key(), bias, top_n)
-    gs = eng._graphs.get(key)
+    gs = eng._graphs.pop(key, None)
     if gs is None:
         gs = GraphSampler(st.logits, st.tok, params, top_n, eng.ecfg.max_seq_len, bias)
-        eng._graphs[key] = gs
+        old = [k for k in eng._graphs if k[0] == "sampler"]
+        for k in old[: max(0, len(old) - MAX_SAMPLERS + 1)]:
+            del eng._graphs[k]
+    eng._graphs[key] = gs  # (re)inserted last: the dict's order is the order of use
     return gs

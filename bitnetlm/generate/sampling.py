@@ -189,15 +189,17 @@ class RowTensors:
     any_greedy: bool
 
     def key(self) -> tuple:
-        return (
-            self.n,
+        """What fixes the ops (and the shapes) a sampler runs: the static part of a captured sampler's kind."""
+        flags = (
+            self.cand,
+            self.some_k,
             self.scale,
             self.any_filter,
             self.need_p,
             self.all_k,
             self.all_greedy,
-            self.any_greedy,
         )
+        return (self.n, self.kmax, *flags, self.any_greedy)
 
 
 def row_tensors(params: Sequence[SamplingParams], v: int, device) -> RowTensors:

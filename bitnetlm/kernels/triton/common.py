@@ -297,7 +297,9 @@ def _argmax_key(m, idx, has_nan):
     made monotone, the low 32 the index's complement), so one atomic max over a row's tiles picks its argmax."""
     m = tl.where(m == 0.0, 0.0, m)  # -0.0 ties +0.0, as in a float comparison
     u = m.to(tl.uint32, bitcast=True)
-    hi = tl.where((u >> 31) != 0, ~u, u | 0x80000000)  # negatives reversed below the positives
+    # negatives reversed below the positives (u ^ 0xFFFFFFFF is ~u, both uint32: Triton 3.8's interpreter cannot
+    # invert an unsigned tensor)
+    hi = tl.where((u >> 31) != 0, u ^ 0xFFFFFFFF, u | 0x80000000)
     hi = tl.where(has_nan, 0xFFFFFFFF, hi)
     return (hi.to(tl.uint64) << 32) | (0xFFFFFFFF - idx.to(tl.uint32)).to(tl.uint64)
 
