@@ -190,16 +190,19 @@ class RowTensors:
 
     def key(self) -> tuple:
         """What fixes the ops (and the shapes) a sampler runs: the static part of a captured sampler's kind."""
-        flags = (
-            self.cand,
-            self.some_k,
-            self.scale,
-            self.any_filter,
-            self.need_p,
-            self.all_k,
-            self.all_greedy,
+        names = (
+            "n",
+            "kmax",
+            "cand",
+            "some_k",
+            "scale",
+            "any_filter",
+            "need_p",
+            "all_k",
+            "all_greedy",
+            "any_greedy",
         )
-        return (self.n, self.kmax, *flags, self.any_greedy)
+        return tuple(getattr(self, f) for f in names)
 
 
 def row_tensors(params: Sequence[SamplingParams], v: int, device) -> RowTensors:
