@@ -7,7 +7,10 @@ LLaMA-3 tokenizer (`.assets/llama3-tokenizer`): greedy and llama.cpp's default s
 of prompts of different lengths. Random weights: speed only, never quality.
 
     python benchmarks/gpu_generate.py [--dir DIR] [--prompt 128] [--tokens 256] [--batch 8]
-        [--head-dtype int8] [--kv-cache-dtype fp8] [--eager-tokens 0 (no eager rows)]
+        [--head-dtype int8] [--kv-cache-dtype fp8] [--eager-tokens 0 (no eager rows)] [--host-sampler]
+
+--host-sampler: the CUDA-graph rows sample on the host (`generate.graph.GRAPH_SAMPLER = False`, the path before
+stop 51) instead of in their captured sampler graph; run both in alternating processes for an A/B.
 
 Prints a markdown table naming the GPU.
 """
@@ -77,7 +80,12 @@ def main() -> int:
     )
     ap.add_argument("--head-dtype", default=None, help="int8: the engine's int8 LM head, as --head-dtype")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto (bf16) or fp8, as --kv-cache-dtype")
+    ap.add_argument("--host-sampler", action="store_true", help="the CUDA-graph rows sample on the host")
     a = ap.parse_args()
+    if a.host_sampler:
+        from bitnetlm.generate import graph as graph_mod
+
+        graph_mod.GRAPH_SAMPLER = False
     from make_checkpoint import write_checkpoint
 
     from bitnetlm.models.cache import parse_kv_cache_dtype
@@ -106,6 +114,8 @@ def main() -> int:
             for name, prompts in (("1 prompt", single), (f"{a.batch} prompts", batch)):
                 tps, total, ttft = run(model, tok, prompts, n_new, sampler, eager)
                 path = "eager forward (enforce_eager)" if eager else "CUDA graph (default)"
+                if a.host_sampler and not eager:
+                    path = "CUDA graph, host sampler"
                 rows.append((path, name, sampler, n_new, ttft, tps, total))
     p = torch.cuda.get_device_properties(0)
     print(
