@@ -293,7 +293,7 @@ def test_graph_sampler_ops_equal_the_host_sampler(rows):
     tokens, log-probabilities and top lists of `sample` with the same rows' streams, step for step. The graph
     samples every row each step; the host loop only the rows still running (rows 1 and 3 stop early)."""
     from bitnetlm.generate.graph_sampler import GraphSampler
-    from bitnetlm.generate.sampling import RowRandom
+    from bitnetlm.generate.sampling import RowRandom, row_tensors
 
     params = _mixed_params() if rows == "mixed" else _top_k_params()
     b, v, steps = len(params), 3 * 256 + 17, 30
@@ -304,9 +304,10 @@ def test_graph_sampler_ops_equal_the_host_sampler(rows):
     def streams():
         return [RowRandom(p.make_generator(), "cpu") for p in params]
 
-    gs = GraphSampler(logits, nxt, params, top_n=3, cap=64, bias=True)
+    t = row_tensors(params, v, "cpu")
+    gs = GraphSampler(logits, nxt, t, top_n=3, cap=64, bias=True)
     assert gs.t.cand == (rows == "top_k")
-    gs.load(params, streams(), ends)
+    gs.load(t, params, streams(), ends)
     host_rows = streams()
     seen = []
     for s in range(steps):
@@ -323,7 +324,8 @@ def test_graph_sampler_ops_equal_the_host_sampler(rows):
     assert (toks[:, 2] == 7).all()  # the biased greedy row
     assert len(set(toks[:, 0].tolist())) > 3 and len(set(toks[:, 1].tolist())) > 3  # really sampled
     with pytest.raises(ValueError, match="captured for"):
-        gs.load([SamplingParams(temperature=0)] * b, streams(), [steps] * b)
+        greedy = [SamplingParams(temperature=0)] * b
+        gs.load(row_tensors(greedy, v, "cpu"), greedy, streams(), [steps] * b)
 
 
 def test_top_k_rows_draw_from_the_processed_distribution():
@@ -392,12 +394,16 @@ def test_graph_samplers_are_cached_per_kind_and_bounded():
     from types import SimpleNamespace
 
     from bitnetlm.generate import graph_sampler as gsm
+    from bitnetlm.generate.sampling import RowRandom
 
     st = SimpleNamespace(logits=torch.zeros(2, 50), tok=torch.zeros(2, 1, dtype=torch.long))
     eng = SimpleNamespace(_graphs={(2, 0.0, 0, False, None): st}, ecfg=SimpleNamespace(max_seq_len=64))
 
     def get(k):
-        return gsm.graph_sampler(eng, st, [SamplingParams(temperature=0.7, top_k=k)] * 2, 0)
+        params = [SamplingParams(temperature=0.7, top_k=k, seed=0)] * 2
+        return gsm.graph_sampler(
+            eng, st, params, [RowRandom(p.make_generator(), "cpu") for p in params], [4, 4], 0
+        )
 
     first = get(1)
     assert get(1) is first

@@ -139,7 +139,9 @@ def run_graph(eng, rows, t0: float) -> Iterator:
     if GRAPH_SAMPLER and not any(r.params.needs_penalties for r in rows):
         from bitnetlm.generate.graph_sampler import graph_sampler
 
-        gs = graph_sampler(eng, st, [r.params for r in rows], top_n)  # (captured before the prefill too)
+        # captured before the prefill too; loaded with the rows' parameters and their draws
+        draws = [r.max_new for r in rows]
+        gs = graph_sampler(eng, st, [r.params for r in rows], [r.generator for r in rows], draws, top_n)
     logits = torch.stack([eng.prefill(r.ids, i) for i, r in enumerate(rows)])  # [B, V], a graph replay each
     st.pos.copy_(torch.tensor(lens, dtype=torch.int32))
     torch.cuda.synchronize(dev)
@@ -147,7 +149,6 @@ def run_graph(eng, rows, t0: float) -> Iterator:
     if gs is None:
         yield from _host_sampled(st, rows, logits, top_n, t0, prompt_tps)
     else:
-        gs.load([r.params for r in rows], [r.generator for r in rows], [r.max_new for r in rows])
         st.logits.copy_(logits)  # the prefill's logits: the first step's
         yield from _graph_sampled(st, gs, rows, top_n, t0, prompt_tps)
 

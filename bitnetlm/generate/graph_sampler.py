@@ -18,7 +18,7 @@ from bitnetlm.generate.sampling import (
     RowRandom,
     RowTensors,
     SamplingParams,
-    _row_tensor,
+    bias_tensors,
     choose,
     raw_logprobs,
     row_tensors,
@@ -33,11 +33,11 @@ class GraphSampler:
     input) and advances its draw index: all in `graph`, replayed by `run` once a step after `load` (on a CPU,
     where there are no graphs, `run` runs the ops)."""
 
-    def __init__(self, logits, next_tok, params: Sequence[SamplingParams], top_n: int, cap: int, bias: bool):
+    def __init__(self, logits, next_tok, t: RowTensors, top_n: int, cap: int, bias: bool):
         b, v = logits.shape
         dev = logits.device
         self.logits, self.next_tok, self.top_n = logits, next_tok, top_n
-        self.t: RowTensors = row_tensors(params, v, dev)  # static tensors; load() refreshes their values
+        self.t = t  # the rows' parameters (row_tensors on logits' device), refreshed in place by load()
         self.bias = torch.zeros((b, v), device=dev) if bias else None
         self.u = torch.zeros((b, cap), dtype=torch.float64, device=dev)  # row i's uniform of step s: u[i, s]
         self.step = torch.zeros((1,), dtype=torch.long, device=dev)
@@ -72,22 +72,26 @@ class GraphSampler:
         self.next_tok.copy_(tokens[:, None])
         self.step.add_(1)
 
-    def load(self, params: Sequence[SamplingParams], randoms: Sequence[RowRandom], n_draws: Sequence[int]):
-        """This call's rows: their parameters, and the next n_draws[i] uniforms of every sampled row's stream."""
-        b, v = self.logits.shape
-        fresh = row_tensors(params, v, self.logits.device)
-        if fresh.key() != self.t.key():
-            raise ValueError(f"GraphSampler: captured for {self.t.key()}, loaded with {fresh.key()}")
-        for f in _FIELDS:
-            getattr(self.t, f).copy_(getattr(fresh, f))
+    def load(
+        self,
+        t: RowTensors,
+        params: Sequence[SamplingParams],
+        randoms: Sequence[RowRandom],
+        n_draws: Sequence[int],
+    ):
+        """This call's rows: their parameters (t = row_tensors(params, ...)), and the next n_draws[i] uniforms of
+        every sampled row's stream."""
+        if t.key() != self.t.key():
+            raise ValueError(f"GraphSampler: captured for {self.t.key()}, loaded with {t.key()}")
+        if t is not self.t:
+            for f in _FIELDS:
+                getattr(self.t, f).copy_(getattr(t, f))
         if self.bias is not None:
             self.bias.zero_()
             for i, p in enumerate(params):
                 if p.logit_bias:
-                    if min(p.logit_bias) < 0 or max(p.logit_bias) >= v:
-                        raise ValueError(f"logit_bias token id out of range [0, {v}): {sorted(p.logit_bias)}")
-                    ids = _row_tensor(list(p.logit_bias), self.bias.device, torch.long)
-                    self.bias[i, ids] = _row_tensor(list(p.logit_bias.values()), self.bias.device)
+                    ids, vals = bias_tensors(p, self.bias.shape[1], self.bias.device)
+                    self.bias[i, ids] = vals
         self.u.zero_()
         for i, (p, r, n) in enumerate(zip(params, randoms, n_draws, strict=True)):
             if not p.greedy and n > 0:
@@ -100,17 +104,27 @@ class GraphSampler:
 MAX_SAMPLERS = 16
 
 
-def graph_sampler(eng, st, params: Sequence[SamplingParams], top_n: int) -> GraphSampler:
+def graph_sampler(
+    eng,
+    st,
+    params: Sequence[SamplingParams],
+    randoms: Sequence[RowRandom],
+    n_draws: Sequence[int],
+    top_n: int,
+) -> GraphSampler:
     """The engine's GraphSampler over the step state `st` for rows of this kind (captured on first use and
-    cached on the engine beside its step graphs, the MAX_SAMPLERS most recently used)."""
+    cached on the engine beside its step graphs, the MAX_SAMPLERS most recently used), loaded with these rows
+    (GraphSampler.load)."""
     b, v = st.logits.shape
     bias = any(p.logit_bias for p in params)
-    key = ("sampler", id(st), row_tensors(params, v, st.logits.device).key(), bias, top_n)
+    t = row_tensors(params, v, st.logits.device)
+    key = ("sampler", id(st), t.key(), bias, top_n)
     gs = eng._graphs.pop(key, None)
     if gs is None:
-        gs = GraphSampler(st.logits, st.tok, params, top_n, eng.ecfg.max_seq_len, bias)
+        gs = GraphSampler(st.logits, st.tok, t, top_n, eng.ecfg.max_seq_len, bias)
         old = [k for k in eng._graphs if k[0] == "sampler"]
         for k in old[: max(0, len(old) - MAX_SAMPLERS + 1)]:
             del eng._graphs[k]
     eng._graphs[key] = gs  # (re)inserted last: the dict's order is the order of use
+    gs.load(t, params, randoms, n_draws)
     return gs

@@ -246,11 +246,17 @@ def _penalised(logits, params, prompt_tokens, output_tokens) -> torch.Tensor:
     x = apply_penalties(x, params, prompt_tokens, output_tokens)
     for i, p in enumerate(params):
         if p.logit_bias:
-            if min(p.logit_bias) < 0 or max(p.logit_bias) >= v:
-                raise ValueError(f"logit_bias token id out of range [0, {v}): {sorted(p.logit_bias)}")
-            ids = _row_tensor(list(p.logit_bias), x.device, torch.long)
-            x[i, ids] += _row_tensor(list(p.logit_bias.values()), x.device, x.dtype)
+            ids, vals = bias_tensors(p, v, x.device)
+            x[i, ids] += vals
     return x
+
+
+def bias_tensors(p: SamplingParams, v: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """p.logit_bias as (token ids [n] long, biases [n] float32) on `device`, the ids checked against [0, v)."""
+    if min(p.logit_bias) < 0 or max(p.logit_bias) >= v:
+        raise ValueError(f"logit_bias token id out of range [0, {v}): {sorted(p.logit_bias)}")
+    ids = _row_tensor(list(p.logit_bias), device, torch.long)
+    return ids, _row_tensor(list(p.logit_bias.values()), device)
 
 
 def process_logits(
@@ -283,6 +289,14 @@ def filtered(x: torch.Tensor, t: RowTensors, full: bool = False) -> torch.Tensor
     return x.masked_fill(mask, float("-inf"))
 
 
+def _cut(remove: torch.Tensor, probs: torch.Tensor, t: RowTensors) -> None:
+    """top-p and min-p over probabilities [B, n] sorted descending: marks in `remove` [B, n] (in place) the tokens
+    past the smallest prefix whose mass reaches top_p (dropped once the mass before them does), and those below
+    min_p times the best one's probability."""
+    remove |= (probs.cumsum(dim=-1) - probs) >= t.top_p[:, None]
+    remove |= probs < t.min_p[:, None] * probs[:, :1]
+
+
 def _filter_mask_over(x: torch.Tensor, t: RowTensors, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """([B, V] bool, True = removed by top-k / top-p / min-p, from the n best tokens of each row; [B] bool: the
     cut provably lies inside the n, or None when it always does)."""
@@ -303,9 +317,7 @@ def _filter_mask_over(x: torch.Tensor, t: RowTensors, n: int) -> tuple[torch.Ten
         if not t.all_k:  # a row without top-k: all of V
             lse = torch.where(has_k, lse, x.logsumexp(dim=-1))
         probs = (masked - lse[:, None]).exp()  # [B, n]
-        # keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does
-        remove |= (probs.cumsum(dim=-1) - probs) >= t.top_p[:, None]
-        remove |= probs < t.min_p[:, None] * probs[:, :1]
+        _cut(remove, probs, t)
         if n < v and not t.all_k:
             # every token outside the candidates is removed too iff the candidates already hold top_p of
             # the mass, or the last candidate is already below the min-p threshold; else use the full sort
@@ -382,8 +394,7 @@ def _candidate_probs(x: torch.Tensor, t: RowTensors) -> tuple[torch.Tensor, torc
     if t.need_p:
         masked = vals.masked_fill(remove, float("-inf"))
         probs = (masked - masked.logsumexp(dim=-1, keepdim=True)).exp()  # over each row's top-k
-        remove |= (probs.cumsum(dim=-1) - probs) >= t.top_p[:, None]
-        remove |= probs < t.min_p[:, None] * probs[:, :1]
+        _cut(remove, probs, t)
         remove[:, 0] = False  # always keep the most likely token
     return torch.softmax(vals.masked_fill(remove, float("-inf")), dim=-1), order
 
@@ -415,8 +426,8 @@ def choose(x: torch.Tensor, t: RowTensors, u: torch.Tensor | None, full: bool = 
 
 def raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int = 0):
     """log p(token) [B] under the raw model distribution, and the top_n most likely (log-probabilities, ids)
-    [B, top_n] (None, None when top_n is 0). (log_softmax: one fused pass; a logsumexp, several, took a CPU
-    greedy step from 0.22 to 0.35 ms.)"""
+    [B, top_n] (None, None when top_n is 0). (log_softmax: one fused pass; with a logsumexp, several, a CPU
+    greedy step took 0.33-0.37 ms against 0.22-0.32, benchmarks/bench_generate.py, docs/PERF_LOG.md stop 51.)"""
     raw = torch.log_softmax(logits.float(), dim=-1)
     lp = raw.gather(1, tokens[:, None])[:, 0]
     if not top_n:
