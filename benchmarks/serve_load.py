@@ -7,6 +7,8 @@ request as soon as the previous one finished) and prints a markdown table naming
 
   python benchmarks/serve_load.py                       # tiny random model (weights random, numbers = overhead)
   python benchmarks/serve_load.py -m path/to/model --max-tokens 64 --requests 64
+  python benchmarks/serve_load.py -m DIR --device cuda --sampler llama   # llama.cpp's sampler defaults
+  python benchmarks/serve_load.py -m DIR --device cuda --host-sampler    # CUDA-graph rows, host sampler (A/B)
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # bitnetlm from this checkout (machine(), the tiny model)
 
 
 def machine(device: str | None = None) -> str:
@@ -54,11 +57,13 @@ def start_server(model: str, args, env_extra: dict) -> tuple[subprocess.Popen, s
     if args.enforce_eager:
         cmd += ["--enforce-eager"]
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
-    url = None
+    url, seen = None, []
     while url is None:
         line = proc.stderr.readline()
         if not line:
-            raise RuntimeError(f"server exited (rc={proc.poll()})")
+            tail = "".join(seen[-20:])
+            raise RuntimeError(f"server exited (rc={proc.wait()}); its stderr:\n{tail}")
+        seen.append(line)
         m = re.search(r"listening on (http://\S+)", line)
         url = m.group(1) if m else None
     threading.Thread(target=lambda: [sys.stderr.write(x) for x in proc.stderr], daemon=True).start()
@@ -72,9 +77,22 @@ def start_server(model: str, args, env_extra: dict) -> tuple[subprocess.Popen, s
     return proc, url
 
 
-async def one(client, url, prompt, max_tokens) -> tuple[float, float, int]:
+# request bodies' sampling settings: greedy, or llama.cpp's defaults (as benchmarks/gpu_generate.py)
+SAMPLERS = {
+    "greedy": {"temperature": 0},
+    "llama": {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05},
+}
+
+
+async def one(client, url, prompt, max_tokens, sampler="greedy") -> tuple[float, float, int]:
     """(ttft, total seconds, completion tokens) for one streaming request."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        **SAMPLERS[sampler],
+    }
     body["stream_options"] = {"include_usage": True}
     t0 = time.perf_counter()
     ttft, tokens = None, 0
@@ -92,7 +110,7 @@ async def one(client, url, prompt, max_tokens) -> tuple[float, float, int]:
     return ttft or 0.0, time.perf_counter() - t0, tokens
 
 
-async def level(url, concurrency, n_requests, prompts, max_tokens) -> dict:
+async def level(url, concurrency, n_requests, prompts, max_tokens, sampler="greedy") -> dict:
     import httpx
 
     queue = list(range(n_requests))
@@ -103,7 +121,7 @@ async def level(url, concurrency, n_requests, prompts, max_tokens) -> dict:
         async def worker():
             while queue:
                 i = queue.pop()
-                results.append(await one(client, url, prompts[i % len(prompts)], max_tokens))
+                results.append(await one(client, url, prompts[i % len(prompts)], max_tokens, sampler))
 
         t0 = time.perf_counter()
         await asyncio.gather(*[worker() for _ in range(concurrency)])
@@ -141,6 +159,14 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default=None)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--enforce-eager", action="store_true", help="CUDA: serve with the eager forward")
+    ap.add_argument(
+        "--sampler", choices=sorted(SAMPLERS), default="greedy", help="requests' sampling settings"
+    )
+    ap.add_argument(
+        "--host-sampler",
+        action="store_true",
+        help="CUDA: the graph rows sample on the host (BITNETLM_HOST_SAMPLER=1, the path before stop 52)",
+    )
     ap.add_argument("--json", action="store_true", help="also print the rows as JSON")
     args = ap.parse_args(argv)
 
@@ -149,7 +175,6 @@ def main(argv=None) -> int:
     label = model
     env_extra = {}
     if model is None:
-        sys.path.insert(0, str(ROOT))
         import bitnetlm
         from bitnetlm.serve.testing import tiny_model_and_tokenizer
 
@@ -163,12 +188,14 @@ def main(argv=None) -> int:
         "the quick brown fox jumps over the lazy dog while a single man in possession of a fortune".split()
     )
     prompts = [" ".join(words[(i + j) % len(words)] for j in range(args.prompt_words)) for i in range(64)]
+    if args.host_sampler:
+        env_extra["BITNETLM_HOST_SAMPLER"] = "1"
     proc, url = start_server(model, args, env_extra)
     rows = []
     try:
-        asyncio.run(level(url, 1, 2, prompts, 4))  # warm-up
+        asyncio.run(level(url, 1, 2, prompts, 4, args.sampler))  # warm-up
         for c in [int(x) for x in args.concurrency.split(",")]:
-            rows.append(asyncio.run(level(url, c, args.requests, prompts, args.max_tokens)))
+            rows.append(asyncio.run(level(url, c, args.requests, prompts, args.max_tokens, args.sampler)))
             print(f"  concurrency {c}: done", file=sys.stderr)
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -183,11 +210,14 @@ def main(argv=None) -> int:
         f"machine: {machine(args.device)}; device {args.device or 'auto'}; torch threads {args.threads or 'default'}"
     )
     path = "eager forward (--enforce-eager)" if args.enforce_eager else "CUDA graph where the device is CUDA"
+    if args.host_sampler:
+        path += ", host sampler"
     print(
         f"server --max-batch {args.max_batch}, {path}; {args.requests} streaming requests per row; ", end=""
     )
+    how = "greedy" if args.sampler == "greedy" else "llama.cpp defaults t0.8 k40 p.95 minp.05"
     print(
-        f"~{args.prompt_words}-word prompts, {args.max_tokens} completion tokens each (greedy, ignore_eos)\n"
+        f"~{args.prompt_words}-word prompts, {args.max_tokens} completion tokens each ({how}, ignore_eos)\n"
     )
     print(
         "| clients | requests | requests/s | TTFT p50 (ms) | TTFT p99 (ms) | output tokens/s | mean latency (s) |"

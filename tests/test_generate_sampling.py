@@ -418,3 +418,60 @@ def test_graph_samplers_are_cached_per_kind_and_bounded():
     assert all(
         k[2][1] != 2 for k in eng._graphs if k[0] == "sampler"
     )  # (key[2] = RowTensors.key(): n, kmax, ...)
+
+
+@pytest.mark.parametrize("bound", [64, 2])
+def test_continuous_sampler_rows_join_and_leave_in_their_streams(bound):
+    """The server's captured sampler (ContinuousSampler, eager on a CPU) over 40 steps of continuous batching:
+    occupants of every kind join rows (after a first token from the host sampler, as the server's prefill
+    gives it), leave, and the batch size follows the highest row in use (1, 2, 4). Each occupant's tokens,
+    log-probabilities and top lists equal the host sampler's for that row alone with its own stream, step for
+    step: a change of batch size or of the other rows' kinds never moves a row in its stream, nor does a
+    captured kind dropped from the cache (bound 2) and made again."""
+    from bitnetlm.generate.graph_sampler import ContinuousSampler
+    from bitnetlm.generate.sampling import RowRandom
+
+    v, steps = 2 * 256 + 33, 40
+    kinds = [
+        SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, logprobs=True, top_logprobs=2),
+        SamplingParams(temperature=0.7, top_p=0.9, logit_bias={5: 2.0, 9: -50.0}),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0, logprobs=True, top_logprobs=3),
+        SamplingParams(temperature=1.3, top_k=7),
+        SamplingParams(temperature=0, logit_bias={11: 100.0}),
+    ]
+    # (row, first step, last step, kind): row 0 hosts three occupants in turn, row 3 sets the batch to 4
+    plan = [(0, 0, 9, 0), (1, 2, 30, 1), (0, 10, 10, 3), (3, 5, 16, 4), (2, 8, 39, 2), (0, 12, 39, 5)]
+    plan += [(1, 31, 39, 3), (3, 20, 27, 0)]
+    cs = ContinuousSampler(4, v, cap=64, device="cpu", max_samplers=bound)
+    occ = []
+    for j, (row, a, z, kind) in enumerate(plan):
+        p = SamplingParams(**{**kinds[kind].__dict__, "seed": 10 + j, "max_tokens": z - a + 2})
+        mine, ref = RowRandom(p.make_generator(), "cpu"), RowRandom(p.make_generator(), "cpu")
+        first = _logits(1, v, seed=500 + j)
+        # the prefill's token (host sampler), before the row joins
+        assert torch.equal(sample(first, [p], [mine]).tokens, sample(first, [p], [ref]).tokens)
+        occ.append((row, a, z, p, mine, ref, object()))
+    drawn = {j: [] for j in range(len(plan))}
+    sizes = set()
+    for s in range(steps):
+        live = [o for o in occ if o[1] <= s <= o[2]]
+        b = next(n for n in (1, 2, 4) if n > max(o[0] for o in live))
+        sizes.add(b)
+        logits = _logits(b, v, seed=s) * 2
+        rows = {o[0]: (o[6], o[3], o[4], o[3].max_tokens - 1 - (s - o[1])) for o in live}
+        gs = cs.sample(logits, rows)
+        for row, _, _, p, _, ref, who in live:
+            k = p.top_logprobs if p.logprobs else 0
+            want = sample(logits[row : row + 1], [p], [ref], num_top_logprobs=k)
+            assert gs.tok[row] == want.tokens[0], (s, row)
+            torch.testing.assert_close(gs.lp[row : row + 1], want.logprobs)
+            if k:
+                assert torch.equal(gs.top_i[row, :k], want.top_ids[0])
+                torch.testing.assert_close(gs.top_v[row, :k], want.top_logprobs[0])
+            drawn[[o[6] for o in occ].index(who)].append(int(gs.tok[row]))
+    assert sizes == {1, 2, 4}
+    assert set(drawn[5]) == {11}  # the biased greedy row
+    assert 9 not in drawn[1] and len(set(drawn[1])) > 5  # -50 on token 9; really sampled
+    # several kinds were met, over the one Draws; at most `bound` are kept
+    assert len(cs.samplers) == bound if bound < 4 else len(cs.samplers) >= 4

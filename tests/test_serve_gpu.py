@@ -19,13 +19,17 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("eager", [False, True], ids=["cuda-graph", "eager"])
-def test_engine_on_cuda_matches_offline_generate(eager):
+@pytest.mark.parametrize("path", ["cuda-graph", "host-sampler", "eager"])
+def test_engine_on_cuda_matches_offline_generate(path, monkeypatch):
     """The server on its CUDA-graph rows (default; prompts prefilled in 16-token chunks, so most continue at
-    a position > 0) and on the eager forward, each against offline generate on the same path."""
+    a position > 0), the same rows with the host sampler (as before the captured one) and on the eager
+    forward, each against offline generate on the same path. The requests mix greedy rows, seeded sampled rows
+    with and without a top-k (and log-probabilities), and rows with a repetition penalty (the host sampler's
+    beside the captured one's, in the same steps)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")  # deselected in CI by -m "not gpu"
     from bitnetlm.generate import SamplingParams, generate
+    from bitnetlm.generate import graph as graph_mod
     from bitnetlm.serve.engine import Chunk, Engine, EngineConfig, Finished, GenerationRequest
     from bitnetlm.serve.testing import tiny_model_and_tokenizer
 
@@ -36,12 +40,18 @@ def test_engine_on_cuda_matches_offline_generate(eager):
         "the quick brown fox jumps over lazy dog truth universally acknowledged single man fortune".split()
     )
     prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 40))) for _ in range(32)]
+    kinds = [
+        dict(temperature=0),
+        dict(temperature=0.8),
+        dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, logprobs=True, top_logprobs=2),
+        dict(temperature=0.7, repetition_penalty=1.3),
+    ]
     params = [
-        SamplingParams(
-            max_tokens=rng.randint(8, 40), ignore_eos=True, temperature=0 if i % 2 else 0.8, seed=i
-        )
+        SamplingParams(max_tokens=rng.randint(8, 40), ignore_eos=True, seed=i, **kinds[i % 4])
         for i in range(32)
     ]
+    eager = path == "eager"
+    monkeypatch.setattr(graph_mod, "GRAPH_SAMPLER", path != "host-sampler")
     refs = [generate(model, tok, p, sp, enforce_eager=eager).tokens for p, sp in zip(prompts, params)]
     eng = Engine(model, tok, EngineConfig(max_batch=16, prefill_chunk=16, enforce_eager=eager))
     assert (eng.graph is None) == eager
@@ -59,6 +69,10 @@ def test_engine_on_cuda_matches_offline_generate(eager):
     for _ in range(32):
         assert done.acquire(timeout=300)
     eng.shutdown()
+    if path == "cuda-graph":  # the captured sampler ran, for several kinds of rows
+        assert eng.graph.sampler is not None and len(eng.graph.sampler.samplers) > 1
+    elif path == "host-sampler":
+        assert eng.graph.sampler is None
     bad = [i for i in range(32) if out[i] != refs[i]]
     for i in bad:
         j = next(k for k, (a, b) in enumerate(zip(out[i], refs[i])) if a != b)

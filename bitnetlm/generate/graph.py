@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections.abc import Iterator
 
@@ -120,9 +121,14 @@ def graph_engine(model, batch: int, seq: int):
     return new
 
 
-# Rows without penalties sample inside a captured graph of their own (graph_sampler.py); False: always the host
-# sampler, as before stop 51.
-GRAPH_SAMPLER = True
+# Rows without penalties sample inside a captured graph of their own (graph_sampler.py); False (or the environment's
+# BITNETLM_HOST_SAMPLER=1, for benchmarks' A/B of a server): always the host sampler, as before stop 51.
+GRAPH_SAMPLER = os.environ.get("BITNETLM_HOST_SAMPLER", "0") != "1"
+
+
+def graph_sampler_on() -> bool:
+    """Whether generate's and the server's CUDA-graph rows sample in a captured graph (GRAPH_SAMPLER)."""
+    return GRAPH_SAMPLER
 
 
 @torch.no_grad()
@@ -136,7 +142,7 @@ def run_graph(eng, rows, t0: float) -> Iterator:
     st = eng.logits_state(b, max_keys=max(lens) + max(r.max_new for r in rows))
     top_n = max(r.params.top_logprobs for r in rows)
     gs = None
-    if GRAPH_SAMPLER and not any(r.params.needs_penalties for r in rows):
+    if graph_sampler_on() and not any(r.params.needs_penalties for r in rows):
         from bitnetlm.generate.graph_sampler import graph_sampler
 
         # captured before the prefill too; loaded with the rows' parameters and their draws

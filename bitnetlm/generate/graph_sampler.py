@@ -10,7 +10,9 @@ with penalties keep the host sampler: those need the growing output on the host.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -27,20 +29,67 @@ from bitnetlm.generate.sampling import (
 _FIELDS = ("temps", "k", "top_p", "min_p", "filt", "greedy", "ck")
 
 
+@dataclass
+class Draws:
+    """Every row's uniforms and its place in them, and its logit_bias: what a sampler's replays read and advance,
+    kept apart from the samplers so that several (one per kind of rows) can share them."""
+
+    u: torch.Tensor  # [B, cap] float64: row i's uniform of its draw j is u[i, j]
+    step: torch.Tensor  # [B] long: row i's next draw
+    bias: torch.Tensor | None  # [B, V] float32 logit_bias (0 elsewhere), or None: no row has one
+
+    @classmethod
+    def new(cls, b: int, v: int, cap: int, device, bias: bool = True) -> Draws:
+        z = torch.zeros
+        return cls(
+            z((b, cap), dtype=torch.float64, device=device),
+            z((b,), dtype=torch.long, device=device),
+            z((b, v), device=device) if bias else None,
+        )
+
+    def rows(self, b: int) -> Draws:
+        """The first b rows (views: samplers of a smaller batch share the rows' draws)."""
+        return Draws(self.u[:b], self.step[:b], None if self.bias is None else self.bias[:b])
+
+    def load_row(self, i: int, p: SamplingParams, r: RowRandom | None, n: int) -> None:
+        """Row i from its next draw on: p's logit_bias and, for a sampled row, the next n uniforms of r."""
+        if self.bias is not None:
+            self.bias[i].zero_()
+        if p.logit_bias:
+            ids, vals = bias_tensors(p, self.bias.shape[1], self.bias.device)
+            self.bias[i, ids] = vals
+        self.u[i].zero_()
+        if not p.greedy and n > 0:
+            self.u[i, :n].copy_(r.take(n))
+        self.step[i] = 0
+
+
 class GraphSampler:
     """Samples one token for each of the B rows of `logits` [B, V] (a step graph's static output) into `tok`
     [B], `lp` [B] (and `top_v` / `top_i` [B, top_n]), writes them into `next_tok` [B, 1] (the step graph's
-    input) and advances its draw index: all in `graph`, replayed by `run` once a step after `load` (on a CPU,
-    where there are no graphs, `run` runs the ops)."""
+    input) and advances every row's draw index: all in `graph`, replayed by `run` once a step after `load` (on a
+    CPU, where there are no graphs, `run` runs the ops). `draws`: the rows' uniforms and biases, when shared with
+    other samplers (ContinuousSampler); else its own. `pool`: a CUDA graph memory pool shared with samplers that
+    are only ever replayed one after another on one stream (else one of its own)."""
 
-    def __init__(self, logits, next_tok, t: RowTensors, top_n: int, cap: int, bias: bool):
+    def __init__(
+        self,
+        logits,
+        next_tok,
+        t: RowTensors,
+        top_n: int,
+        cap: int,
+        bias: bool,
+        draws: Draws | None = None,
+        pool=None,
+    ):
         b, v = logits.shape
         dev = logits.device
         self.logits, self.next_tok, self.top_n = logits, next_tok, top_n
-        self.t = t  # the rows' parameters (row_tensors on logits' device), refreshed in place by load()
-        self.bias = torch.zeros((b, v), device=dev) if bias else None
-        self.u = torch.zeros((b, cap), dtype=torch.float64, device=dev)  # row i's uniform of step s: u[i, s]
-        self.step = torch.zeros((1,), dtype=torch.long, device=dev)
+        self.t = t  # the rows' parameters (row_tensors on logits' device), refreshed in place by set_params()
+        self.draws = draws if draws is not None else Draws.new(b, v, cap, dev, bias)
+        self.u, self.step = self.draws.u, self.draws.step
+        self.bias = self.draws.bias if bias else None
         self.tok = torch.zeros((b,), dtype=torch.long, device=dev)
         self.lp = torch.zeros((b,), dtype=torch.float32, device=dev)
         self.top_v = torch.zeros((b, top_n), dtype=torch.float32, device=dev)
@@ -49,7 +98,8 @@ class GraphSampler:
         if dev.type == "cuda":
             from bitnetlm.engine_cuda import capture
 
-            self.graph, _ = capture(self._body)
+            at = self.step.clone()  # the eager warm-up runs advance the (maybe shared) draw indices: undone
+            self.graph, _ = capture(self._body, before_capture=lambda: self.step.copy_(at), pool=pool)
 
     def run(self) -> None:
         if self.graph is None:
@@ -61,7 +111,8 @@ class GraphSampler:
         x = self.logits.float()
         if self.bias is not None:
             x = x + self.bias  # (the host sampler adds a row's few biases in place: the same sums)
-        u = self.u.index_select(1, self.step)[:, 0]  # [B]
+        # [B] each row's next uniform (a free row of the server's keeps stepping: clamped)
+        u = self.u.gather(1, self.step.clamp(max=self.u.shape[1] - 1)[:, None])[:, 0]
         tokens = choose(x, self.t, u, full=True)
         lp, top_v, top_i = raw_logprobs(self.logits, tokens, self.top_n)
         self.tok.copy_(tokens)
@@ -81,22 +132,17 @@ class GraphSampler:
     ):
         """This call's rows: their parameters (t = row_tensors(params, ...)), and the next n_draws[i] uniforms of
         every sampled row's stream."""
+        self.set_params(t)
+        for i, (p, r, n) in enumerate(zip(params, randoms, n_draws, strict=True)):
+            self.draws.load_row(i, p, r, n)
+
+    def set_params(self, t: RowTensors) -> None:
+        """The rows' parameters (row_tensors of this sampler's kind), into the tensors its ops read."""
         if t.key() != self.t.key():
             raise ValueError(f"GraphSampler: captured for {self.t.key()}, loaded with {t.key()}")
         if t is not self.t:
             for f in _FIELDS:
                 getattr(self.t, f).copy_(getattr(t, f))
-        if self.bias is not None:
-            self.bias.zero_()
-            for i, p in enumerate(params):
-                if p.logit_bias:
-                    ids, vals = bias_tensors(p, self.bias.shape[1], self.bias.device)
-                    self.bias[i, ids] = vals
-        self.u.zero_()
-        for i, (p, r, n) in enumerate(zip(params, randoms, n_draws, strict=True)):
-            if not p.greedy and n > 0:
-                self.u[i, :n].copy_(r.take(n))
-        self.step.zero_()
 
 
 # Captured samplers kept per engine (each kind of rows -- batch size, top-k, flags -- has its own graph and memory
@@ -119,12 +165,97 @@ def graph_sampler(
     bias = any(p.logit_bias for p in params)
     t = row_tensors(params, v, st.logits.device)
     key = ("sampler", id(st), t.key(), bias, top_n)
-    gs = eng._graphs.pop(key, None)
-    if gs is None:
-        gs = GraphSampler(st.logits, st.tok, t, top_n, eng.ecfg.max_seq_len, bias)
-        old = [k for k in eng._graphs if k[0] == "sampler"]
-        for k in old[: max(0, len(old) - MAX_SAMPLERS + 1)]:
-            del eng._graphs[k]
-    eng._graphs[key] = gs  # (re)inserted last: the dict's order is the order of use
+    gs = _cached(
+        eng._graphs,
+        key,
+        lambda: GraphSampler(st.logits, st.tok, t, top_n, eng.ecfg.max_seq_len, bias),
+        lambda k: k[0] == "sampler",
+    )
     gs.load(t, params, randoms, n_draws)
     return gs
+
+
+def _cached(cache: dict, key, make: Callable, counts: Callable = lambda k: True, bound: int = MAX_SAMPLERS):
+    """cache[key], made on first use; a dict's order is its order of use here, and past `bound` keys that
+    `counts` the least recently used go."""
+    gs = cache.pop(key, None)
+    if gs is None:
+        gs = make()
+        old = [k for k in cache if counts(k)]
+        for k in old[: max(0, len(old) - bound + 1)]:
+            del cache[k]
+    cache[key] = gs  # (re)inserted last
+    return gs
+
+
+GREEDY = SamplingParams(temperature=0.0)  # what a free row samples (nothing it draws, its token unseen)
+
+
+class ContinuousSampler:
+    """The captured sampler of continuous batching (the server's CUDA-graph rows, serve/graph_rows.py): rows whose
+    occupants join and leave between steps, decoded in batches of any captured size up to `max_batch`.
+
+    An occupant's draws (its RowRandom's next uniforms, as many as it may still sample) and its logit_bias are
+    loaded once, when it joins; every later step reads and advances them inside the replay. They live in one
+    `Draws` over max_batch rows that every captured kind (batch size, occupants' kinds of parameters) shares
+    through views, so a change of kind or of batch size never moves a row in its stream: a seeded request
+    samples what offline `generate` samples. Rows without an occupant sample as greedy, unseen.
+
+    The captured kinds share one memory pool (they replay one at a time on the server's one stream, and keep
+    nothing in it between replays): their memory is that of the largest, so up to `max_samplers` of them stay
+    (a server meets each batch size with several mixes of requests)."""
+
+    def __init__(self, max_batch: int, v: int, cap: int, device, dtype=torch.float32, max_samplers: int = 64):
+        self.v, self.cap, self.device = v, cap, torch.device(device)
+        self.x = torch.zeros((max_batch, v), dtype=dtype, device=device)  # the step's logits, copied in
+        # (the step graph's input is the server's to fill)
+        self.next_tok = torch.zeros((max_batch, 1), dtype=torch.long, device=device)
+        self.draws = Draws.new(max_batch, v, cap, device)
+        self.occupant: list[object | None] = [None] * max_batch
+        self.params: list[SamplingParams] = [GREEDY] * max_batch
+        self.samplers: OrderedDict = OrderedDict()  # (b, kind) -> GraphSampler
+        self._version = 0  # bumped when an occupant changes
+        self._set: tuple | None = None  # (version, b, sampler) of the last set_params
+        self.max_samplers = max_samplers
+        self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+
+    def sample(self, logits: torch.Tensor, rows: dict[int, tuple]) -> GraphSampler:
+        """One token for every row of `logits` [b, V]; rows maps a row to (occupant, SamplingParams, RowRandom,
+        draws it may still need), identified by the occupant (`is`): a new one is loaded, and a row missing
+        from `rows` samples as greedy. Returns the sampler whose tok / lp / top_v / top_i [b] hold the result
+        (device tensors, valid until the next call)."""
+        b = logits.shape[0]
+        for i in range(len(self.occupant)):
+            occ = rows.get(i)
+            who = None if occ is None else occ[0]
+            if who is self.occupant[i]:
+                continue
+            self.occupant[i] = who
+            self.params[i] = GREEDY if occ is None else occ[1]
+            self._version += 1
+            if occ is None:
+                self.draws.bias[i].zero_()
+            else:
+                self.draws.load_row(i, occ[1], occ[2], occ[3])
+        gs = self._sampler(b)
+        self.x[:b].copy_(logits)
+        gs.run()
+        return gs
+
+    def _sampler(self, b: int) -> GraphSampler:
+        if self._set is not None and self._set[:2] == (self._version, b):
+            return self._set[2]
+        params = self.params[:b]
+        t = row_tensors(params, self.v, self.device)
+        bias = any(p.logit_bias for p in params)
+        top_n = max((p.top_logprobs for p in params if p.logprobs), default=0)
+        x, nt, d = self.x[:b], self.next_tok[:b], self.draws.rows(b)
+        gs = _cached(
+            self.samplers,
+            (b, t.key(), bias, top_n),
+            lambda: GraphSampler(x, nt, t, top_n, self.cap, bias, d, self.pool),
+            bound=self.max_samplers,
+        )
+        gs.set_params(t)
+        self._set = (self._version, b, gs)
+        return gs

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from bitnetlm.generate.graph import graph_sampler_on
 from bitnetlm.generate.sampling import RowRandom, SamplingParams, sample
 from bitnetlm.serve.metrics import Metrics
 
@@ -115,7 +116,9 @@ class _Seq:
         self.last_token_at: float | None = None
         self.done = False
         self.finish_reason: str | None = None
-        self.generator: RowRandom | None = None  # None: torch's global RNG, one draw a step
+        # its uniforms (sampling.RowRandom over a seeded generator, or torch's global RNG), set by submit: the host
+        # sampler takes one a step, the CUDA-graph rows' sampler the rest of its budget once it decodes
+        self.generator: RowRandom | None = None
 
     @property
     def generated(self) -> list[int]:
@@ -197,11 +200,12 @@ class Engine:
             g = _Group(next(self._ids), req, sink, max_tokens)
             for i in range(req.n):
                 s = _Seq(g, i, self._new_detok(p.skip_special_tokens), stop_ids)
+                gen = None  # unseeded: torch's global RNG
                 if p.seed is not None:
                     # choice i of a seeded request draws from seed + i (choice 0 == the offline generate run)
                     # (in BLOCKs, as offline generate draws them: sampling.RowRandom)
                     gen = torch.Generator(device=self.device).manual_seed(int(p.seed) + i)
-                    s.generator = RowRandom(gen, self.device)
+                s.generator = RowRandom(gen, self.device)
                 g.seqs.append(s)
                 self._waiting.append(s)
             self._groups[g.id] = g
@@ -431,7 +435,17 @@ class Engine:
             logits = self.graph.decode(self._rows, dec, hi)  # [hi, V]
             for s in dec:
                 s.n_cached += 1
-            self._sample_and_emit([(s, logits[s.row]) for s in dec])
+            if not graph_sampler_on() or all(s.group.req.params.greedy for s in dec):
+                # (all greedy: the host's argmax is as fast, benchmarks/serve_load.py; greedy rows draw nothing)
+                self._sample_and_emit([(s, logits[s.row]) for s in dec])
+                return
+            # rows with penalties need their outputs on the host: the host sampler, the others a captured one
+            host = [s for s in dec if s.group.req.params.needs_penalties]
+            if host:
+                self._sample_and_emit([(s, logits[s.row]) for s in host])
+            cap = [s for s in dec if not s.group.req.params.needs_penalties]
+            if cap:
+                self._emit_sampled(cap, *self.graph.sample(cap))
             return
         ids = torch.zeros(hi, 1, dtype=torch.long)
         pos = torch.zeros(hi, 1, dtype=torch.long)
@@ -524,6 +538,7 @@ class Engine:
 
     # ---- sampling and output -------------------------------------------------------------------
     def _sample_and_emit(self, ready: list[tuple[_Seq, torch.Tensor]]) -> None:
+        """The host sampler (`sampling.sample`) over each sequence's logits [V], then its token out."""
         seqs = [s for s, _ in ready]
         params = [s.group.req.params for s in seqs]
         logits = torch.stack([lg for _, lg in ready])  # [R, V]
@@ -542,6 +557,11 @@ class Engine:
         lps = out.logprobs.tolist() if want_lp else None
         top_ids = out.top_ids.tolist() if k else None
         top_lps = out.top_logprobs.tolist() if k else None
+        self._emit_sampled(seqs, tokens, lps, top_ids, top_lps)
+
+    def _emit_sampled(self, seqs: list[_Seq], tokens, lps, top_ids, top_lps) -> None:
+        """Each sequence's sampled token (and log-probabilities, lists in the order of seqs) out to its client."""
+        params = [s.group.req.params for s in seqs]
         now = time.perf_counter()
         for i, s in enumerate(seqs):
             g = s.group

@@ -7,7 +7,10 @@ of one request, and one decode forward over rows [0, hi). Only the three tensor 
   a captured prefill (`CudaEngine.prefill`), later ones through `CudaEngine.forward` with row0 / start;
 - copy_prompt: a prefilled prompt's keys and values into a sibling's row;
 - decode: one replay of a captured step over the smallest captured batch that covers rows [0, hi), built for
-  the shortest key range that holds their contexts (`attention.key_range`: fewer attention splits while short).
+  the shortest key range that holds their contexts (`attention.key_range`: fewer attention splits while short);
+- sample: the decoded rows' next tokens through a captured sampler (`graph_sampler.ContinuousSampler`: one
+  replay over the step's logits, each row's draws loaded once, when it starts decoding) in place of the host
+  sampler's some 30 launches a step; rows with penalties stay on the host sampler (engine.py).
 
 Every batch size, and each short key range of it, is captured when the server starts, before any row holds a
 sequence: a capture's eager warm-up runs write KV slots 0-2 of each row. So is the prefill of the shortest
@@ -37,6 +40,8 @@ class GraphRows:
         from bitnetlm.kernels.triton.attention import key_ranges  # (Triton: only once a CUDA engine exists)
 
         self.sizes = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
+        self.logits = None  # the last decode step's logits [size, V] (all of its captured batch)
+        self.sampler = None  # graph_sampler.ContinuousSampler over max_batch rows, made on first use
         for b in self.sizes:  # capture now, while no row is in use: every size, and its short-context steps
             for keys in [0, *key_ranges()]:
                 eng.logits_state(b, max_keys=keys)
@@ -76,4 +81,32 @@ class GraphRows:
         st.tok.copy_(torch.tensor(toks, dtype=torch.long).pin_memory()[:, None], non_blocking=True)
         st.pos.copy_(torch.tensor(at, dtype=torch.int32).pin_memory(), non_blocking=True)
         st.graph.replay()
+        self.logits = st.logits
         return st.logits[:hi]
+
+    def sample(self, seqs: list) -> tuple[list[int], list[float], list | None, list | None]:
+        """The next token of each of `seqs` (sequences of the last `decode`, without penalties) from that step's
+        logits, through the captured sampler: (tokens, log-probabilities, top-logprob ids, top log-probabilities;
+        the last two None when no row asks for them), each a list in the order of `seqs`."""
+        from bitnetlm.generate.graph_sampler import ContinuousSampler
+
+        if self.sampler is None:
+            b, v = self.eng.ecfg.max_batch, self.logits.shape[1]
+            self.sampler = ContinuousSampler(b, v, self.eng.ecfg.max_seq_len, self.device, self.logits.dtype)
+        rows = {}
+        for s in seqs:
+            p = s.group.req.params
+            rows[s.row] = (s, p, s.generator, p.max_tokens - len(s.generated))  # the draws it may still need
+        gs = self.sampler.sample(self.logits, rows)
+        idx = (
+            torch.tensor([s.row for s in seqs], dtype=torch.long)
+            .pin_memory()
+            .to(self.device, non_blocking=True)
+        )
+        out = [gs.tok.index_select(0, idx), gs.lp.index_select(0, idx)]
+        if gs.top_n:
+            out += [gs.top_i.index_select(0, idx), gs.top_v.index_select(0, idx)]
+        host = [t.to("cpu", non_blocking=True) for t in out]  # (one sync for all of them below)
+        torch.cuda.current_stream(self.device).synchronize()
+        lists = [t.tolist() for t in host]
+        return (lists[0], lists[1], *(lists[2:] if gs.top_n else (None, None)))
