@@ -51,17 +51,25 @@ class Draws:
         """The first b rows (views: samplers of a smaller batch share the rows' draws)."""
         return Draws(self.u[:b], self.step[:b], None if self.bias is None else self.bias[:b])
 
-    def load_row(self, i: int, p: SamplingParams, r: RowRandom | None, n: int) -> None:
-        """Row i from its next draw on: p's logit_bias and, for a sampled row, the next n uniforms of r."""
-        if self.bias is not None:
-            self.bias[i].zero_()
+    def reset(self) -> None:
+        """Every row back to its first draw, with no uniforms and no bias."""
+        for t in (self.u, self.step, self.bias):
+            if t is not None:
+                t.zero_()
+
+    def load_row(self, i: int, p: SamplingParams, r: RowRandom | None, n: int, cleared: bool = False) -> None:
+        """Row i from its next draw on: p's logit_bias and, for a sampled row, the next n uniforms of r.
+        cleared: the row is already reset (a whole batch's load: one zeroing for all rows, not three a row)."""
+        if not cleared:
+            if self.bias is not None:
+                self.bias[i].zero_()
+            self.u[i].zero_()
+            self.step[i] = 0
         if p.logit_bias:
             ids, vals = bias_tensors(p, self.bias.shape[1], self.bias.device)
             self.bias[i, ids] = vals
-        self.u[i].zero_()
         if not p.greedy and n > 0:
             self.u[i, :n].copy_(r.take(n))
-        self.step[i] = 0
 
 
 class GraphSampler:
@@ -133,8 +141,9 @@ class GraphSampler:
         """This call's rows: their parameters (t = row_tensors(params, ...)), and the next n_draws[i] uniforms of
         every sampled row's stream."""
         self.set_params(t)
+        self.draws.reset()
         for i, (p, r, n) in enumerate(zip(params, randoms, n_draws, strict=True)):
-            self.draws.load_row(i, p, r, n)
+            self.draws.load_row(i, p, r, n, cleared=True)
 
     def set_params(self, t: RowTensors) -> None:
         """The rows' parameters (row_tensors of this sampler's kind), into the tensors its ops read."""

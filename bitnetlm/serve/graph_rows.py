@@ -98,15 +98,8 @@ class GraphRows:
             p = s.group.req.params
             rows[s.row] = (s, p, s.generator, p.max_tokens - len(s.generated))  # the draws it may still need
         gs = self.sampler.sample(self.logits, rows)
-        idx = (
-            torch.tensor([s.row for s in seqs], dtype=torch.long)
-            .pin_memory()
-            .to(self.device, non_blocking=True)
-        )
-        out = [gs.tok.index_select(0, idx), gs.lp.index_select(0, idx)]
-        if gs.top_n:
-            out += [gs.top_i.index_select(0, idx), gs.top_v.index_select(0, idx)]
+        out = [gs.tok, gs.lp, *((gs.top_i, gs.top_v) if gs.top_n else ())]  # every row's: picked on the host
         host = [t.to("cpu", non_blocking=True) for t in out]  # (one sync for all of them below)
         torch.cuda.current_stream(self.device).synchronize()
-        lists = [t.tolist() for t in host]
+        lists = [[v[s.row] for s in seqs] for v in (t.tolist() for t in host)]
         return (lists[0], lists[1], *(lists[2:] if gs.top_n else (None, None)))
