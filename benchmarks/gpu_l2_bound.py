@@ -1,13 +1,15 @@
 """How much of a decode step waits on DRAM for weights (device machine): an upper bound by L2-resident weights.
 
-    python benchmarks/gpu_l2_bound.py [--batches 1,8] [--rounds 2] [--context 512] [--max-keys 1024]
+    python benchmarks/gpu_l2_bound.py [--batches 1,8] [--rounds 2] [--context 512[,0]] [--max-keys 1024]
         [--head int8] [--kv-cache-dtype fp8]
 
 Random weights of the 2B4T shape. Times the captured decode step (ms/step, `step_tune.step_ms`) as it is, then
 with every layer reading layer 0's projection weights (17 MB, which stay in L2 from layer to layer), with that
-and the attention's L2 prefetch off, and with only the MLP's weights shared. The shared steps compute other
-numbers (the weights differ) through the same kernels and shapes, so their time is what the step would take if
-no weight read missed L2: the gap to the real step is all that any weight prefetch can still win.
+and the attention's L2 prefetch off, with only the MLP's weights shared, and with every layer reading and writing
+layer 0's KV cache (its own weights: at batch 8 and 512 keys a float8 layer's K/V are 5.2 MB, which stay in L2).
+The shared steps compute other numbers (the weights or caches differ) through the same kernels and shapes, so
+their time is what the step would take if no weight (or K/V) read missed L2: the gap to the real step is all that
+any weight (or K/V) prefetch can still win.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--context", default="512", help="keys already cached, comma-separated")
     ap.add_argument("--max-keys", type=int, default=1024)
     ap.add_argument("--head", default="int8", help="LM head: fp (bf16) or int8")
     ap.add_argument("--kv-cache-dtype", default="fp8", help="auto (bf16), bf16 or fp8")
@@ -35,31 +37,38 @@ def main() -> int:
     from bitnetlm.kernels.triton.step_tune import step_ms
 
     batches = [int(b) for b in args.batches.split(",")]
-    eng = random_engine(max(batches), args.context + 200, args.head, args.kv_cache_dtype)
+    contexts = [int(c) for c in args.context.split(",")]
+    eng = random_engine(max(batches), max(contexts) + 200, args.head, args.kv_cache_dtype)
     own = list(eng.layers)
     l0 = own[0]
     shared = [dataclasses.replace(L, qkv=l0.qkv, o=l0.o, gate_up=l0.gate_up, down=l0.down) for L in own]
     mlp = [dataclasses.replace(L, gate_up=l0.gate_up, down=l0.down) for L in own]
-    variants = (  # (name, layers, the attention's prefetch override: -1 its table, 0 none)
-        ("own weights", own, -1),
-        ("every layer layer 0's", shared, -1),
-        ("every layer layer 0's, no attention prefetch", shared, 0),
-        ("MLP weights layer 0's", mlp, -1),
+    kv_own = (eng.k_cache, eng.v_cache)
+    kv_l0 = ([eng.k_cache[0]] * len(own), [eng.v_cache[0]] * len(own))
+    variants = (  # (name, layers, KV caches, the attention's prefetch override: -1 its table, 0 none)
+        ("own weights", own, kv_own, -1),
+        ("every layer layer 0's", shared, kv_own, -1),
+        ("every layer layer 0's, no attention prefetch", shared, kv_own, 0),
+        ("MLP weights layer 0's", mlp, kv_own, -1),
+        ("KV cache layer 0's", own, kv_l0, -1),
     )
-    print(f"GPU: {gpu_name()}; head {args.head}, KV cache {args.kv_cache_dtype}, context {args.context}")
-    print("\n| batch | round | " + " | ".join(v[0] for v in variants) + " |")
-    print("| ---: | ---: |" + " ---: |" * len(variants))
+    print(f"GPU: {gpu_name()}; head {args.head}, KV cache {args.kv_cache_dtype}, contexts {args.context}")
+    print("\n| batch | context | round | " + " | ".join(v[0] for v in variants) + " |")
+    print("| ---: | ---: | ---: |" + " ---: |" * len(variants))
     saved = attention.ATTN_PF_PROGRAMS
     try:
         for b in batches:
-            for r in range(args.rounds):
-                row = []
-                for _, layers, pf in variants:
-                    eng.layers, attention.ATTN_PF_PROGRAMS = layers, pf
-                    row.append(step_ms(eng, b, args.context, args.max_keys, reps=100, tries=1))
-                print(f"| {b} | {r + 1} | " + " | ".join(f"{ms:.3f}" for ms in row) + " |", flush=True)
+            for c in contexts:
+                for r in range(args.rounds):
+                    row = []
+                    for _, layers, kv, pf in variants:
+                        eng.layers, (eng.k_cache, eng.v_cache), attention.ATTN_PF_PROGRAMS = layers, kv, pf
+                        row.append(step_ms(eng, b, c, args.max_keys, reps=100, tries=1))
+                    print(
+                        f"| {b} | {c} | {r + 1} | " + " | ".join(f"{ms:.3f}" for ms in row) + " |", flush=True
+                    )
     finally:
-        eng.layers, attention.ATTN_PF_PROGRAMS = own, saved
+        eng.layers, (eng.k_cache, eng.v_cache), attention.ATTN_PF_PROGRAMS = own, kv_own, saved
     return 0
 
 

@@ -9,6 +9,7 @@ request as soon as the previous one finished) and prints a markdown table naming
   python benchmarks/serve_load.py -m path/to/model --max-tokens 64 --requests 64
   python benchmarks/serve_load.py -m DIR --device cuda --sampler llama   # llama.cpp's sampler defaults
   python benchmarks/serve_load.py -m DIR --device cuda --host-sampler    # CUDA-graph rows, host sampler (A/B)
+  python benchmarks/serve_load.py -m DIR --device cuda --no-pipeline     # each step's tokens read first (A/B)
 """
 
 from __future__ import annotations
@@ -167,6 +168,11 @@ def main(argv=None) -> int:
         action="store_true",
         help="CUDA: the graph rows sample on the host (BITNETLM_HOST_SAMPLER=1, the path before stop 52)",
     )
+    ap.add_argument(
+        "--no-pipeline",
+        action="store_true",
+        help="CUDA: read each step's tokens before queueing the next (BITNETLM_SERVE_PIPELINE=0, before stop 53)",
+    )
     ap.add_argument("--json", action="store_true", help="also print the rows as JSON")
     args = ap.parse_args(argv)
 
@@ -190,6 +196,8 @@ def main(argv=None) -> int:
     prompts = [" ".join(words[(i + j) % len(words)] for j in range(args.prompt_words)) for i in range(64)]
     if args.host_sampler:
         env_extra["BITNETLM_HOST_SAMPLER"] = "1"
+    if args.no_pipeline:
+        env_extra["BITNETLM_SERVE_PIPELINE"] = "0"
     proc, url = start_server(model, args, env_extra)
     rows = []
     try:
@@ -212,6 +220,8 @@ def main(argv=None) -> int:
     path = "eager forward (--enforce-eager)" if args.enforce_eager else "CUDA graph where the device is CUDA"
     if args.host_sampler:
         path += ", host sampler"
+    if args.no_pipeline:
+        path += ", no pipelining"
     print(
         f"server --max-batch {args.max_batch}, {path}; {args.requests} streaming requests per row; ", end=""
     )

@@ -399,3 +399,18 @@ def test_cors_only_for_given_origins(mt):
             h.url + "/v1/models", headers={"Origin": "http://ok.example", "Authorization": "Bearer k"}
         )
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ok.example"
+
+
+def test_a_stream_event_is_one_line_for_line_splitting_clients():
+    """A token's text may hold U+0085, U+2028 or U+2029, which JSON leaves raw and str.splitlines (httpx's
+    aiter_lines, which many SSE clients read with) breaks lines at: each event must stay one data line."""
+    import json
+
+    from bitnetlm.serve.app import _sse
+
+    obj = {"choices": [{"text": "a\u2028b\x85c\u2029d\ne\x1c f\u00e9"}]}
+    ev = _sse(obj)
+    lines = ev.splitlines()
+    assert lines[0].startswith("data: ") and lines[1:] == [""] and ev.endswith("\n\n")
+    assert json.loads(lines[0][len("data: ") :]) == obj
+    assert "\u00e9" in lines[0]  # other non-ASCII text stays raw

@@ -19,17 +19,20 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("path", ["cuda-graph", "host-sampler", "eager"])
+@pytest.mark.parametrize("path", ["cuda-graph", "pipelined", "no-pipeline", "host-sampler", "eager"])
 def test_engine_on_cuda_matches_offline_generate(path, monkeypatch):
     """The server on its CUDA-graph rows (default; prompts prefilled in 16-token chunks, so most continue at
     a position > 0), the same rows with the host sampler (as before the captured one) and on the eager
     forward, each against offline generate on the same path. The requests mix greedy rows, seeded sampled rows
     with and without a top-k (and log-probabilities), and rows with a repetition penalty (the host sampler's
-    beside the captured one's, in the same steps)."""
+    beside the captured one's, in the same steps: those steps are not pipelined). "pipelined" / "no-pipeline":
+    no penalties, so every decode step is queued before the last one's tokens are read (or, for the A/B, not),
+    and a third of the requests end at a stop token, one step after their last step was queued."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")  # deselected in CI by -m "not gpu"
     from bitnetlm.generate import SamplingParams, generate
     from bitnetlm.generate import graph as graph_mod
+    from bitnetlm.serve import graph_rows
     from bitnetlm.serve.engine import Chunk, Engine, EngineConfig, Finished, GenerationRequest
     from bitnetlm.serve.testing import tiny_model_and_tokenizer
 
@@ -46,13 +49,21 @@ def test_engine_on_cuda_matches_offline_generate(path, monkeypatch):
         dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, logprobs=True, top_logprobs=2),
         dict(temperature=0.7, repetition_penalty=1.3),
     ]
+    stops = path in ("pipelined", "no-pipeline")
+    if stops:
+        kinds = kinds[:3]
     params = [
-        SamplingParams(max_tokens=rng.randint(8, 40), ignore_eos=True, seed=i, **kinds[i % 4])
+        SamplingParams(max_tokens=rng.randint(8, 40), ignore_eos=True, seed=i, **kinds[i % len(kinds)])
         for i in range(32)
     ]
     eager = path == "eager"
     monkeypatch.setattr(graph_mod, "GRAPH_SAMPLER", path != "host-sampler")
+    monkeypatch.setattr(graph_rows, "PIPELINE", path != "no-pipeline")
     refs = [generate(model, tok, p, sp, enforce_eager=eager).tokens for p, sp in zip(prompts, params)]
+    if stops:  # every third request stops at the token it samples halfway
+        for i in range(0, 32, 3):
+            params[i].stop_token_ids = [refs[i][len(refs[i]) // 2]]
+            refs[i] = generate(model, tok, prompts[i], params[i], enforce_eager=eager).tokens
     eng = Engine(model, tok, EngineConfig(max_batch=16, prefill_chunk=16, enforce_eager=eager))
     assert (eng.graph is None) == eager
     out = {i: [] for i in range(32)}
@@ -69,13 +80,23 @@ def test_engine_on_cuda_matches_offline_generate(path, monkeypatch):
     for _ in range(32):
         assert done.acquire(timeout=300)
     eng.shutdown()
-    if path == "cuda-graph":  # the captured sampler ran, for several kinds of rows
+    if path in (
+        "cuda-graph",
+        "pipelined",
+        "no-pipeline",
+    ):  # the captured sampler ran, for several kinds of rows
         assert eng.graph.sampler is not None and len(eng.graph.sampler.samplers) > 1
     elif path == "host-sampler":
         assert eng.graph.sampler is None
+    if stops:  # steps queued before the last one's tokens were read: only when pipelining
+        assert (eng.graph.overlapped > 0) == (path == "pipelined"), eng.graph.overlapped
+    if stops:
+        assert sum(len(refs[i]) < params[i].max_tokens for i in range(0, 32, 3)) >= 8
     bad = [i for i in range(32) if out[i] != refs[i]]
     for i in bad:
-        j = next(k for k, (a, b) in enumerate(zip(out[i], refs[i])) if a != b)
+        j = next(
+            (k for k, (a, b) in enumerate(zip(out[i], refs[i])) if a != b), min(len(out[i]), len(refs[i]))
+        )
         print(
             f"request {i} (temperature {params[i].temperature}): first difference at token {j} of {len(refs[i])}"
         )

@@ -95,8 +95,13 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
+# Characters that str.splitlines (and so httpx's aiter_lines) breaks a line at, which JSON leaves raw outside ASCII:
+# escaped, so that a data line holding one (a sampled token's text can) stays one line for every SSE client.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
 class _Run:

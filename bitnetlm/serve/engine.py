@@ -7,7 +7,8 @@ Each engine step:
   3. prefills admitted prompts one row at a time, `prefill_chunk` tokens per step in total, through a
      one-row view of the shared cache (a slice, so the forward writes straight into the shared tensors);
   4. decodes one token for every row whose prompt is in the cache, in one forward over rows [0, hi) where
-     rows that are free or still prefilling take a masked padding token.
+     rows that are free or still prefilling take a masked padding token. On CUDA-graph rows the step is queued
+     before the host reads the previous step's tokens, which it then sends (graph_rows.py, Pipelining).
 Callers (the HTTP layer) never touch tensors: they submit token ids + sampling settings and receive plain
 Python events (text deltas, token ids, logprobs, usage) through a callback that the worker invokes.
 """
@@ -21,14 +22,25 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from bitnetlm.generate.graph import graph_sampler_on
-from bitnetlm.generate.sampling import RowRandom, SamplingParams, sample
+from bitnetlm.generate.sampling import RowRandom, sample
 from bitnetlm.serve.metrics import Metrics
+from bitnetlm.serve.requests import (  # (the request and event types, also imported from here)
+    Chunk,
+    ContextTooLong,
+    EngineClosed,
+    Failed,
+    Finished,
+    GenerationRequest,
+    QueueFull,
+    _Group,
+    _Seq,
+)
 
 log = logging.getLogger("bitnetlm.serve")
 
@@ -43,86 +55,6 @@ class EngineConfig:
     prefill_chunk: int = 512  # prompt tokens prefilled per engine step (bounds decode stalls)
     enforce_eager: bool = False  # CUDA: the model's eager forward, not the graph engine (graph_rows.py)
     retry_after_s: int = 1  # Retry-After sent with 429
-
-
-@dataclass
-class GenerationRequest:
-    """Token ids in, `n` independent choices out; `params.max_tokens` must fit the context (see submit)."""
-
-    prompt_ids: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    n: int = 1
-
-
-@dataclass
-class Chunk:
-    """New output of choice `index`: text delta, the token ids behind it, logprob entries, finish reason."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict] | None = None
-    finish_reason: str | None = None
-
-
-@dataclass
-class Finished:
-    prompt_tokens: int
-    completion_tokens: int
-
-
-@dataclass
-class Failed:
-    message: str
-    status: int = 500
-
-
-class QueueFull(Exception):
-    def __init__(self, retry_after: int):
-        super().__init__("server busy: the request queue is full")
-        self.retry_after = retry_after
-
-
-class ContextTooLong(ValueError):
-    pass
-
-
-class EngineClosed(Exception):
-    pass
-
-
-class _Group:
-    def __init__(self, gid: int, req: GenerationRequest, sink: Callable[[Any], None], max_tokens: int):
-        self.id, self.req, self.sink, self.max_tokens = gid, req, sink, max_tokens
-        self.seqs: list[_Seq] = []
-        self.arrival = time.perf_counter()
-        self.first_token_at: float | None = None
-        self.remaining = req.n
-        self.completion_tokens = 0
-        self.cancelled = False
-
-
-class _Seq:
-    def __init__(self, group: _Group, index: int, detok, stop_ids: set[int]):
-        self.group, self.index = group, index
-        self.tokens = list(group.req.prompt_ids)  # prompt + generated
-        self.n_prompt = len(self.tokens)
-        self.n_cached = 0  # tokens whose k/v are in the cache row
-        self.row: int | None = None
-        self.detok = detok
-        self.stop_ids = stop_ids
-        self.text = ""  # generated text up to (not including) a stop string
-        self.sent = 0  # characters of self.text already emitted
-        self.last_token_at: float | None = None
-        self.done = False
-        self.finish_reason: str | None = None
-        # its uniforms (sampling.RowRandom over a seeded generator, or torch's global RNG), set by submit: the host
-        # sampler takes one a step, the CUDA-graph rows' sampler the rest of its budget once it decodes
-        self.generator: RowRandom | None = None
-
-    @property
-    def generated(self) -> list[int]:
-        return self.tokens[self.n_prompt :]
 
 
 class Engine:
@@ -353,6 +285,8 @@ class Engine:
         return out
 
     def _fail_running(self, message: str) -> None:
+        if self.graph is not None:
+            self.graph.inflight = None  # (its sequences fail below)
         groups = {s.group.id: s.group for s in self._rows.values()}
         for s in list(self._rows.values()):
             s.done = True
@@ -428,25 +362,12 @@ class Engine:
             self._sample_and_emit(ready)
         # decode: every row with exactly one pending (uncached) token
         dec = [s for s in self._rows.values() if not s.done and s.n_cached == len(s.tokens) - 1]
+        if self.graph is not None:
+            self._graph_decode(dec)
+            return
         if not dec:
             return
         hi = max(s.row for s in dec) + 1
-        if self.graph is not None:
-            logits = self.graph.decode(self._rows, dec, hi)  # [hi, V]
-            for s in dec:
-                s.n_cached += 1
-            if not graph_sampler_on() or all(s.group.req.params.greedy for s in dec):
-                # (all greedy: the host's argmax is as fast, benchmarks/serve_load.py; greedy rows draw nothing)
-                self._sample_and_emit([(s, logits[s.row]) for s in dec])
-                return
-            # rows with penalties need their outputs on the host: the host sampler, the others a captured one
-            host = [s for s in dec if s.group.req.params.needs_penalties]
-            if host:
-                self._sample_and_emit([(s, logits[s.row]) for s in host])
-            cap = [s for s in dec if not s.group.req.params.needs_penalties]
-            if cap:
-                self._emit_sampled(cap, *self.graph.sample(cap))
-            return
         ids = torch.zeros(hi, 1, dtype=torch.long)
         pos = torch.zeros(hi, 1, dtype=torch.long)
         mask = torch.zeros(hi, 1, dtype=torch.bool)
@@ -470,6 +391,64 @@ class Engine:
         for s in dec:
             s.n_cached += 1
         self._sample_and_emit([(s, logits[s.row, -1]) for s in dec])
+
+    def _graph_decode(self, dec: list[_Seq]) -> None:
+        """The decode of CUDA-graph rows: `dec` and the sequences of the step in flight that go on (graph_rows.py,
+        Pipelining), queued before the host reads that step's tokens; rows with penalties need every step's
+        outputs on the host (the host sampler): then each step's tokens are read before the next is queued."""
+        from bitnetlm.serve import graph_rows
+
+        g = self.graph
+        fly = g.inflight
+        carried = (
+            [s for s in fly.seqs if not s.done and len(s.generated) + 1 < s.group.max_tokens] if fly else []
+        )
+        run = dec + carried
+        if (
+            graph_rows.PIPELINE
+            and graph_sampler_on()
+            and not any(s.group.req.params.needs_penalties for s in run)
+        ):
+            if run:
+                g.decode(self._rows, run, max(s.row for s in run) + 1, carried)
+                for s in run:
+                    s.n_cached += 1
+                g.inflight = g.sample_async(run)
+                g.overlapped += fly is not None
+            # the last step's tokens out while the GPU runs this one (a row they end wasted its token here)
+            if fly is not None:
+                if not run:
+                    g.inflight = None
+                self._emit_collected(g.collect(fly))
+            return
+        if fly is not None:  # read the step in flight first: its rows decode below
+            g.inflight = None
+            self._emit_collected(g.collect(fly))
+            dec = [s for s in self._rows.values() if not s.done and s.n_cached == len(s.tokens) - 1]
+        if not dec:
+            return
+        logits = g.decode(self._rows, dec, max(s.row for s in dec) + 1)  # [hi, V]
+        for s in dec:
+            s.n_cached += 1
+        if not graph_sampler_on() or all(s.group.req.params.greedy for s in dec):
+            # (all greedy: the host's argmax is as fast, benchmarks/serve_load.py; greedy rows draw nothing)
+            self._sample_and_emit([(s, logits[s.row]) for s in dec])
+            return
+        # rows with penalties need their outputs on the host: the host sampler, the others a captured one
+        host = [s for s in dec if s.group.req.params.needs_penalties]
+        if host:
+            self._sample_and_emit([(s, logits[s.row]) for s in host])
+        cap = [s for s in dec if not s.group.req.params.needs_penalties]
+        if cap:
+            self._emit_sampled(cap, *g.sample(cap))
+
+    def _emit_collected(self, got: tuple) -> None:
+        """`GraphRows.collect`'s tokens out, but for sequences that ended (or were cancelled) since."""
+        seqs, *cols = got
+        keep = [i for i, s in enumerate(seqs) if not s.done]
+        if keep:
+            pick = [None if c is None else [c[i] for i in keep] for c in cols]
+            self._emit_sampled([seqs[i] for i in keep], *pick)
 
     @staticmethod
     def _sibling_prefilling(s: _Seq, plan) -> bool:

@@ -12,6 +12,12 @@ of one request, and one decode forward over rows [0, hi). Only the three tensor 
   replay over the step's logits, each row's draws loaded once, when it starts decoding) in place of the host
   sampler's some 30 launches a step; rows with penalties stay on the host sampler (engine.py).
 
+Pipelining (PIPELINE): a step's sampled tokens stay on the device and feed the next step (`decode`'s carried
+rows), which the engine queues before it reads them (`sample_async`, then `collect`), so the host's work on one
+step's tokens (detokenizing, stop strings, events to the clients) overlaps the GPU's next step, as in
+`generate`'s loop. A row that the tokens read then end (a stop token or string) has decoded one token too many,
+which nobody reads: its cache row attends to slots 0..pos only, and a new occupant starts from its prefill.
+
 Every batch size, and each short key range of it, is captured when the server starts, before any row holds a
 sequence: a capture's eager warm-up runs write KV slots 0-2 of each row. So is the prefill of the shortest
 prompts: a GEMM shape the tuner meets for the first time on a GPU costs seconds of timing, better spent before
@@ -28,9 +34,27 @@ thread never shares its KV cache.
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 
 from bitnetlm.engine_cuda import PREFILL_ALIGN
+
+# Queue each step before reading the last one's tokens (engine.py); BITNETLM_SERVE_PIPELINE=0 (benchmarks' A/B):
+# read every step's tokens before the next is queued.
+PIPELINE = os.environ.get("BITNETLM_SERVE_PIPELINE", "1") != "0"
+
+
+@dataclass
+class Pending:
+    """A queued step's sampled tokens on their way to the host: `collect` reads them."""
+
+    seqs: list
+    rows: list[int]  # their rows then (a sequence that ends gives its row back before its last step is read)
+    host: list  # tok, lp[, top_i, top_v] [size] pinned host tensors, filled by the copies before `done`
+    done: torch.cuda.Event
+    top_n: int
 
 
 class GraphRows:
@@ -42,6 +66,8 @@ class GraphRows:
         self.sizes = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
         self.logits = None  # the last decode step's logits [size, V] (all of its captured batch)
         self.sampler = None  # graph_sampler.ContinuousSampler over max_batch rows, made on first use
+        self.inflight: Pending | None = None  # the queued step whose tokens the host has not read (engine.py)
+        self.overlapped = 0  # steps queued before the last one's tokens were read
         for b in self.sizes:  # capture now, while no row is in use: every size, and its short-context steps
             for keys in [0, *key_ranges()]:
                 eng.logits_state(b, max_keys=keys)
@@ -67,9 +93,10 @@ class GraphRows:
         for c in self.eng.k_cache + self.eng.v_cache:
             c[dst, :, :n] = c[src, :, :n]
 
-    def decode(self, rows: dict, dec: list, hi: int) -> torch.Tensor:
-        """One step of rows [0, hi): each sequence of `dec` feeds its last token at its next slot; the other
-        rows (free, prefilling) feed token 0 at their next free slot -> logits [hi, V]."""
+    def decode(self, rows: dict, dec: list, hi: int, carried: tuple = ()) -> torch.Tensor:
+        """One step of rows [0, hi): each sequence of `dec` feeds its last token at its next slot, those also in
+        `carried` the token the last `sample_async` left on the device; the other rows (free, prefilling) feed
+        token 0 at their next free slot -> logits [hi, V]."""
         size = next(s for s in self.sizes if s >= hi)
         toks, at = [0] * size, [0] * size
         for r, s in rows.items():
@@ -78,8 +105,13 @@ class GraphRows:
         st = self.eng.logits_state(size, max_keys=max(at) + 1)  # a captured one: each size's ranges exist
         for s in dec:
             toks[s.row] = s.tokens[-1]
+        for s in carried:
+            toks[s.row] = -1  # (its token is the sampler's, below)
         st.tok.copy_(torch.tensor(toks, dtype=torch.long).pin_memory()[:, None], non_blocking=True)
         st.pos.copy_(torch.tensor(at, dtype=torch.int32).pin_memory(), non_blocking=True)
+        if carried:  # the rows of the last sample (all below its batch size) from its output [b, 1]
+            nt = self.sampler.next_tok[:size]
+            torch.where(st.tok < 0, nt, st.tok, out=st.tok)
         st.graph.replay()
         self.logits = st.logits
         return st.logits[:hi]
@@ -88,6 +120,11 @@ class GraphRows:
         """The next token of each of `seqs` (sequences of the last `decode`, without penalties) from that step's
         logits, through the captured sampler: (tokens, log-probabilities, top-logprob ids, top log-probabilities;
         the last two None when no row asks for them), each a list in the order of `seqs`."""
+        return self.collect(self.sample_async(seqs))[1:]
+
+    def sample_async(self, seqs: list) -> Pending:
+        """`sample` queued: its tokens stay on the device for the next `decode`'s carried rows, and their copies
+        to the host are queued behind them; `collect` waits for those."""
         from bitnetlm.generate.graph_sampler import ContinuousSampler
 
         if self.sampler is None:
@@ -99,7 +136,15 @@ class GraphRows:
             rows[s.row] = (s, p, s.generator, p.max_tokens - len(s.generated))  # the draws it may still need
         gs = self.sampler.sample(self.logits, rows)
         out = [gs.tok, gs.lp, *((gs.top_i, gs.top_v) if gs.top_n else ())]  # every row's: picked on the host
-        host = [t.to("cpu", non_blocking=True) for t in out]  # (one sync for all of them below)
-        torch.cuda.current_stream(self.device).synchronize()
-        lists = [[v[s.row] for s in seqs] for v in (t.tolist() for t in host)]
-        return (lists[0], lists[1], *(lists[2:] if gs.top_n else (None, None)))
+        host = [t.to("cpu", non_blocking=True) for t in out]  # (pinned: one wait for all of them, in collect)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        return Pending(list(seqs), [s.row for s in seqs], host, done, gs.top_n)
+
+    @staticmethod
+    def collect(p: Pending) -> tuple[list, list[int], list[float], list | None, list | None]:
+        """A queued sample's (sequences, tokens, log-probabilities, top-logprob ids, top log-probabilities; the
+        last two None when no row asked for them), each a list in the order of its sequences."""
+        p.done.synchronize()
+        lists = [[v[r] for r in p.rows] for v in (t.tolist() for t in p.host)]
+        return (p.seqs, lists[0], lists[1], *(lists[2:] if p.top_n else (None, None)))
