@@ -10,6 +10,11 @@ request as soon as the previous one finished) and prints a markdown table naming
   python benchmarks/serve_load.py -m DIR --device cuda --sampler llama   # llama.cpp's sampler defaults
   python benchmarks/serve_load.py -m DIR --device cuda --host-sampler    # CUDA-graph rows, host sampler (A/B)
   python benchmarks/serve_load.py -m DIR --device cuda --no-pipeline     # each step's tokens read first (A/B)
+  python benchmarks/serve_load.py -m DIR --device cuda --profile prof.txt  # the server under py-spy (host time)
+
+--profile runs the server as a child of `py-spy record` (sampling, raw collapsed stacks per thread, idle
+samples left out) and writes its stacks when the server exits; `benchmarks/serve_profile.py prof.txt` sums them
+by thread and function.
 """
 
 from __future__ import annotations
@@ -44,10 +49,32 @@ def machine(device: str | None = None) -> str:
     return f"{gpu}{cpu_model_name()}, {os.cpu_count()} logical cores, Python {platform.python_version()}"
 
 
+def _child_pid(pid: int) -> int:
+    """The first child process of pid (Linux /proc), or pid when it has none."""
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                return int(d.name)
+        except OSError:
+            continue
+    return pid
+
+
+def stop_server(proc: subprocess.Popen, profiled: bool) -> None:
+    """SIGTERM to the server (under --profile py-spy's child: py-spy writes its stacks once that exits)."""
+    os.kill(_child_pid(proc.pid) if profiled else proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(120 if profiled else 60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def start_server(model: str, args, env_extra: dict) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, BITNET_PORT="0", **env_extra)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "bitnetlm.cli", "serve", "-m", model, "--log-level", "warning"]
+    if args.profile:  # (py-spy's child: no ptrace rights over other processes needed)
+        cmd = ["py-spy", "record", "-r", "250", "-f", "raw", "--threads", "-o", args.profile, "--", *cmd]
     cmd += ["--max-batch", str(args.max_batch), "--max-queue", str(args.requests + 8)]
     if args.device:
         cmd += ["--device", args.device]
@@ -71,7 +98,10 @@ def start_server(model: str, args, env_extra: dict) -> tuple[subprocess.Popen, s
     import httpx
 
     t0 = time.monotonic()
-    while httpx.get(url + "/health").status_code != 200:
+    while (r := httpx.get(url + "/health")).status_code != 200:
+        if r.status_code == 503 and r.json().get("status") == "error":  # its model failed to load
+            proc.kill()
+            raise RuntimeError(f"server failed to load {model}: {r.json().get('error')}")
         if proc.poll() is not None or time.monotonic() - t0 > 600:
             raise RuntimeError("server did not become healthy")
         time.sleep(0.1)
@@ -173,6 +203,9 @@ def main(argv=None) -> int:
         action="store_true",
         help="CUDA: read each step's tokens before queueing the next (BITNETLM_SERVE_PIPELINE=0, before stop 53)",
     )
+    ap.add_argument(
+        "--profile", default=None, metavar="FILE", help="run the server under py-spy; its stacks into FILE"
+    )
     ap.add_argument("--json", action="store_true", help="also print the rows as JSON")
     args = ap.parse_args(argv)
 
@@ -206,11 +239,7 @@ def main(argv=None) -> int:
             rows.append(asyncio.run(level(url, c, args.requests, prompts, args.max_tokens, args.sampler)))
             print(f"  concurrency {c}: done", file=sys.stderr)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc, bool(args.profile))
         if tmp is not None:
             tmp.cleanup()
     print(f"\n### bitnet serve load test: {label}\n")

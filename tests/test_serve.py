@@ -406,7 +406,7 @@ def test_a_stream_event_is_one_line_for_line_splitting_clients():
     aiter_lines, which many SSE clients read with) breaks lines at: each event must stay one data line."""
     import json
 
-    from bitnetlm.serve.app import _sse
+    from bitnetlm.serve.relay import sse as _sse
 
     obj = {"choices": [{"text": "a\u2028b\x85c\u2029d\ne\x1c f\u00e9"}]}
     ev = _sse(obj)

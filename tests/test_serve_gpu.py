@@ -27,7 +27,8 @@ def test_engine_on_cuda_matches_offline_generate(path, monkeypatch):
     with and without a top-k (and log-probabilities), and rows with a repetition penalty (the host sampler's
     beside the captured one's, in the same steps: those steps are not pipelined). "pipelined" / "no-pipeline":
     no penalties, so every decode step is queued before the last one's tokens are read (or, for the A/B, not),
-    and a third of the requests end at a stop token, one step after their last step was queued."""
+    a third of the requests end at a stop token, one step after their last step was queued, a sixth at their
+    first token (sampled on the device and decoded before it is read) and one wants a single token."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")  # deselected in CI by -m "not gpu"
     from bitnetlm.generate import SamplingParams, generate
@@ -60,9 +61,13 @@ def test_engine_on_cuda_matches_offline_generate(path, monkeypatch):
     monkeypatch.setattr(graph_mod, "GRAPH_SAMPLER", path != "host-sampler")
     monkeypatch.setattr(graph_rows, "PIPELINE", path != "no-pipeline")
     refs = [generate(model, tok, p, sp, enforce_eager=eager).tokens for p, sp in zip(prompts, params)]
-    if stops:  # every third request stops at the token it samples halfway
-        for i in range(0, 32, 3):
+    if stops:  # every third request stops at the token it samples halfway, every sixth at its first token
+        for i in range(0, 32, 3):  # (a prompt's first token is decoded before it is read, when pipelining)
             params[i].stop_token_ids = [refs[i][len(refs[i]) // 2]]
+        for i in range(1, 32, 6):
+            params[i].stop_token_ids = [refs[i][0]]
+        params[2].max_tokens = 1  # (and one request wants its first token only)
+        for i in [*range(0, 32, 3), *range(1, 32, 6), 2]:
             refs[i] = generate(model, tok, prompts[i], params[i], enforce_eager=eager).tokens
     eng = Engine(model, tok, EngineConfig(max_batch=16, prefill_chunk=16, enforce_eager=eager))
     assert (eng.graph is None) == eager

@@ -15,7 +15,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
@@ -26,17 +26,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from bitnetlm.generate.sampling import SamplingParams
 from bitnetlm.serve import protocol as P
-from bitnetlm.serve.engine import (
-    Chunk,
-    ContextTooLong,
-    Engine,
-    EngineClosed,
-    EngineConfig,
-    Failed,
-    Finished,
-    GenerationRequest,
-    QueueFull,
-)
+from bitnetlm.serve.engine import Chunk, Engine, EngineConfig, Failed, Finished
+from bitnetlm.serve.relay import Run, sse, sse_json
 
 log = logging.getLogger("bitnetlm.serve")
 OPEN_PATHS = ("/health", "/", "/index.html")  # no data behind them: the chat page asks for the key itself
@@ -85,87 +76,6 @@ async def _read_json(request: Request, limit: int) -> Any:
         return json.loads(buf)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise P.APIError(400, f"request body is not valid JSON: {e}") from None
-
-
-async def _wait_disconnect(request: Request) -> None:
-    # after the body is read, the server's receive() returns only when the client goes away
-    while True:
-        msg = await request.receive()
-        if msg["type"] == "http.disconnect":
-            return
-
-
-# Characters that str.splitlines (and so httpx's aiter_lines) breaks a line at, which JSON leaves raw outside ASCII:
-# escaped, so that a data line holding one (a sampled token's text can) stays one line for every SSE client.
-_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
-
-
-class _Run:
-    """Submitted engine groups for one HTTP request, with events delivered to an asyncio queue."""
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.gids: list[int] = []
-        self.open = 0  # groups not yet Finished/Failed
-
-    def submit(self, prompts: list[list[int]], params: SamplingParams, n: int, param: str = "prompt") -> None:
-        try:
-            for i, ids in enumerate(prompts):
-
-                def sink(ev, i=i):
-                    self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, ev))
-
-                self.gids.append(self.engine.submit(GenerationRequest(ids, params, n), sink))
-                self.open += 1
-        except QueueFull as e:
-            self.cancel()
-            raise P.APIError(
-                429,
-                "The server is busy: the request queue is full. Retry later.",
-                type="rate_limit_error",
-                code="queue_full",
-                headers={"Retry-After": str(e.retry_after)},
-            ) from None
-        except ContextTooLong as e:
-            self.cancel()
-            raise P.APIError(400, str(e), param=param, code="context_length_exceeded") from None
-        except EngineClosed as e:
-            self.cancel()
-            raise P.APIError(503, str(e), type="server_error", code="shutting_down") from None
-        except ValueError as e:
-            self.cancel()
-            raise P.APIError(400, str(e)) from None
-
-    def cancel(self) -> None:
-        for g in self.gids:
-            self.engine.cancel(g)
-
-    async def events(self, request: Request) -> AsyncIterator[tuple[int, Any]]:
-        """(prompt index, event) until every group finished; cancels everything if the client disconnects."""
-        watcher = asyncio.ensure_future(_wait_disconnect(request))
-        get = None
-        try:
-            while self.open:
-                get = asyncio.ensure_future(self.queue.get())
-                done, _ = await asyncio.wait({get, watcher}, return_when=asyncio.FIRST_COMPLETED)
-                if get not in done:
-                    return  # client gone: the finally clause cancels the engine work
-                i, ev = get.result()
-                if isinstance(ev, (Finished, Failed)):
-                    self.open -= 1
-                yield i, ev
-        finally:
-            watcher.cancel()
-            if get is not None and not get.done():
-                get.cancel()
-            if self.open:
-                self.cancel()
 
 
 def _params(req: P._Sampling, max_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
@@ -351,7 +261,7 @@ def create_app(
         return await _generate(request, e, [ids], params, req, chat=True)
 
     async def _generate(request, e: Engine, ids, params, req, chat: bool):
-        run = _Run(e)
+        run = Run(e)
         run.submit(ids, params, req.n, param="messages" if chat else "prompt")
         rid = P.new_id("chatcmpl" if chat else "cmpl")
         n_prompt = sum(len(x) for x in ids)
@@ -365,18 +275,19 @@ def create_app(
         lps: dict[int, list] = {}
         finish: dict[int, str] = {}
         completion = 0
-        async for i, ev in run.events(request):
-            if isinstance(ev, Chunk):
-                idx = i * req.n + ev.index
-                texts[idx] = texts.get(idx, "") + ev.text
-                lps.setdefault(idx, []).extend(ev.logprobs or [])
-                if ev.finish_reason:
-                    finish[idx] = ev.finish_reason
-            elif isinstance(ev, Finished):
-                completion += ev.completion_tokens
-            elif isinstance(ev, Failed):
-                run.cancel()
-                raise P.APIError(ev.status, ev.message, type="server_error")
+        async for batch in run.batches(request):
+            for i, ev in batch:
+                if isinstance(ev, Chunk):
+                    idx = i * req.n + ev.index
+                    texts[idx] = texts.get(idx, "") + ev.text
+                    lps.setdefault(idx, []).extend(ev.logprobs or [])
+                    if ev.finish_reason:
+                        finish[idx] = ev.finish_reason
+                elif isinstance(ev, Finished):
+                    completion += ev.completion_tokens
+                elif isinstance(ev, Failed):
+                    run.cancel()
+                    raise P.APIError(ev.status, ev.message, type="server_error")
         if run.open:  # the client went away; nobody reads this
             return Response(status_code=499)
         want_lp = params.logprobs
@@ -400,17 +311,20 @@ def create_app(
         build = P.chat_response if chat else P.completion_response
         return build(rid, cfg.model_name, choices, P.usage(n_prompt, completion))
 
-    async def _stream(request, run: _Run, rid, n, n_prompt, chat, include_usage):
+    async def _stream(request, run: Run, rid, n, n_prompt, chat, include_usage):
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         completion = 0
         offsets: dict[int, int] = {}
+        # every frame's JSON up to its choices, encoded once (the same text json.dumps gives the whole dict)
+        head = json.dumps(
+            {"id": rid, "object": obj, "created": created, "model": cfg.model_name}, ensure_ascii=False
+        )
+        head = head[:-1] + ', "choices": '
 
         def frame(choices, usage=None):
-            d = {"id": rid, "object": obj, "created": created, "model": cfg.model_name, "choices": choices}
-            if include_usage:
-                d["usage"] = usage
-            return _sse(d)
+            tail = f', "usage": {json.dumps(usage)}}}' if include_usage else "}"
+            return sse_json(head + json.dumps(choices, ensure_ascii=False) + tail)
 
         if chat:
             yield frame(
@@ -424,35 +338,38 @@ def create_app(
                     for i in range(len(run.gids) * n)
                 ]
             )
-        async for i, ev in run.events(request):
-            if isinstance(ev, Chunk):
-                idx = i * n + ev.index
-                if not ev.text and not ev.finish_reason and not ev.logprobs:
-                    continue  # nothing visible yet (held back: incomplete character or possible stop string)
-                if chat:
-                    c = {
-                        "index": idx,
-                        "delta": {"content": ev.text} if ev.text or not ev.finish_reason else {},
-                        "logprobs": P.chat_logprobs(ev.logprobs) if ev.logprobs else None,
-                        "finish_reason": ev.finish_reason,
-                    }
-                else:
-                    off = offsets.get(idx, 0)
-                    c = {
-                        "index": idx,
-                        "text": ev.text,
-                        "logprobs": P.completion_logprobs(ev.logprobs, off) if ev.logprobs else None,
-                        "finish_reason": ev.finish_reason,
-                    }
-                    offsets[idx] = off + len(ev.text)
-                yield frame([c])
-            elif isinstance(ev, Finished):
-                completion += ev.completion_tokens
-            elif isinstance(ev, Failed):
-                yield _sse(
-                    {"error": {"message": ev.message, "type": "server_error", "param": None, "code": None}}
-                )
-                return
+        async for batch in run.batches(request):
+            out = []  # the batch's frames, sent in one write
+            for i, ev in batch:
+                if isinstance(ev, Chunk):
+                    idx = i * n + ev.index
+                    if not ev.text and not ev.finish_reason and not ev.logprobs:
+                        continue  # nothing visible yet (held back: incomplete character or possible stop string)
+                    if chat:
+                        c = {
+                            "index": idx,
+                            "delta": {"content": ev.text} if ev.text or not ev.finish_reason else {},
+                            "logprobs": P.chat_logprobs(ev.logprobs) if ev.logprobs else None,
+                            "finish_reason": ev.finish_reason,
+                        }
+                    else:
+                        off = offsets.get(idx, 0)
+                        c = {
+                            "index": idx,
+                            "text": ev.text,
+                            "logprobs": P.completion_logprobs(ev.logprobs, off) if ev.logprobs else None,
+                            "finish_reason": ev.finish_reason,
+                        }
+                        offsets[idx] = off + len(ev.text)
+                    out.append(frame([c]))
+                elif isinstance(ev, Finished):
+                    completion += ev.completion_tokens
+                elif isinstance(ev, Failed):
+                    err = {"message": ev.message, "type": "server_error", "param": None, "code": None}
+                    yield "".join(out) + sse({"error": err})
+                    return
+            if out:
+                yield "".join(out)
         if run.open:
             return  # client disconnected
         if include_usage:

@@ -358,13 +358,14 @@ class Engine:
             if s.n_cached == s.n_prompt:
                 ready.append((s, last))
                 ready += [(t, last) for t in self._share_prompt(s)]
+        # decode: every row with exactly one pending (uncached) token
+        if self.graph is not None:  # (which samples the prompts' first tokens: on the device, pipelined)
+            dec = [s for s in self._rows.values() if not s.done and s.n_cached == len(s.tokens) - 1]
+            self._graph_decode(dec, ready)
+            return
         if ready:
             self._sample_and_emit(ready)
-        # decode: every row with exactly one pending (uncached) token
         dec = [s for s in self._rows.values() if not s.done and s.n_cached == len(s.tokens) - 1]
-        if self.graph is not None:
-            self._graph_decode(dec)
-            return
         if not dec:
             return
         hi = max(s.row for s in dec) + 1
@@ -392,10 +393,12 @@ class Engine:
             s.n_cached += 1
         self._sample_and_emit([(s, logits[s.row, -1]) for s in dec])
 
-    def _graph_decode(self, dec: list[_Seq]) -> None:
-        """The decode of CUDA-graph rows: `dec` and the sequences of the step in flight that go on (graph_rows.py,
-        Pipelining), queued before the host reads that step's tokens; rows with penalties need every step's
-        outputs on the host (the host sampler): then each step's tokens are read before the next is queued."""
+    def _graph_decode(self, dec: list[_Seq], first: list[tuple[_Seq, torch.Tensor]]) -> None:
+        """The decode of CUDA-graph rows: `dec`, the sequences of the step in flight that go on, and those of
+        `first` (a prompt's last logits: its first token, sampled on the device by the host sampler's kernels,
+        `GraphRows.sample_first`) are queued before the host reads the tokens of that step or of `first`
+        (graph_rows.py, Pipelining). Rows with penalties need every step's outputs on the host (the host sampler):
+        then each step's tokens are read before the next is queued."""
         from bitnetlm.serve import graph_rows
 
         g = self.graph
@@ -403,24 +406,32 @@ class Engine:
         carried = (
             [s for s in fly.seqs if not s.done and len(s.generated) + 1 < s.group.max_tokens] if fly else []
         )
-        run = dec + carried
+        firsts = [s for s, _ in first]
         if (
             graph_rows.PIPELINE
             and graph_sampler_on()
-            and not any(s.group.req.params.needs_penalties for s in run)
+            and not any(s.group.req.params.needs_penalties for s in dec + carried + firsts)
         ):
+            pf = g.sample_first(first) if first else None
+            carried += [s for s in firsts if s.group.max_tokens > 1]
+            run = dec + carried
             if run:
                 g.decode(self._rows, run, max(s.row for s in run) + 1, carried)
                 for s in run:
                     s.n_cached += 1
                 g.inflight = g.sample_async(run)
-                g.overlapped += fly is not None
+                g.overlapped += fly is not None or pf is not None
             # the last step's tokens out while the GPU runs this one (a row they end wasted its token here)
             if fly is not None:
                 if not run:
                     g.inflight = None
                 self._emit_collected(g.collect(fly))
+            if pf is not None:
+                self._emit_collected(g.collect(pf))
             return
+        if first:  # the host sampler, then their first tokens decode below
+            self._sample_and_emit(first)
+            dec = dec + [s for s in firsts if not s.done and s.n_cached == len(s.tokens) - 1]
         if fly is not None:  # read the step in flight first: its rows decode below
             g.inflight = None
             self._emit_collected(g.collect(fly))

@@ -10,13 +10,17 @@ of one request, and one decode forward over rows [0, hi). Only the three tensor 
   the shortest key range that holds their contexts (`attention.key_range`: fewer attention splits while short);
 - sample: the decoded rows' next tokens through a captured sampler (`graph_sampler.ContinuousSampler`: one
   replay over the step's logits, each row's draws loaded once, when it starts decoding) in place of the host
-  sampler's some 30 launches a step; rows with penalties stay on the host sampler (engine.py).
+  sampler's some 30 launches a step; rows with penalties stay on the host sampler (engine.py). A prompt's first
+  token comes from the host sampler's kernels over its last logits (`sample_first`: its first draw, as offline
+  `generate` takes it), left on the device like a step's tokens.
 
 Pipelining (PIPELINE): a step's sampled tokens stay on the device and feed the next step (`decode`'s carried
 rows), which the engine queues before it reads them (`sample_async`, then `collect`), so the host's work on one
 step's tokens (detokenizing, stop strings, events to the clients) overlaps the GPU's next step, as in
-`generate`'s loop. A row that the tokens read then end (a stop token or string) has decoded one token too many,
-which nobody reads: its cache row attends to slots 0..pos only, and a new occupant starts from its prefill.
+`generate`'s loop. So do a prompt's first tokens (`sample_first`), so that a request that starts does not drain
+the pipeline either. The steps' token and position uploads come from a ring of pinned host rows (`_Staging`).
+A row that the tokens read then end (a stop token or string) has decoded one token too many, which nobody
+reads: its cache row attends to slots 0..pos only, and a new occupant starts from its prefill.
 
 Every batch size, and each short key range of it, is captured when the server starts, before any row holds a
 sequence: a capture's eager warm-up runs write KV slots 0-2 of each row. So is the prefill of the shortest
@@ -46,6 +50,24 @@ from bitnetlm.engine_cuda import PREFILL_ALIGN
 PIPELINE = os.environ.get("BITNETLM_SERVE_PIPELINE", "1") != "0"
 
 
+class _Staging:
+    """Pinned host rows for the steps' token and position uploads, a ring of them: a slot is written again only
+    once the copies that read it have run (an event; long since, in a ring this deep), so that a step queued
+    ahead of the GPU never changes what an earlier one uploads. Saves a step two pinned allocations."""
+
+    def __init__(self, n: int, slots: int = 4):
+        self.tok = torch.zeros((slots, n), dtype=torch.long).pin_memory()
+        self.pos = torch.zeros((slots, n), dtype=torch.int32).pin_memory()
+        self.tok_np, self.pos_np = self.tok.numpy(), self.pos.numpy()  # (numpy fills a row from a list fast)
+        self.used = [torch.cuda.Event() for _ in range(slots)]  # (an event never recorded has completed)
+        self.i = 0
+
+    def next(self) -> int:
+        i, self.i = self.i, (self.i + 1) % len(self.used)
+        self.used[i].synchronize()
+        return i
+
+
 @dataclass
 class Pending:
     """A queued step's sampled tokens on their way to the host: `collect` reads them."""
@@ -67,7 +89,8 @@ class GraphRows:
         self.logits = None  # the last decode step's logits [size, V] (all of its captured batch)
         self.sampler = None  # graph_sampler.ContinuousSampler over max_batch rows, made on first use
         self.inflight: Pending | None = None  # the queued step whose tokens the host has not read (engine.py)
-        self.overlapped = 0  # steps queued before the last one's tokens were read
+        self.overlapped = 0  # steps queued before the last one's tokens (or a prompt's first) were read
+        self.staging = _Staging(max(self.sizes))
         for b in self.sizes:  # capture now, while no row is in use: every size, and its short-context steps
             for keys in [0, *key_ranges()]:
                 eng.logits_state(b, max_keys=keys)
@@ -107,8 +130,11 @@ class GraphRows:
             toks[s.row] = s.tokens[-1]
         for s in carried:
             toks[s.row] = -1  # (its token is the sampler's, below)
-        st.tok.copy_(torch.tensor(toks, dtype=torch.long).pin_memory()[:, None], non_blocking=True)
-        st.pos.copy_(torch.tensor(at, dtype=torch.int32).pin_memory(), non_blocking=True)
+        g, i = self.staging, self.staging.next()
+        g.tok_np[i, :size], g.pos_np[i, :size] = toks, at
+        st.tok.copy_(g.tok[i, :size, None], non_blocking=True)  # [size, 1]
+        st.pos.copy_(g.pos[i, :size], non_blocking=True)
+        g.used[i].record(torch.cuda.current_stream(self.device))
         if carried:  # the rows of the last sample (all below its batch size) from its output [b, 1]
             nt = self.sampler.next_tok[:size]
             torch.where(st.tok < 0, nt, st.tok, out=st.tok)
@@ -125,21 +151,48 @@ class GraphRows:
     def sample_async(self, seqs: list) -> Pending:
         """`sample` queued: its tokens stay on the device for the next `decode`'s carried rows, and their copies
         to the host are queued behind them; `collect` waits for those."""
-        from bitnetlm.generate.graph_sampler import ContinuousSampler
-
-        if self.sampler is None:
-            b, v = self.eng.ecfg.max_batch, self.logits.shape[1]
-            self.sampler = ContinuousSampler(b, v, self.eng.ecfg.max_seq_len, self.device, self.logits.dtype)
+        self._make_sampler(self.logits)
         rows = {}
         for s in seqs:
             p = s.group.req.params
             rows[s.row] = (s, p, s.generator, p.max_tokens - len(s.generated))  # the draws it may still need
         gs = self.sampler.sample(self.logits, rows)
         out = [gs.tok, gs.lp, *((gs.top_i, gs.top_v) if gs.top_n else ())]  # every row's: picked on the host
+        return self._pending(seqs, [s.row for s in seqs], out, gs.top_n)
+
+    def sample_first(self, ready: list) -> Pending:
+        """The first token of each (sequence, its prompt's last logits [V]) of `ready`, through the host sampler
+        (`sampling.sample`: its one draw of the row's stream, as when it ran synchronously) but left on the
+        device, in the captured sampler's `next_tok` rows, for the next `decode` to carry; `collect` reads it."""
+        from bitnetlm.generate.sampling import sample
+
+        seqs = [s for s, _ in ready]
+        params = [s.group.req.params for s in seqs]
+        top_n = max((p.top_logprobs for p in params if p.logprobs), default=0)
+        logits = torch.stack([lg for _, lg in ready])  # [R, V]
+        out = sample(logits, params, [s.generator for s in seqs], num_top_logprobs=top_n)
+        rows = torch.tensor([s.row for s in seqs], dtype=torch.long).pin_memory()
+        self._make_sampler(logits).next_tok.index_copy_(
+            0, rows.to(self.device, non_blocking=True), out.tokens[:, None]
+        )
+        host = [out.tokens, out.logprobs, *((out.top_ids, out.top_logprobs) if top_n else ())]
+        return self._pending(seqs, list(range(len(seqs))), host, top_n)
+
+    def _pending(self, seqs: list, rows: list[int], out: list, top_n: int) -> Pending:
+        """Device tensors `out` on their way to pinned host memory, behind the work queued so far."""
         host = [t.to("cpu", non_blocking=True) for t in out]  # (pinned: one wait for all of them, in collect)
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
-        return Pending(list(seqs), [s.row for s in seqs], host, done, gs.top_n)
+        return Pending(list(seqs), rows, host, done, top_n)
+
+    def _make_sampler(self, logits: torch.Tensor):
+        """The captured sampler, made on first use (for logits [*, V] of this dtype: every step's and prompt's)."""
+        from bitnetlm.generate.graph_sampler import ContinuousSampler
+
+        if self.sampler is None:
+            b, cap = self.eng.ecfg.max_batch, self.eng.ecfg.max_seq_len
+            self.sampler = ContinuousSampler(b, logits.shape[-1], cap, self.device, logits.dtype)
+        return self.sampler
 
     @staticmethod
     def collect(p: Pending) -> tuple[list, list[int], list[float], list | None, list | None]:
