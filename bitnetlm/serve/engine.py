@@ -358,14 +358,12 @@ class Engine:
             if s.n_cached == s.n_prompt:
                 ready.append((s, last))
                 ready += [(t, last) for t in self._share_prompt(s)]
-        # decode: every row with exactly one pending (uncached) token
         if self.graph is not None:  # (which samples the prompts' first tokens: on the device, pipelined)
-            dec = [s for s in self._rows.values() if not s.done and s.n_cached == len(s.tokens) - 1]
-            self._graph_decode(dec, ready)
+            self._graph_decode(self._decoding(), ready)
             return
         if ready:
             self._sample_and_emit(ready)
-        dec = [s for s in self._rows.values() if not s.done and s.n_cached == len(s.tokens) - 1]
+        dec = self._decoding()
         if not dec:
             return
         hi = max(s.row for s in dec) + 1
@@ -392,6 +390,10 @@ class Engine:
         for s in dec:
             s.n_cached += 1
         self._sample_and_emit([(s, logits[s.row, -1]) for s in dec])
+
+    def _decoding(self) -> list[_Seq]:
+        """The rows to decode: every one with exactly one pending (uncached) token, in row order."""
+        return [s for s in self._rows.values() if not s.done and s.n_cached == len(s.tokens) - 1]
 
     def _graph_decode(self, dec: list[_Seq], first: list[tuple[_Seq, torch.Tensor]]) -> None:
         """The decode of CUDA-graph rows: `dec`, the sequences of the step in flight that go on, and those of
@@ -431,11 +433,11 @@ class Engine:
             return
         if first:  # the host sampler, then their first tokens decode below
             self._sample_and_emit(first)
-            dec = dec + [s for s in firsts if not s.done and s.n_cached == len(s.tokens) - 1]
+            dec = self._decoding()
         if fly is not None:  # read the step in flight first: its rows decode below
             g.inflight = None
             self._emit_collected(g.collect(fly))
-            dec = [s for s in self._rows.values() if not s.done and s.n_cached == len(s.tokens) - 1]
+            dec = self._decoding()
         if not dec:
             return
         logits = g.decode(self._rows, dec, max(s.row for s in dec) + 1)  # [hi, V]

@@ -8,6 +8,8 @@ With tens of streams both hold the GIL that the engine thread needs for its next
   it runs (COALESCE);
 - `Run.batches` yields every event a request has waiting, and the streaming route writes them as one chunk of
   SSE frames (each frame unchanged, so clients see the same events).
+(On an H200 with 1-32 clients this measured a tie with one wake-up and one write per event: docs/PERF_LOG.md
+stop 54.)
 A client that disconnects is noticed by a watcher on the ASGI receive channel, which puts `GONE` in the queue.
 """
 
@@ -22,8 +24,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from bitnetlm.serve import protocol as P
-from bitnetlm.serve.engine import ContextTooLong, Engine, EngineClosed, Failed, Finished, QueueFull
-from bitnetlm.serve.requests import GenerationRequest
+from bitnetlm.serve.engine import Engine
+from bitnetlm.serve.requests import (
+    ContextTooLong,
+    EngineClosed,
+    Failed,
+    Finished,
+    GenerationRequest,
+    QueueFull,
+)
 
 # One wake-up of the loop for every event that arrives before it runs; BITNETLM_SERVE_COALESCE=0 (benchmarks'
 # A/B): one wake-up, and one SSE write, per event.
