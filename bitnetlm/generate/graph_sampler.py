@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bitnetlm.generate.reductions import argmax_logsumexp, wide
 from bitnetlm.generate.sampling import (
     RowRandom,
     RowTensors,
@@ -121,8 +122,14 @@ class GraphSampler:
             x = x + self.bias  # (the host sampler adds a row's few biases in place: the same sums)
         # [B] each row's next uniform (a free row of the server's keeps stepping: clamped)
         u = self.u.gather(1, self.step.clamp(max=self.u.shape[1] - 1)[:, None])[:, 0]
-        tokens = choose(x, self.t, u, full=True)
-        lp, top_v, top_i = raw_logprobs(self.logits, tokens, self.top_n)
+        lse = None
+        if (
+            self.t.all_greedy and self.bias is None and wide(self.logits)
+        ):  # tokens and log-probabilities: one pass
+            tokens, lse = argmax_logsumexp(self.logits)
+        else:
+            tokens = choose(x, self.t, u, full=True)
+        lp, top_v, top_i = raw_logprobs(self.logits, tokens, self.top_n, lse=lse)
         self.tok.copy_(tokens)
         self.lp.copy_(lp)
         if self.top_n:

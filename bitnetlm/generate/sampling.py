@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bitnetlm.generate import reductions
+
 
 @dataclass
 class SamplingParams:
@@ -303,7 +305,7 @@ def _filter_mask_over(x: torch.Tensor, t: RowTensors, n: int) -> tuple[torch.Ten
     b, v = x.shape
     dev = x.device
     if n < v:
-        sorted_x, order = x.topk(n, dim=-1)  # [B, n] descending
+        sorted_x, order = reductions.topk(x, n)  # [B, n] descending
     else:
         sorted_x, order = x.sort(dim=-1, descending=True)  # [B, V]
     rank = torch.arange(n, device=dev)[None, :]  # [1, n]
@@ -375,10 +377,10 @@ def inverse_cdf(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def pick(x: torch.Tensor, t: RowTensors, u: torch.Tensor | None) -> torch.Tensor:
     """Tokens [B] from processed logits x: argmax for greedy rows, the inverse-CDF draw at u for the others."""
     if t.all_greedy:
-        return x.argmax(dim=-1)
+        return reductions.argmax(x)
     if not t.any_greedy:
         return inverse_cdf(x, u)
-    return torch.where(t.greedy, x.argmax(dim=-1), inverse_cdf(x, u))
+    return torch.where(t.greedy, reductions.argmax(x), inverse_cdf(x, u))
 
 
 def _candidate_probs(x: torch.Tensor, t: RowTensors) -> tuple[torch.Tensor, torch.Tensor]:
@@ -386,7 +388,7 @@ def _candidate_probs(x: torch.Tensor, t: RowTensors) -> tuple[torch.Tensor, torc
     probabilities after temperature, top-k, top-p and min-p, the rules of `filtered` (every other token is
     removed there): sampling them samples the processed logits, with one pass over the vocabulary (the top-k)
     instead of a dozen."""
-    vals, order = x.topk(t.kmax, dim=-1)  # [B, kmax] descending
+    vals, order = reductions.topk(x, t.kmax)  # [B, kmax] descending
     if t.scale:
         vals = vals / t.temps
     rank = torch.arange(t.kmax, device=x.device)[None, :]  # [1, kmax]
@@ -415,25 +417,37 @@ def choose(x: torch.Tensor, t: RowTensors, u: torch.Tensor | None, full: bool = 
     so a seeded row samples the same tokens whatever else is in the batch. No host sync with full=True (see
     `filtered`) or when every sampled row has a top-k (then no pass over the vocabulary but the top-k's)."""
     drawn = None
-    if t.some_k:
+    if t.some_k and reductions.wide(x):  # the same draw, in one launch after the top-k
+        drawn = reductions.candidate_draw(x, t, u)
+    elif t.some_k:
         probs, order = _candidate_probs(x, t)
         drawn = order.gather(1, _draw_sorted(probs, u)[:, None])[:, 0]
     if not t.cand:
         tokens = pick(filtered(x, t, full), t, u)
         return tokens if drawn is None else torch.where(t.ck, drawn, tokens)
-    return torch.where(t.greedy, x.argmax(dim=-1), drawn) if t.any_greedy else drawn
+    return torch.where(t.greedy, reductions.argmax(x), drawn) if t.any_greedy else drawn
 
 
-def raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int = 0):
+def raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int = 0, lse: torch.Tensor | None = None):
     """log p(token) [B] under the raw model distribution, and the top_n most likely (log-probabilities, ids)
-    [B, top_n] (None, None when top_n is 0). (log_softmax: one fused pass; with a logsumexp, several, a CPU
-    greedy step took 0.33-0.37 ms against 0.22-0.32, benchmarks/bench_generate.py, docs/PERF_LOG.md stop 51.)"""
-    raw = torch.log_softmax(logits.float(), dim=-1)
-    lp = raw.gather(1, tokens[:, None])[:, 0]
+    [B, top_n] (None, None when top_n is 0). lse: the rows' logsumexp, when known. On CUDA: logits minus their
+    logsumexp (`reductions`: one wide pass, where log_softmax runs a block a row); elsewhere log_softmax, one
+    fused pass (with a logsumexp, several: a CPU greedy step took 0.33-0.37 ms against 0.22-0.32,
+    benchmarks/bench_generate.py, docs/PERF_LOG.md stop 51)."""
+    if lse is None and not reductions.wide(logits):
+        raw = torch.log_softmax(logits.float(), dim=-1)
+        lp = raw.gather(1, tokens[:, None])[:, 0]
+        if not top_n:
+            return lp, None, None
+        top = raw.topk(min(top_n, raw.shape[1]), dim=-1)
+        return lp, top.values, top.indices
+    if lse is None:
+        lse = reductions.argmax_logsumexp(logits)[1]
+    lp = logits.gather(1, tokens[:, None])[:, 0].float() - lse
     if not top_n:
         return lp, None, None
-    top = raw.topk(min(top_n, raw.shape[1]), dim=-1)
-    return lp, top.values, top.indices
+    vals, ids = reductions.topk(logits, min(top_n, logits.shape[1]))
+    return lp, vals.float() - lse[:, None], ids
 
 
 def sample(
@@ -450,7 +464,7 @@ def sample(
     x = _penalised(logits, params, prompt_tokens, output_tokens)
     greedy = [p.greedy for p in params]
     if all(greedy):  # (what choose gives, without building the row tensors)
-        tokens = x.argmax(dim=-1)
+        tokens = reductions.argmax(x)
     else:
         tokens = choose(x, row_tensors(params, v, x.device), uniforms(generators, greedy, x.device))
     lp, top_lp, top_ids = raw_logprobs(logits, tokens, num_top_logprobs)

@@ -1,0 +1,234 @@
+"""Kernels of the samplers that run after a decode step (generate/reductions.py dispatches to them on CUDA).
+
+- `logit_stats`: each row's argmax (`ends.greedy_step`'s rules) and logsumexp in one pass over its logits, cut
+  into chunks over the whole GPU; PyTorch's argmax and log_softmax run one block a row, 27-29 us each over a 128k
+  vocabulary at batch 1 on an H200 (of a greedy sampler graph's 65 us).
+- `candidate_draw`: a sampled row's token from its top-k candidates (temperature, top-k, top-p, min-p, then the
+  draw at its uniform: `sampling._candidate_probs` and `_draw_sorted`), one program a row instead of some twenty
+  small PyTorch launches.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from bitnetlm.kernels.triton.common import INTERPRET, _argmax_parts, _pdl_wait
+from bitnetlm.kernels.triton.launch import pdl_kw
+
+
+@triton.jit
+def _logit_stats_kernel(
+    x_ptr,
+    V,
+    stride_x,
+    CH,
+    NC,
+    pmax_ptr,
+    pidx_ptr,
+    plm_ptr,
+    pls_ptr,
+    cnt_ptr,
+    idx_ptr,
+    lse_ptr,
+    BV: tl.constexpr,
+    NCP: tl.constexpr,
+    PDL: tl.constexpr = False,
+    ONE_CHUNK: tl.constexpr = False,
+):
+    """Program (row, chunk): the chunk's argmax (greedy_step's rules) and its (max, sum of exp(x - max)) over the
+    non-NaN entries; the row's last chunk to finish (an atomic counter, reset for the next call) combines them."""
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    _pdl_wait(PDL)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_nan = tl.full([], 0, tl.int1)
+    bi = tl.full([], 0, tl.int32)
+    lm = tl.full([], float("-inf"), tl.float32)  # running max of the numbers
+    ls = tl.full([], 0.0, tl.float32)  # sum of exp(x - lm) over them
+    lo = c * CH
+    hi = tl.minimum(lo + CH, V)
+    for v0 in range(lo, hi, BV):
+        offs = v0 + tl.arange(0, BV)
+        live = offs < hi
+        x = tl.load(x_ptr + r * stride_x + offs, mask=live, other=float("-inf")).to(tl.float32)
+        m, i, i_nan = _argmax_parts(x, offs, live, V, 0)
+        has_nan = i_nan < V
+        take = (has_nan & ~best_nan) | (~has_nan & ~best_nan & (m > best))
+        bi = tl.where(take, tl.where(has_nan, i_nan, i), bi)
+        best = tl.where(take, m, best)
+        best_nan = best_nan | has_nan
+        lm, ls = _lse_add(lm, ls, tl.where(x != x, float("-inf"), x), m)
+    if ONE_CHUNK:
+        tl.store(idx_ptr + r, bi.to(tl.int64))
+        tl.store(lse_ptr + r, _lse_end(lm, ls, best_nan))
+    else:
+        tl.store(pmax_ptr + r * NC + c, tl.where(best_nan, float("nan"), best))
+        tl.store(pidx_ptr + r * NC + c, bi)
+        tl.store(plm_ptr + r * NC + c, lm)
+        tl.store(pls_ptr + r * NC + c, ls)
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + r, 1, sem="acq_rel")
+        if done == NC - 1:  # the row's last chunk: combine the chunks
+            tl.atomic_xchg(cnt_ptr + r, 0, sem="relaxed")
+            offs_c = tl.arange(0, NCP)
+            mc = offs_c < NC
+            # .cg: the other programs' partials from L2, never a stale L1 line of an earlier call
+            pm = tl.load(pmax_ptr + r * NC + offs_c, mask=mc, other=float("-inf"), cache_modifier=".cg")
+            pi = tl.load(pidx_ptr + r * NC + offs_c, mask=mc, other=0, cache_modifier=".cg")
+            _, first, first_nan = _argmax_parts(pm, offs_c, mc, NCP, 0)  # chunks are in vocabulary order
+            any_nan = first_nan < NCP
+            first = tl.where(any_nan, first_nan, first)
+            token = tl.sum(tl.where(offs_c == first, pi, 0), axis=0)
+            cm = tl.load(plm_ptr + r * NC + offs_c, mask=mc, other=float("-inf"), cache_modifier=".cg")
+            cs = tl.load(pls_ptr + r * NC + offs_c, mask=mc, other=0.0, cache_modifier=".cg")
+            mx = tl.max(cm, axis=0)
+            w = tl.where(cm == float("-inf"), 0.0, tl.exp(cm - tl.where(_inf(mx), 0.0, mx)))
+            tl.store(idx_ptr + r, token.to(tl.int64))
+            tl.store(lse_ptr + r, _lse_end(mx, tl.sum(cs * w, axis=0), any_nan))
+
+
+@triton.jit
+def _inf(m):
+    return (m == float("inf")) | (m == float("-inf"))
+
+
+@triton.jit
+def _lse_add(lm, ls, x, bm):
+    """(max, sum of exp(x - max)) of the numbers so far, then a block x (NaNs as -inf; bm: its largest number)."""
+    new = tl.maximum(lm, bm)
+    safe = tl.where(_inf(new), 0.0, new)  # (an infinite max: the sum is never used)
+    ls = tl.where(lm == float("-inf"), 0.0, ls * tl.exp(lm - safe))
+    return new, ls + tl.sum(tl.where(x == float("-inf"), 0.0, tl.exp(x - safe)), axis=0)
+
+
+@triton.jit
+def _lse_end(m, s, has_nan):
+    """torch.logsumexp's value from (max, sum): NaN with a NaN in the row, +-inf for an infinite max."""
+    return tl.where(has_nan, float("nan"), tl.where(_inf(m), m, m + tl.log(s)))
+
+
+_stats_ws: dict[tuple, tuple[torch.Tensor, ...]] = {}
+
+
+def logit_stats(x: torch.Tensor, chunks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, V] (any float dtype; rows may be strided) -> (argmax [B] int64: the first index of the maximum, a NaN
+    above every number, as `torch.argmax`; logsumexp [B] float32, as `torch.logsumexp` of x in float32). chunks:
+    programs a row (default: about 256 programs in all)."""
+    b, v = x.shape
+    if x.stride(1) != 1:
+        raise ValueError(f"logit_stats: logits need unit stride along the vocabulary, got {x.stride()}")
+    bv = 256 if INTERPRET else 2048
+    nc = chunks or max(1, 256 // b)
+    ch = triton.cdiv(triton.cdiv(v, nc), bv) * bv  # a chunk: whole BV blocks
+    nc = triton.cdiv(v, ch)
+    key = (str(x.device), b, nc)
+    if key not in _stats_ws:  # allocated before any graph capture (the warm-up call); counters start at zero
+        f = dict(dtype=torch.float32, device=x.device)
+        _stats_ws[key] = (
+            torch.empty((b, nc), **f),
+            torch.empty((b, nc), dtype=torch.int32, device=x.device),
+            torch.empty((b, nc), **f),
+            torch.empty((b, nc), **f),
+            torch.zeros((b,), dtype=torch.int32, device=x.device),
+        )
+    pmax, pidx, plm, pls, cnt = _stats_ws[key]
+    idx = torch.empty((b,), dtype=torch.long, device=x.device)
+    lse = torch.empty((b,), dtype=torch.float32, device=x.device)
+    _logit_stats_kernel[(b, nc)](
+        x,
+        v,
+        x.stride(0),
+        ch,
+        nc,
+        pmax,
+        pidx,
+        plm,
+        pls,
+        cnt,
+        idx,
+        lse,
+        BV=bv,
+        NCP=triton.next_power_of_2(nc),
+        ONE_CHUNK=nc == 1,
+        num_warps=1 if INTERPRET else 4,
+        **pdl_kw(),
+    )
+    return idx, lse
+
+
+@triton.jit
+def _candidate_draw_kernel(
+    vals_ptr,
+    order_ptr,
+    temps_ptr,
+    k_ptr,
+    top_p_ptr,
+    min_p_ptr,
+    u_ptr,
+    tok_ptr,
+    KMAX,
+    stride_v,
+    stride_o,
+    BK: tl.constexpr,
+    SCALE: tl.constexpr,
+    NEED_P: tl.constexpr,
+):
+    """Program r: row r's kmax candidates (logits descending, their token ids) -> its token, as
+    `sampling._candidate_probs` then `_draw_sorted` compute it."""
+    r = tl.program_id(0)
+    offs = tl.arange(0, BK)
+    live = offs < KMAX
+    v = tl.load(vals_ptr + r * stride_v + offs, mask=live, other=float("-inf"))
+    if SCALE:
+        v = v / tl.load(temps_ptr + r)
+    remove = (offs >= tl.load(k_ptr + r)) | ~live
+    if NEED_P:  # top-p and min-p over the probabilities of the row's top-k
+        masked = tl.where(remove, float("-inf"), v)
+        m = tl.max(masked, axis=0)
+        probs = tl.exp(masked - (m + tl.log(tl.sum(tl.exp(masked - m), axis=0))))
+        remove |= (tl.cumsum(probs, axis=0) - probs) >= tl.load(top_p_ptr + r)
+        best = tl.sum(tl.where(offs == 0, probs, 0.0), axis=0)
+        remove |= probs < tl.load(min_p_ptr + r) * best
+        remove &= offs != 0  # always keep the most likely token
+    kept = tl.where(remove, float("-inf"), v)
+    e = tl.exp(kept - tl.max(kept, axis=0))
+    p = e / tl.sum(e, axis=0)  # softmax over the kept candidates
+    cum = tl.cumsum(tl.where(live, p, 0.0).to(tl.float64), axis=0)
+    target = tl.load(u_ptr + r) * tl.max(cum, axis=0)  # u times the row's total (float64)
+    j = tl.sum((cum <= target).to(tl.int32), axis=0)  # the first whose cumulative sum passes the target
+    last = tl.max(tl.where(live & (p > 0), offs, -1), axis=0)  # never a candidate of probability 0
+    j = tl.minimum(j, last)
+    tok = tl.sum(tl.where(offs == j, tl.load(order_ptr + r * stride_o + offs, mask=live, other=0), 0), axis=0)
+    tl.store(tok_ptr + r, tok.to(tl.int64))
+
+
+def candidate_draw(vals, order, temps, k, top_p, min_p, u, scale: bool, need_p: bool) -> torch.Tensor:
+    """Tokens [B] drawn among each row's candidates: vals [B, kmax] float32 logits descending, order [B, kmax]
+    their ids; per row [B]: temperature (with scale), top-k, top-p and min-p (with need_p; top_p 2.0 = off), and
+    u float64, the row's uniform. As `sampling._candidate_probs` + `_draw_sorted` + the gather of the id."""
+    b, kmax = vals.shape
+    if vals.stride(1) != 1 or order.stride(1) != 1:
+        raise ValueError(
+            f"candidate_draw: candidates need unit stride, got {vals.stride()} / {order.stride()}"
+        )
+    tok = torch.empty((b,), dtype=torch.long, device=vals.device)
+    _candidate_draw_kernel[(b,)](
+        vals,
+        order,
+        temps.contiguous(),
+        k.contiguous(),
+        top_p.contiguous(),
+        min_p.contiguous(),
+        u.contiguous(),
+        tok,
+        kmax,
+        vals.stride(0),
+        order.stride(0),
+        BK=max(16, triton.next_power_of_2(kmax)),
+        SCALE=scale,
+        NEED_P=need_p,
+        num_warps=1 if INTERPRET else 4,
+    )
+    return tok

@@ -1,0 +1,123 @@
+"""The samplers' kernels (kernels/triton/sampler.py) and `generate.reductions` over them, against PyTorch and the
+host sampler's own ops. Under Triton's interpreter on the CPU (CI), compiled on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_triton_ends import _logits_with_ties
+from triton_interp import DEV, triton_modules
+
+
+@pytest.mark.parametrize("b,v,chunks", [(7, 1000, 4), (7, 300, 1), (1, 257, 3), (3, 1000, 0)])
+def test_logit_stats_equal_argmax_and_logsumexp(b, v, chunks):
+    """One pass a row: torch.argmax's index (ties, NaNs, a row of -inf) and torch.logsumexp's value (NaN with
+    a NaN, +inf with an infinity, -inf for a row of -inf), over one chunk a row and several; the counters reset
+    themselves between calls, and a strided batch of rows reads only its own."""
+    (sampler,) = triton_modules("sampler")
+    g = torch.Generator().manual_seed(b * v + chunks)
+    for i in range(3):
+        x = _logits_with_ties(b, v, g) * (1 + i)
+        if b > 2:
+            x[2, 3] = float("inf")  # +inf, no NaN: logsumexp inf
+        wide = torch.full((b, v + 40), 77.0, device=DEV)
+        wide[:, :v] = x
+        for t in (x, wide[:, :v]):
+            idx, lse = sampler.logit_stats(t, chunks=chunks)
+            assert idx.dtype == torch.long and torch.equal(idx, x.argmax(dim=-1)), (idx, x.argmax(dim=-1))
+            torch.testing.assert_close(lse, torch.logsumexp(x, dim=-1), rtol=1e-6, atol=1e-5, equal_nan=True)
+    spread = torch.randn(2, v, generator=g).to(DEV) * 30  # exp() of most entries underflows next to the max
+    torch.testing.assert_close(
+        sampler.logit_stats(spread)[1], torch.logsumexp(spread, dim=-1), rtol=1e-6, atol=1e-5
+    )
+
+
+def test_logit_stats_read_bf16_logits():
+    (sampler,) = triton_modules("sampler")
+    x = (torch.randn(3, 700, generator=torch.Generator().manual_seed(5)) * 4).to(torch.bfloat16).to(DEV)
+    idx, lse = sampler.logit_stats(x, chunks=2)
+    assert torch.equal(idx, x.argmax(dim=-1))
+    torch.testing.assert_close(lse, torch.logsumexp(x.float(), dim=-1), rtol=1e-6, atol=1e-5)
+    with pytest.raises(ValueError, match="unit stride"):
+        sampler.logit_stats(x.t())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b", [1, 8])
+def test_gpu_wide_sampler_reductions_equal_torch(b, monkeypatch):
+    """Over a 128k vocabulary (the chunked top-k's size), `generate.reductions` against PyTorch's own ops, and
+    a captured llama.cpp-default sampler built on them against one built on PyTorch's: the same tokens and
+    log-probabilities over 20 steps."""
+    from bitnetlm.generate import reductions
+    from bitnetlm.generate.graph_sampler import GraphSampler
+    from bitnetlm.generate.sampling import RowRandom, SamplingParams, row_tensors
+
+    g = torch.Generator(device="cuda").manual_seed(b)
+    v = 128256
+    x = torch.randn(b, v, device="cuda", generator=g) * 3
+    for k in (40, 256):
+        got, want = reductions.topk(x, k), x.topk(k, dim=-1)
+        assert torch.equal(got[0], want.values) and torch.equal(got[1], want.indices)
+    idx, lse = reductions.argmax_logsumexp(x)
+    assert torch.equal(idx, x.argmax(dim=-1))
+    torch.testing.assert_close(lse, torch.logsumexp(x, dim=-1), rtol=1e-6, atol=1e-5)
+    p = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=3)
+    logits = torch.zeros(b, v, device="cuda")
+    runs = []
+    for wide in (False, True):
+        monkeypatch.setattr(reductions, "WIDE", wide)
+        t = row_tensors([p] * b, v, "cuda")
+        gs = GraphSampler(logits, torch.zeros(b, 1, dtype=torch.long, device="cuda"), t, 2, 64, False)
+        gs.load(t, [p] * b, [RowRandom(p.make_generator("cuda"), "cuda") for _ in range(b)], [32] * b)
+        out = []
+        for s in range(20):
+            logits.copy_(
+                torch.randn(b, v, device="cuda", generator=torch.Generator("cuda").manual_seed(s)) * 3
+            )
+            gs.run()
+            out.append((gs.tok.clone(), gs.lp.clone(), gs.top_i.clone(), gs.top_v.clone()))
+        runs.append(out)
+    for (t0, l0, i0, v0), (t1, l1, i1, v1) in zip(*runs, strict=True):
+        assert torch.equal(t0, t1) and torch.equal(i0, i1)
+        torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-5)
+
+
+def _rows():
+    from bitnetlm.generate.sampling import SamplingParams
+
+    return [
+        SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),  # llama.cpp's defaults
+        SamplingParams(temperature=1.3, top_k=7),
+        SamplingParams(temperature=0.0),  # greedy: drawn, then replaced by the argmax
+        SamplingParams(temperature=0.5, top_k=60, top_p=0.5),
+        SamplingParams(temperature=1.0, top_k=33, min_p=0.2),
+    ]
+
+
+@pytest.mark.parametrize("which", ["mixed", "top_k only"])
+def test_candidate_draw_equals_the_host_samplers_draw(which):
+    """Rows mixing temperatures, top-k, top-p and min-p (or top-k alone: no probabilities pass) over 40 steps of
+    logits and uniforms: the token `_candidate_probs` + `_draw_sorted` draw, for every row."""
+    (sampler,) = triton_modules("sampler")
+    from bitnetlm.generate.sampling import _candidate_probs, _draw_sorted, row_tensors
+
+    params = _rows() if which == "mixed" else _rows()[1:3]
+    b, v = len(params), 300
+    t = row_tensors(params, v, DEV)
+    assert t.need_p == (which == "mixed") and t.scale
+    g = torch.Generator().manual_seed(7)
+    for _ in range(40):
+        x = (torch.randn(b, v, generator=g) * 2).to(DEV)
+        u = torch.rand(b, generator=g, dtype=torch.float64).to(DEV)
+        probs, order = _candidate_probs(x, t)
+        want = order.gather(1, _draw_sorted(probs, u)[:, None])[:, 0]
+        vals, order = x.topk(t.kmax, dim=-1)
+        got = sampler.candidate_draw(vals, order, t.temps[:, 0], t.k, t.top_p, t.min_p, u, t.scale, t.need_p)
+        assert torch.equal(got, want), (got, want)
+    edge = torch.tensor([0.0, 1 - 1e-12, 0.5, 0.999, 1e-9], dtype=torch.float64)[:b].to(DEV)
+    probs, order = _candidate_probs(x, t)  # u at 0 and just below 1: the first and the last kept candidate
+    want = order.gather(1, _draw_sorted(probs, edge)[:, None])[:, 0]
+    vals, order = x.topk(t.kmax, dim=-1)
+    got = sampler.candidate_draw(vals, order, t.temps[:, 0], t.k, t.top_p, t.min_p, edge, t.scale, t.need_p)
+    assert torch.equal(got, want)
