@@ -106,8 +106,9 @@ def main() -> int:
     mem = {"after load": weight_gb(model)}
     for eager in (False, True) if a.eager_tokens else (False,):
         n_new = a.eager_tokens if eager else a.tokens
-        run(model, tok, single, 4, "greedy", eager)  # warm-up: compilation, tuning, graph capture
-        run(model, tok, batch, 4, "greedy", eager)
+        for sampler in SAMPLERS:  # warm-up: compilation (each sampler's kernels too), tuning, graph capture
+            run(model, tok, single, 4, sampler, eager)
+            run(model, tok, batch, 4, sampler, eager)
         if not eager:
             mem["after the first CUDA-graph generate (model + engine)"] = weight_gb(model)
         for sampler in SAMPLERS:

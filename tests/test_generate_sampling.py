@@ -475,18 +475,3 @@ def test_continuous_sampler_rows_join_and_leave_in_their_streams(bound):
     assert 9 not in drawn[1] and len(set(drawn[1])) > 5  # -50 on token 9; really sampled
     # several kinds were met, over the one Draws; at most `bound` are kept
     assert len(cs.samplers) == bound if bound < 4 else len(cs.samplers) >= 4
-
-
-@pytest.mark.parametrize("v,k,c", [(5000, 40, 512), (4096, 256, 512), (300, 7, 512), (1000, 1, 64)])
-def test_chunked_topk_equals_topk(v, k, c):
-    """The CUDA samplers' top-k (each chunk's k best, then the best of those), here on the CPU: torch.topk's
-    values and indices, a short last chunk included, and for rows whose best sit in one chunk."""
-    from bitnetlm.generate.reductions import chunked_topk
-
-    g = torch.Generator().manual_seed(v + k)
-    x = torch.randn(3, v, generator=g)
-    x[1, 100:110] += 50  # row 1's best all in one chunk
-    x[2, -3:] += 50  # row 2's in the short last one
-    vals, idx = chunked_topk(x, k, c)
-    want = x.topk(k, dim=-1)
-    assert torch.equal(vals, want.values) and torch.equal(idx, want.indices)

@@ -45,7 +45,7 @@ def test_logit_stats_read_bf16_logits():
 @pytest.mark.gpu
 @pytest.mark.parametrize("b", [1, 8])
 def test_gpu_wide_sampler_reductions_equal_torch(b, monkeypatch):
-    """Over a 128k vocabulary (the chunked top-k's size), `generate.reductions` against PyTorch's own ops, and
+    """Over a 128k vocabulary, `generate.reductions` against PyTorch's own ops, and
     a captured llama.cpp-default sampler built on them against one built on PyTorch's: the same tokens and
     log-probabilities over 20 steps."""
     from bitnetlm.generate import reductions
@@ -55,9 +55,6 @@ def test_gpu_wide_sampler_reductions_equal_torch(b, monkeypatch):
     g = torch.Generator(device="cuda").manual_seed(b)
     v = 128256
     x = torch.randn(b, v, device="cuda", generator=g) * 3
-    for k in (40, 256):
-        got, want = reductions.topk(x, k), x.topk(k, dim=-1)
-        assert torch.equal(got[0], want.values) and torch.equal(got[1], want.indices)
     idx, lse = reductions.argmax_logsumexp(x)
     assert torch.equal(idx, x.argmax(dim=-1))
     torch.testing.assert_close(lse, torch.logsumexp(x, dim=-1), rtol=1e-6, atol=1e-5)

@@ -305,7 +305,7 @@ def _filter_mask_over(x: torch.Tensor, t: RowTensors, n: int) -> tuple[torch.Ten
     b, v = x.shape
     dev = x.device
     if n < v:
-        sorted_x, order = reductions.topk(x, n)  # [B, n] descending
+        sorted_x, order = x.topk(n, dim=-1)  # [B, n] descending
     else:
         sorted_x, order = x.sort(dim=-1, descending=True)  # [B, V]
     rank = torch.arange(n, device=dev)[None, :]  # [1, n]
@@ -388,7 +388,7 @@ def _candidate_probs(x: torch.Tensor, t: RowTensors) -> tuple[torch.Tensor, torc
     probabilities after temperature, top-k, top-p and min-p, the rules of `filtered` (every other token is
     removed there): sampling them samples the processed logits, with one pass over the vocabulary (the top-k)
     instead of a dozen."""
-    vals, order = reductions.topk(x, t.kmax)  # [B, kmax] descending
+    vals, order = x.topk(t.kmax, dim=-1)  # [B, kmax] descending
     if t.scale:
         vals = vals / t.temps
     rank = torch.arange(t.kmax, device=x.device)[None, :]  # [1, kmax]
@@ -446,7 +446,7 @@ def raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int = 0, lse
     lp = logits.gather(1, tokens[:, None])[:, 0].float() - lse
     if not top_n:
         return lp, None, None
-    vals, ids = reductions.topk(logits, min(top_n, logits.shape[1]))
+    vals, ids = logits.topk(min(top_n, logits.shape[1]), dim=-1)
     return lp, vals.float() - lse[:, None], ids
 
 
