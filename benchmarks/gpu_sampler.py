@@ -2,10 +2,10 @@
 
     python benchmarks/gpu_sampler.py [--batches 1,8,32] [--vocab 128256]
 
-Times, in us a call, each captured in a CUDA graph (the whole sampler: its own) and replayed back to back, as the samplers run: argmax,
-log_softmax / logsumexp, and the whole captured sampler (`GraphSampler`, no top
-log-probabilities) of greedy rows and of llama.cpp's default sampler (t0.8 k40 p.95 minp.05), each built with
-`reductions.WIDE` off (PyTorch's ops) and on. float32 logits, random. Prints a markdown table naming the GPU.
+Times, in us a call, replayed back to back from CUDA graphs as the samplers run: argmax, log_softmax against
+logsumexp + argmax, and the whole captured sampler (`GraphSampler`, its own graph, no top log-probabilities) of
+greedy rows and of llama.cpp's default sampler (t0.8 k40 p.95 minp.05), each built with `reductions.WIDE` off
+(PyTorch's ops) and on. float32 logits, random. Prints a markdown table naming the GPU.
 """
 
 from __future__ import annotations

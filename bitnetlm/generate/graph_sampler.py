@@ -123,9 +123,7 @@ class GraphSampler:
         # [B] each row's next uniform (a free row of the server's keeps stepping: clamped)
         u = self.u.gather(1, self.step.clamp(max=self.u.shape[1] - 1)[:, None])[:, 0]
         lse = None
-        if (
-            self.t.all_greedy and self.bias is None and wide(self.logits)
-        ):  # tokens and log-probabilities: one pass
+        if self.t.all_greedy and self.bias is None and wide(self.logits):  # tokens and log-probs in one pass
             tokens, lse = argmax_logsumexp(self.logits)
         else:
             tokens = choose(x, self.t, u, full=True)

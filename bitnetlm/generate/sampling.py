@@ -434,15 +434,15 @@ def raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int = 0, lse
     logsumexp (`reductions`: one wide pass, where log_softmax runs a block a row); elsewhere log_softmax, one
     fused pass (with a logsumexp, several: a CPU greedy step took 0.33-0.37 ms against 0.22-0.32,
     benchmarks/bench_generate.py, docs/PERF_LOG.md stop 51)."""
-    if lse is None and not reductions.wide(logits):
+    if lse is None and reductions.wide(logits):
+        lse = reductions.argmax_logsumexp(logits)[1]
+    if lse is None:
         raw = torch.log_softmax(logits.float(), dim=-1)
         lp = raw.gather(1, tokens[:, None])[:, 0]
         if not top_n:
             return lp, None, None
         top = raw.topk(min(top_n, raw.shape[1]), dim=-1)
         return lp, top.values, top.indices
-    if lse is None:
-        lse = reductions.argmax_logsumexp(logits)[1]
     lp = logits.gather(1, tokens[:, None])[:, 0].float() - lse
     if not top_n:
         return lp, None, None
