@@ -291,6 +291,34 @@ def _argmax_parts(x, idx, live, NONE, AXIS: tl.constexpr):
 
 
 @triton.jit
+def _argmax_step(best, best_nan, bi, x, offs, live, V):
+    """A block x (its indices offs, live entries) into a row's running argmax (best, best_nan, bi) by
+    `torch.argmax`'s rules: a NaN beats every number and the first NaN wins; strictly greater, so an earlier block
+    keeps a tie. Also returns the block's largest number."""
+    m, i, i_nan = _argmax_parts(x, offs, live, V, 0)
+    has_nan = i_nan < V
+    take = (has_nan & ~best_nan) | (~has_nan & ~best_nan & (m > best))
+    bi = tl.where(take, tl.where(has_nan, i_nan, i), bi)
+    best = tl.where(take, m, best)
+    return best, best_nan | has_nan, bi, m
+
+
+@triton.jit
+def _argmax_chunks(pmax_ptr, pidx_ptr, base, NC, NCP: tl.constexpr):
+    """A row's argmax from its NC chunks' partials at base (each chunk's maximum, NaN for a NaN, and its index, in
+    vocabulary order): (the index, whether a chunk held a NaN)."""
+    offs_c = tl.arange(0, NCP)
+    mc = offs_c < NC
+    # .cg: the other programs' partials from L2, never a stale L1 line of an earlier replay
+    pm = tl.load(pmax_ptr + base + offs_c, mask=mc, other=float("-inf"), cache_modifier=".cg")
+    pi = tl.load(pidx_ptr + base + offs_c, mask=mc, other=0, cache_modifier=".cg")
+    _, first, first_nan = _argmax_parts(pm, offs_c, mc, NCP, 0)
+    any_nan = first_nan < NCP
+    first = tl.where(any_nan, first_nan, first)
+    return tl.sum(tl.where(offs_c == first, pi, 0), axis=0), any_nan
+
+
+@triton.jit
 def _argmax_key(m, idx, has_nan):
     """A row's (maximum, its first index) as one uint64 whose unsigned order is `torch.argmax`'s ranking: a NaN
     above every number, then the larger number, then the smaller index (the top 32 bits hold the float's bits

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bitnetlm.kernels.triton.common import INTERPRET, _argmax_parts, _pdl_wait
+from bitnetlm.kernels.triton.common import INTERPRET, _argmax_chunks, _argmax_step, _pdl_wait
 from bitnetlm.kernels.triton.launch import pdl_kw
 
 
@@ -83,13 +83,7 @@ def _greedy_step_kernel(
     for v0 in range(lo, hi, BV):
         offs = v0 + tl.arange(0, BV)
         x = tl.load(x_ptr + r * stride_x + offs, mask=offs < hi, other=float("-inf"))
-        m, i, i_nan = _argmax_parts(x, offs, offs < hi, V, 0)
-        has_nan = i_nan < V  # as torch.argmax: a NaN beats every number, the first NaN wins
-        # strictly greater: an earlier block keeps a tie
-        take = (has_nan & ~best_nan) | (~has_nan & ~best_nan & (m > best))
-        bi = tl.where(take, tl.where(has_nan, i_nan, i), bi)
-        best = tl.where(take, m, best)
-        best_nan = best_nan | has_nan
+        best, best_nan, bi, _ = _argmax_step(best, best_nan, bi, x, offs, offs < hi, V)
     token = bi
     last = True  # one chunk a row (the int8 head's tile maxima at small batches): no counter, no partials
     if not ONE_CHUNK:
@@ -100,14 +94,7 @@ def _greedy_step_kernel(
         last = done == NC - 1
         if last:  # the row's last chunk: reduce the chunks
             tl.atomic_xchg(cnt_ptr + r, 0, sem="relaxed")
-            offs_c = tl.arange(0, NCP)
-            mc = offs_c < NC
-            # .cg: the other programs' partials from L2, never a stale L1 line of an earlier replay
-            pm = tl.load(pmax_ptr + r * NC + offs_c, mask=mc, other=float("-inf"), cache_modifier=".cg")
-            pi = tl.load(pidx_ptr + r * NC + offs_c, mask=mc, other=0, cache_modifier=".cg")
-            _, first, first_nan = _argmax_parts(pm, offs_c, mc, NCP, 0)  # chunks are in vocabulary order
-            first = tl.where(first_nan < NCP, first_nan, first)
-            token = tl.sum(tl.where(offs_c == first, pi, 0), axis=0)
+            token, _ = _argmax_chunks(pmax_ptr, pidx_ptr, r * NC, NC, NCP)
     if last:  # the row's winner -> its token (through the tiles' index when MAP), tok, out[:, step], pos += 1
         if MAP:  # x held tiles' maxima: the token is the winning tile's own index
             token = tl.load(map_ptr + r * stride_x + token)
@@ -128,6 +115,15 @@ def _greedy_step_kernel(
 _ws: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
+def vocab_chunks(b: int, v: int, chunks: int = 0) -> tuple[int, int, int]:
+    """(entries a block, entries a chunk, chunks a row) of a reduction over b rows of v entries, one program a
+    chunk: `chunks` a row, or by default about 256 programs in all; a chunk holds whole blocks."""
+    bv = 256 if INTERPRET else 2048
+    nc = chunks or max(1, 256 // b)
+    ch = triton.cdiv(triton.cdiv(v, nc), bv) * bv
+    return bv, ch, triton.cdiv(v, ch)
+
+
 def greedy_step(logits, tok, out, step, pos, chunks: int = 0, index: torch.Tensor | None = None) -> None:
     """logits float32 [B, V] -> tok[:, 0] = out[:, step] = argmax (first index of the maximum), pos += 1,
     step += 1. tok int64 [B, 1], out int64 [B, S], step int64 [1], pos int32 [B]. chunks: programs a row
@@ -137,10 +133,7 @@ def greedy_step(logits, tok, out, step, pos, chunks: int = 0, index: torch.Tenso
     b, v = logits.shape
     if index is not None and (index.shape != logits.shape or index.stride() != logits.stride()):
         raise ValueError(f"greedy_step: index {tuple(index.shape)} must have the shape and strides of logits")
-    bv = 256 if INTERPRET else 2048
-    nc = chunks or max(1, 256 // b)
-    ch = triton.cdiv(triton.cdiv(v, nc), bv) * bv  # a chunk: whole BV blocks
-    nc = triton.cdiv(v, ch)
+    bv, ch, nc = vocab_chunks(b, v, chunks)
     key = (str(logits.device), b, nc)
     if key not in _ws:  # allocated before any graph capture (the warm-up call); counters start at zero
         _ws[key] = (

@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from bitnetlm.kernels.triton.common import INTERPRET, _argmax_parts, _pdl_wait
+from bitnetlm.kernels.triton.common import INTERPRET, _argmax_chunks, _argmax_step, _pdl_wait
+from bitnetlm.kernels.triton.ends import vocab_chunks
 from bitnetlm.kernels.triton.launch import pdl_kw
 
 
@@ -53,12 +54,7 @@ def _logit_stats_kernel(
         offs = v0 + tl.arange(0, BV)
         live = offs < hi
         x = tl.load(x_ptr + r * stride_x + offs, mask=live, other=float("-inf")).to(tl.float32)
-        m, i, i_nan = _argmax_parts(x, offs, live, V, 0)
-        has_nan = i_nan < V
-        take = (has_nan & ~best_nan) | (~has_nan & ~best_nan & (m > best))
-        bi = tl.where(take, tl.where(has_nan, i_nan, i), bi)
-        best = tl.where(take, m, best)
-        best_nan = best_nan | has_nan
+        best, best_nan, bi, m = _argmax_step(best, best_nan, bi, x, offs, live, V)
         lm, ls = _lse_add(lm, ls, tl.where(x != x, float("-inf"), x), m)
     if ONE_CHUNK:
         tl.store(idx_ptr + r, bi.to(tl.int64))
@@ -72,15 +68,9 @@ def _logit_stats_kernel(
         done = tl.atomic_add(cnt_ptr + r, 1, sem="acq_rel")
         if done == NC - 1:  # the row's last chunk: combine the chunks
             tl.atomic_xchg(cnt_ptr + r, 0, sem="relaxed")
+            token, any_nan = _argmax_chunks(pmax_ptr, pidx_ptr, r * NC, NC, NCP)
             offs_c = tl.arange(0, NCP)
             mc = offs_c < NC
-            # .cg: the other programs' partials from L2, never a stale L1 line of an earlier call
-            pm = tl.load(pmax_ptr + r * NC + offs_c, mask=mc, other=float("-inf"), cache_modifier=".cg")
-            pi = tl.load(pidx_ptr + r * NC + offs_c, mask=mc, other=0, cache_modifier=".cg")
-            _, first, first_nan = _argmax_parts(pm, offs_c, mc, NCP, 0)  # chunks are in vocabulary order
-            any_nan = first_nan < NCP
-            first = tl.where(any_nan, first_nan, first)
-            token = tl.sum(tl.where(offs_c == first, pi, 0), axis=0)
             cm = tl.load(plm_ptr + r * NC + offs_c, mask=mc, other=float("-inf"), cache_modifier=".cg")
             cs = tl.load(pls_ptr + r * NC + offs_c, mask=mc, other=0.0, cache_modifier=".cg")
             mx = tl.max(cm, axis=0)
@@ -119,10 +109,7 @@ def logit_stats(x: torch.Tensor, chunks: int = 0) -> tuple[torch.Tensor, torch.T
     b, v = x.shape
     if x.stride(1) != 1:
         raise ValueError(f"logit_stats: logits need unit stride along the vocabulary, got {x.stride()}")
-    bv = 256 if INTERPRET else 2048
-    nc = chunks or max(1, 256 // b)
-    ch = triton.cdiv(triton.cdiv(v, nc), bv) * bv  # a chunk: whole BV blocks
-    nc = triton.cdiv(v, ch)
+    bv, ch, nc = vocab_chunks(b, v, chunks)
     key = (str(x.device), b, nc)
     if key not in _stats_ws:  # allocated before any graph capture (the warm-up call); counters start at zero
         f = dict(dtype=torch.float32, device=x.device)
