@@ -80,6 +80,46 @@ def test_gpu_wide_sampler_reductions_equal_torch(b, monkeypatch):
         torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-5)
 
 
+def _compiled(*kernels) -> set:
+    """The compiled variants (kernel, specialization key) the JIT kernels hold, over every device."""
+    return {(k.fn.__name__, key) for k in kernels for c in k.device_caches.values() for key in c[0]}
+
+
+@pytest.mark.gpu
+def test_gpu_warm_compiles_every_kernel_a_server_samples_with():
+    """After `reductions.warm` on every batch up to 24 (as a server's `GraphRows` warms them), the host sampler
+    over any number of prompts' logits and the step samplers (greedy rows, llama.cpp's defaults, top-k alone,
+    top-k with top-p at temperature 1) compile nothing more; warm itself compiled what they needed (the count
+    grew: no other test samples at these batches' chunk counts)."""
+    from bitnetlm.generate import reductions
+    from bitnetlm.generate.sampling import SamplingParams, choose, raw_logprobs, row_tensors, sample
+    from bitnetlm.kernels.triton import sampler
+
+    n, v = 24, 128256
+    kernels = (sampler._logit_stats_kernel, sampler._candidate_draw_kernel)
+    before = _compiled(*kernels)
+    zeros = torch.zeros(n, v, device="cuda")
+    for b in range(1, n + 1):
+        reductions.warm(zeros[:b])
+    warmed = _compiled(*kernels)
+    assert warmed > before  # (a proper superset)
+    x = torch.randn(n, v, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) * 3
+    u = torch.rand(n, device="cuda", dtype=torch.float64)
+    kinds = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=1),
+        SamplingParams(temperature=1.0, top_k=50, seed=2),
+        SamplingParams(temperature=1.0, top_k=40, top_p=0.9, seed=3),
+    ]
+    for p in kinds:
+        tokens = choose(x, row_tensors([p] * n, v, "cuda"), u, full=True)
+        raw_logprobs(x, tokens)
+        for r in (13, 5, 19):  # prompts ready at once: the host sampler's batch is any size
+            sample(torch.stack(list(x[:r])), [p] * r, [p.make_generator("cuda") for _ in range(r)])
+    torch.cuda.synchronize()
+    assert _compiled(*kernels) == warmed, _compiled(*kernels) - warmed
+
+
 def _rows():
     from bitnetlm.generate.sampling import SamplingParams
 

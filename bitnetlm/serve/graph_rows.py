@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from bitnetlm.engine_cuda import PREFILL_ALIGN
+from bitnetlm.generate import reductions
 
 # Queue each step before reading the last one's tokens (engine.py); BITNETLM_SERVE_PIPELINE=0 (benchmarks' A/B):
 # read every step's tokens before the next is queued.
@@ -93,7 +94,12 @@ class GraphRows:
         self.staging = _Staging(max(self.sizes))
         for b in self.sizes:  # capture now, while no row is in use: every size, and its short-context steps
             for keys in [0, *key_ranges()]:
-                eng.logits_state(b, max_keys=keys)
+                st = eng.logits_state(b, max_keys=keys)
+        # and the samplers' kernels, compiled for every batch up to the largest: the host sampler meets any number
+        # of prompts ready at once (32 prompts at once waited 0.6-0.9 s for it, docs/PERF_LOG.md stop 57)
+        x = torch.zeros_like(st.logits)  # [max size, V]
+        for b in range(1, x.shape[0] + 1):
+            reductions.warm(x[:b])
         eng.prefill_state(PREFILL_ALIGN)  # and the shortest prompts' prefill (tuning its GEMMs on a new GPU)
 
     @classmethod
