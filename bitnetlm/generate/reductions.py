@@ -5,9 +5,10 @@ and 28.9 us, of a greedy sampler graph's 65.7 (benchmarks/gpu_sampler.py, docs/P
 come from one Triton pass over the row's chunks spread over the GPU (`kernels.triton.sampler.logit_stats`, 4.2
 us), and a row with a top-k draws its token (temperature, top-p, min-p, the draw) in one launch after its top-k
 (`candidate_draw`) instead of some twenty small ones. Top-k stays torch.topk: a top-k over chunks of the row,
-then over their winners, measured 0.84x / 0.47x its speed (k 40, batch 1 / 32). Elsewhere (CPU, no Triton) they
-are PyTorch's own ops. The results are the same (argmax: the first index of the maximum; the draw: the host
-sampler's ops' token), but for a logsumexp's last bits.
+then over their winners, measured 0.84x / 0.47x its speed (k 40, batch 1 / 32), and one that sorts chunks 0.52x
+/ 0.23x (docs/PERF_LOG.md stops 55 and 57). Elsewhere (CPU, no Triton) they are PyTorch's own ops. The results are
+the same (argmax: the first index of the maximum; the draw: the host sampler's ops' token), but for a logsumexp's
+last bits.
 """
 
 from __future__ import annotations
