@@ -145,9 +145,9 @@ def logit_stats(x: torch.Tensor, chunks: int = 0) -> tuple[torch.Tensor, torch.T
     return idx, lse
 
 
-# The rows' parameters are rows of `sampling.row_tensors`' packed tensors, 16-byte aligned only when B is a
-# multiple of 4, and the top-k's size varies by request: neither is specialized on, so that one compile per BK
-# and flags serves every batch (`reductions.warm` compiles them once for a server).
+# The rows' parameters are rows of `sampling.row_tensors`' packed [n, B] tensors, 16-byte aligned for some B only,
+# and the top-k's size varies by request: neither is specialized on, so that one compile per BK and flags serves
+# every batch (`reductions.warm` compiles them once for a server).
 @triton.jit(
     do_not_specialize=["KMAX", "stride_v", "stride_o"],
     do_not_specialize_on_alignment=["temps_ptr", "k_ptr", "top_p_ptr", "min_p_ptr", "u_ptr"],
