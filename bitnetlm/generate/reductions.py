@@ -63,20 +63,22 @@ def candidate_draw(x: torch.Tensor, t, u: torch.Tensor) -> torch.Tensor:
 
 def warm(x: torch.Tensor, kmax: int = 40) -> None:
     """Compile the wide kernels for logits like x [B, V] and allocate their workspaces, before any request needs
-    them: the argmax + logsumexp pass (specialized by B's chunk count) and a top-k row's draw with and without a
-    temperature and top-p / min-p (kmax: the top-k class to compile, llama.cpp's default 40). A server calls it for
-    every batch size up to its largest, so that no sampled step waits for Triton's compiler (the first 32 prompts
-    at once: 0.6-0.9 s on an H200, serve_load.py, docs/PERF_LOG.md stop 57). Nothing off the wide path."""
+    them: the argmax + logsumexp pass for every batch 1..B (each batch's chunk count is its own variant) and, once,
+    a top-k row's draw with and without a temperature and top-p / min-p (which no batch changes; kmax: the top-k
+    class to compile, llama.cpp's default 40). A server calls it at start, so that no sampled step waits for
+    Triton's compiler (the first 32 prompts at once: 0.6-0.9 s on an H200, serve_load.py, docs/PERF_LOG.md stop
+    57). Nothing off the wide path."""
     if not wide(x):
         return
     from bitnetlm.kernels.triton.sampler import candidate_draw as draw
 
-    argmax_logsumexp(x)
-    b, dev = x.shape[0], x.device
-    vals, order = x[:, :kmax].float().contiguous(), torch.zeros((b, kmax), dtype=torch.long, device=dev)
-    ones = torch.ones((b,), dtype=torch.float32, device=dev)
-    k = torch.full((b,), kmax, dtype=torch.long, device=dev)
-    u = torch.zeros((b,), dtype=torch.float64, device=dev)
+    for b in range(1, x.shape[0] + 1):
+        argmax_logsumexp(x[:b])
+    dev = x.device
+    vals, order = x[:1, :kmax].float().contiguous(), torch.zeros((1, kmax), dtype=torch.long, device=dev)
+    ones = torch.ones((1,), dtype=torch.float32, device=dev)
+    k = torch.full((1,), kmax, dtype=torch.long, device=dev)
+    u = torch.zeros((1,), dtype=torch.float64, device=dev)
     for scale in (False, True):
         for need_p in (False, True):
             draw(vals, order, ones, k, ones * 2, ones * 0, u, scale, need_p)

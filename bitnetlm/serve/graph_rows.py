@@ -94,12 +94,10 @@ class GraphRows:
         self.staging = _Staging(max(self.sizes))
         for b in self.sizes:  # capture now, while no row is in use: every size, and its short-context steps
             for keys in [0, *key_ranges()]:
-                st = eng.logits_state(b, max_keys=keys)
+                eng.logits_state(b, max_keys=keys)
         # and the samplers' kernels, compiled for every batch up to the largest: the host sampler meets any number
         # of prompts ready at once (32 prompts at once waited 0.6-0.9 s for it, docs/PERF_LOG.md stop 57)
-        x = torch.zeros_like(st.logits)  # [max size, V]
-        for b in range(1, x.shape[0] + 1):
-            reductions.warm(x[:b])
+        reductions.warm(torch.zeros_like(eng.logits_state(max(self.sizes)).logits))  # [max size, V]
         eng.prefill_state(PREFILL_ALIGN)  # and the shortest prompts' prefill (tuning its GEMMs on a new GPU)
 
     @classmethod
