@@ -69,7 +69,9 @@ def stop_server(proc: subprocess.Popen, profiled: bool) -> None:
         proc.kill()
 
 
-def start_server(model: str, args, env_extra: dict) -> tuple[subprocess.Popen, str]:
+def start_server(model: str, args, env_extra: dict) -> tuple[subprocess.Popen, str, float]:
+    """(the server process, its URL, seconds from its start to its first /health 200: load, capture, warm-up)."""
+    t_start = time.monotonic()
     env = dict(os.environ, BITNET_PORT="0", **env_extra)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "bitnetlm.cli", "serve", "-m", model, "--log-level", "warning"]
@@ -105,7 +107,7 @@ def start_server(model: str, args, env_extra: dict) -> tuple[subprocess.Popen, s
         if proc.poll() is not None or time.monotonic() - t0 > 600:
             raise RuntimeError("server did not become healthy")
         time.sleep(0.1)
-    return proc, url
+    return proc, url, time.monotonic() - t_start
 
 
 # request bodies' sampling settings: greedy, or llama.cpp's defaults (as benchmarks/gpu_generate.py)
@@ -231,7 +233,7 @@ def main(argv=None) -> int:
         env_extra["BITNETLM_HOST_SAMPLER"] = "1"
     if args.no_pipeline:
         env_extra["BITNETLM_SERVE_PIPELINE"] = "0"
-    proc, url = start_server(model, args, env_extra)
+    proc, url, ready_s = start_server(model, args, env_extra)
     rows = []
     try:
         asyncio.run(level(url, 1, 2, prompts, 4, args.sampler))  # warm-up
@@ -252,7 +254,10 @@ def main(argv=None) -> int:
     if args.no_pipeline:
         path += ", no pipelining"
     print(
-        f"server --max-batch {args.max_batch}, {path}; {args.requests} streaming requests per row; ", end=""
+        f"server --max-batch {args.max_batch}, {path}; ready {ready_s:.1f} s after its start "
+        f"(TRITON_CACHE_DIR {os.environ.get('TRITON_CACHE_DIR', 'default')}); "
+        f"{args.requests} streaming requests per row; ",
+        end="",
     )
     how = "greedy" if args.sampler == "greedy" else "llama.cpp defaults t0.8 k40 p.95 minp.05"
     print(

@@ -89,7 +89,7 @@ def _compiled(*kernels) -> set:
 def test_gpu_warm_compiles_every_kernel_a_server_samples_with():
     """After `reductions.warm` over batches up to 24 (as a server's `GraphRows` warms them), the host sampler
     over any number of prompts' logits and the step samplers (greedy rows, llama.cpp's defaults, top-k alone,
-    top-k with top-p at temperature 1) compile nothing more; warm itself compiled what they needed (the count
+    top-k with top-p at temperature 1, top-k classes 9 to 100) compile nothing more; warm itself compiled what they needed (the count
     grew: no other test samples at these batches' chunk counts)."""
     from bitnetlm.generate import reductions
     from bitnetlm.generate.sampling import SamplingParams, choose, raw_logprobs, row_tensors, sample
@@ -108,6 +108,9 @@ def test_gpu_warm_compiles_every_kernel_a_server_samples_with():
         SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=1),
         SamplingParams(temperature=1.0, top_k=50, seed=2),
         SamplingParams(temperature=1.0, top_k=40, top_p=0.9, seed=3),
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=4),  # (Qwen's suggested settings)
+        SamplingParams(temperature=1.0, top_k=100, min_p=0.1, seed=5),
+        SamplingParams(temperature=0.6, top_k=9, seed=6),
     ]
     for p in kinds:
         tokens = choose(x, row_tensors([p] * n, v, "cuda"), u, full=True)

@@ -61,13 +61,19 @@ def candidate_draw(x: torch.Tensor, t, u: torch.Tensor) -> torch.Tensor:
     return draw(vals.float(), order, t.temps[:, 0], t.k, t.top_p, t.min_p, u, t.scale, t.need_p)
 
 
-def warm(x: torch.Tensor, kmax: int = 40) -> None:
+# The top-k classes `warm` compiles the draw for (the kernel's block: the power of 2 >= k, at least 16): top-k 1-128,
+# which holds llama.cpp's 40, transformers' 50, and 20 and 100. Each class costs about 0.8-1.0 s of a start with an
+# empty Triton cache and 0.01 s with a full one (H200, docs/PERF_LOG.md stop 58); a larger top-k compiles its class on
+# first use.
+WARM_TOPK = (16, 32, 64, 128)
+
+
+def warm(x: torch.Tensor, kmaxes: tuple[int, ...] = WARM_TOPK) -> None:
     """Compile the wide kernels for logits like x [B, V] and allocate their workspaces, before any request needs
-    them: the argmax + logsumexp pass for every batch 1..B (each batch's chunk count is its own variant) and, once,
-    a top-k row's draw with and without a temperature and top-p / min-p (which no batch changes; kmax: the top-k
-    class to compile, llama.cpp's default 40). A server calls it at start, so that no sampled step waits for
-    Triton's compiler (the first 32 prompts at once: 0.6-0.9 s on an H200, serve_load.py, docs/PERF_LOG.md stop
-    57). Nothing off the wide path."""
+    them: the argmax + logsumexp pass for every batch 1..B (each batch's chunk count is its own variant) and, once
+    for each top-k class of `kmaxes`, a top-k row's draw with and without a temperature and top-p / min-p (which no
+    batch changes). A server calls it at start, so that no sampled step waits for Triton's compiler (the first 32
+    prompts at once: 0.6-0.9 s on an H200, serve_load.py, docs/PERF_LOG.md stop 57). Nothing off the wide path."""
     if not wide(x):
         return
     from bitnetlm.kernels.triton.sampler import candidate_draw as draw
@@ -75,10 +81,11 @@ def warm(x: torch.Tensor, kmax: int = 40) -> None:
     for b in range(1, x.shape[0] + 1):
         argmax_logsumexp(x[:b])
     dev = x.device
-    vals, order = x[:1, :kmax].float().contiguous(), torch.zeros((1, kmax), dtype=torch.long, device=dev)
     ones = torch.ones((1,), dtype=torch.float32, device=dev)
-    k = torch.full((1,), kmax, dtype=torch.long, device=dev)
     u = torch.zeros((1,), dtype=torch.float64, device=dev)
-    for scale in (False, True):
-        for need_p in (False, True):
-            draw(vals, order, ones, k, ones * 2, ones * 0, u, scale, need_p)
+    for kmax in kmaxes:
+        vals, order = x[:1, :kmax].float().contiguous(), torch.zeros((1, kmax), dtype=torch.long, device=dev)
+        k = torch.full((1,), kmax, dtype=torch.long, device=dev)
+        for scale in (False, True):
+            for need_p in (False, True):
+                draw(vals, order, ones, k, ones * 2, ones * 0, u, scale, need_p)
