@@ -253,6 +253,8 @@ def main(argv=None) -> int:
         path += ", host sampler"
     if args.no_pipeline:
         path += ", no pipelining"
+    if os.environ.get("BITNETLM_WIDE_SAMPLER") == "0":
+        path += ", PyTorch's sampler ops (BITNETLM_WIDE_SAMPLER=0)"
     print(
         f"server --max-batch {args.max_batch}, {path}; ready {ready_s:.1f} s after its start "
         f"(TRITON_CACHE_DIR {os.environ.get('TRITON_CACHE_DIR', 'default')}); "
