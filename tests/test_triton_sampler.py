@@ -89,8 +89,8 @@ def _compiled(*kernels) -> set:
 def test_gpu_warm_compiles_every_kernel_a_server_samples_with():
     """After `reductions.warm` over batches up to 24 (as a server's `GraphRows` warms them), the host sampler
     over any number of prompts' logits and the step samplers (greedy rows, llama.cpp's defaults, top-k alone,
-    top-k with top-p at temperature 1, top-k classes 9 to 100) compile nothing more; warm itself compiled what they needed (the count
-    grew: no other test samples at these batches' chunk counts)."""
+    top-k with top-p at temperature 1, top-k classes 9 to 100) compile nothing more; warm itself compiled what
+    they needed (the count grew: no other test samples at these batches' chunk counts)."""
     from bitnetlm.generate import reductions
     from bitnetlm.generate.sampling import SamplingParams, choose, raw_logprobs, row_tensors, sample
     from bitnetlm.kernels.triton import sampler
