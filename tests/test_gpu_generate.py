@@ -160,9 +160,11 @@ def test_graph_generate_sampling_is_seeded():
 def test_graph_sampler_equals_the_host_sampler(monkeypatch):
     """The captured sampler (generate/graph_sampler.py) against the host sampler on the same engine: a batch
     mixing llama.cpp's sampler, top-p alone (the full sort) and a biased greedy row, rows of different lengths,
-    gives the same tokens and log-probabilities, and a stream with top log-probabilities the same top lists."""
+    and a batch of greedy rows (one fused launch) give the same tokens and log-probabilities, and a stream with
+    top log-probabilities the same top lists."""
     from bitnetlm.generate import SamplingParams, batch_generate, stream_generate
     from bitnetlm.generate import graph as graph_mod
+    from bitnetlm.generate import graph_sampler as graph_sampler_mod
     from bitnetlm.serve.testing import tiny_model_and_tokenizer
 
     model, tok = tiny_model_and_tokenizer(max_len=256, layers=2, hidden=64)
@@ -176,17 +178,27 @@ def test_graph_sampler_equals_the_host_sampler(monkeypatch):
         SamplingParams(max_tokens=40, temperature=0, logit_bias={7: 3.0}, ignore_eos=True),
     ]
     top = SamplingParams(max_tokens=20, temperature=1.1, top_k=50, seed=4, ignore_eos=True, top_logprobs=3)
+    greedy = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (30, 12, 30)]
+    fused, real = [], graph_sampler_mod.greedy_sample
+
+    def spy(
+        *args,
+    ):  # the all-greedy rows' sampler, one launch (reductions.greedy_sample), seen at its capture
+        fused.append(real(*args))
+        return fused[-1]
+
+    monkeypatch.setattr(graph_sampler_mod, "greedy_sample", spy)
 
     def run():
-        rows = batch_generate(model, tok, prompts, params)
+        rows = batch_generate(model, tok, prompts, params) + batch_generate(model, tok, prompts, greedy)
         chunks = list(stream_generate(model, tok, prompts[1], top))
         return [(r.tokens, r.logprobs) for r in rows], [(c.token, c.logprob, c.top_logprobs) for c in chunks]
 
     graph_rows, graph_stream = run()
-    assert any(k[0] == "sampler" for k in _graph_engine_of(model)._graphs)
+    assert any(k[0] == "sampler" for k in _graph_engine_of(model)._graphs) and True in fused
     monkeypatch.setattr(graph_mod, "GRAPH_SAMPLER", False)
     host_rows, host_stream = run()
-    assert [len(t) for t, _ in graph_rows] == [40, 25, 40]
+    assert [len(t) for t, _ in graph_rows] == [40, 25, 40, 30, 12, 30]
     # the tokens exactly; log-probabilities to float32 rounding: once a row has finished, the host sampler
     # reduces over fewer rows than the graph's, and a reduction's order may follow the rows' count
     for (gt, glp), (ht, hlp) in zip(graph_rows, host_rows, strict=True):

@@ -32,6 +32,30 @@ def test_logit_stats_equal_argmax_and_logsumexp(b, v, chunks):
     )
 
 
+@pytest.mark.parametrize("b,v", [(7, 1000), (1, 257), (2, 200)])
+def test_greedy_sample_ends_a_greedy_step(b, v):
+    """One launch: the argmax (ties, NaNs, a row of -inf; several chunks a row and one), its raw log-probability
+    (x[token] - logsumexp, as `sampling.raw_logprobs` computes it), the token into a strided next-step input,
+    and every row's draw index advanced; twice, so the counters reset between calls."""
+    (sampler,) = triton_modules("sampler")
+    g = torch.Generator().manual_seed(b * v)
+    step = torch.arange(b, dtype=torch.long, device=DEV) * 10
+    inp = torch.full((b, 3), -1, dtype=torch.long, device=DEV)
+    for i in range(2):
+        x = _logits_with_ties(b, v, g) * (1 + i)
+        tok = torch.full((b,), -1, dtype=torch.long, device=DEV)
+        lp = torch.zeros((b,), device=DEV)
+        sampler.greedy_sample(x, tok, lp, inp[:, 1:2], step)
+        want = x.argmax(dim=-1)
+        assert torch.equal(tok, want) and torch.equal(inp[:, 1], want), (tok, want)
+        assert torch.equal(inp[:, 0], torch.full_like(want, -1)) and torch.equal(inp[:, 2], inp[:, 0])
+        ref = x.gather(1, want[:, None])[:, 0].float() - torch.logsumexp(x.float(), dim=-1)
+        torch.testing.assert_close(lp, ref, rtol=1e-6, atol=1e-5, equal_nan=True)
+        assert torch.equal(step, torch.arange(b, device=DEV) * 10 + i + 1)
+    with pytest.raises(ValueError, match="lp must be"):
+        sampler.greedy_sample(x, tok, lp.double(), inp[:, 1:2], step)
+
+
 def test_logit_stats_read_bf16_logits():
     (sampler,) = triton_modules("sampler")
     x = (torch.randn(3, 700, generator=torch.Generator().manual_seed(5)) * 4).to(torch.bfloat16).to(DEV)
@@ -89,9 +113,11 @@ def _compiled(*kernels) -> set:
 def test_gpu_warm_compiles_every_kernel_a_server_samples_with():
     """After `reductions.warm` over batches up to 24 (as a server's `GraphRows` warms them), the host sampler
     over any number of prompts' logits and the step samplers (greedy rows, llama.cpp's defaults, top-k alone,
-    top-k with top-p at temperature 1, top-k classes 9 to 100) compile nothing more; warm itself compiled what
-    they needed (the count grew: no other test samples at these batches' chunk counts)."""
+    top-k with top-p at temperature 1, top-k classes 9 to 100) and the captured sampler of all-greedy rows
+    compile nothing more; warm itself compiled what they needed (the count grew: no other test draws from top-k
+    classes 32 or 128)."""
     from bitnetlm.generate import reductions
+    from bitnetlm.generate.graph_sampler import GraphSampler
     from bitnetlm.generate.sampling import SamplingParams, choose, raw_logprobs, row_tensors, sample
     from bitnetlm.kernels.triton import sampler
 
@@ -117,6 +143,9 @@ def test_gpu_warm_compiles_every_kernel_a_server_samples_with():
         raw_logprobs(x, tokens)
         for r in (13, 5, 19):  # prompts ready at once: the host sampler's batch is any size
             sample(torch.stack(list(x[:r])), [p] * r, [p.make_generator("cuda") for _ in range(r)])
+    for r in (13, 5, 1):  # the server's captured sampler of all-greedy rows: one fused launch
+        t = row_tensors([kinds[0]] * r, v, "cuda")
+        GraphSampler(x[:r], torch.zeros(r, 1, dtype=torch.long, device="cuda"), t, 0, 8, False).run()
     torch.cuda.synchronize()
     assert _compiled(*kernels) == warmed, _compiled(*kernels) - warmed
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bitnetlm.generate.reductions import argmax_logsumexp, wide
+from bitnetlm.generate.reductions import argmax_logsumexp, greedy_sample, wide
 from bitnetlm.generate.sampling import (
     RowRandom,
     RowTensors,
@@ -117,6 +117,11 @@ class GraphSampler:
             self.graph.replay()
 
     def _body(self):
+        greedy = self.t.all_greedy and self.bias is None and not self.top_n
+        if not (greedy and greedy_sample(self.logits, self.tok, self.lp, self.next_tok, self.step)):
+            self._ops()
+
+    def _ops(self):
         x = self.logits.float()
         if self.bias is not None:
             x = x + self.bias  # (the host sampler adds a row's few biases in place: the same sums)

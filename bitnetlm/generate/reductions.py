@@ -45,6 +45,18 @@ def argmax_logsumexp(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x.argmax(dim=-1), torch.logsumexp(x.float(), dim=-1)
 
 
+def greedy_sample(x: torch.Tensor, tok, lp, next_tok, step) -> bool:
+    """On the wide path, a greedy sampler's step over logits x [B, V] in one pass: tok [B] = the argmax, lp [B] =
+    its raw log-probability, next_tok [B, 1] = the token, step [B] += 1 (`GraphSampler`'s all-greedy rows).
+    Returns False, doing nothing, off it."""
+    if not (wide(x) and x.stride(-1) == 1):
+        return False
+    from bitnetlm.kernels.triton.sampler import greedy_sample as fused
+
+    fused(x, tok, lp, next_tok, step)
+    return True
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x [B, V] -> the first index of each row's maximum [B] (torch.argmax's)."""
     if wide(x) and x.stride(-1) == 1:
@@ -70,17 +82,24 @@ WARM_TOPK = (16, 32, 64, 128)
 
 def warm(x: torch.Tensor, kmaxes: tuple[int, ...] = WARM_TOPK) -> None:
     """Compile the wide kernels for logits like x [B, V] and allocate their workspaces, before any request needs
-    them: the argmax + logsumexp pass for every batch 1..B (each batch's chunk count is its own variant) and, once
-    for each top-k class of `kmaxes`, a top-k row's draw with and without a temperature and top-p / min-p (which no
-    batch changes). A server calls it at start, so that no sampled step waits for Triton's compiler (the first 32
+    them: the argmax + logsumexp pass and the greedy sampler's for every batch 1..B (a variant for each width of the
+    chunks' merge) and, once for each top-k class of `kmaxes`, a top-k row's draw with and without a temperature
+    and top-p / min-p (which no batch changes). A server calls it at start, so that no sampled step waits for Triton's compiler (the first 32
     prompts at once: 0.6-0.9 s on an H200, serve_load.py, docs/PERF_LOG.md stop 57). Nothing off the wide path."""
     if not wide(x):
         return
     from bitnetlm.kernels.triton.sampler import candidate_draw as draw
 
-    for b in range(1, x.shape[0] + 1):
-        argmax_logsumexp(x[:b])
     dev = x.device
+    n = x.shape[0]
+    tok, step = (
+        torch.zeros((n,), dtype=torch.long, device=dev),
+        torch.zeros((n,), dtype=torch.long, device=dev),
+    )
+    lp, nt = torch.zeros((n,), device=dev), torch.zeros((n, 1), dtype=torch.long, device=dev)
+    for b in range(1, n + 1):
+        argmax_logsumexp(x[:b])
+        greedy_sample(x[:b], tok[:b], lp[:b], nt[:b], step[:b])
     ones = torch.ones((1,), dtype=torch.float32, device=dev)
     u = torch.zeros((1,), dtype=torch.float64, device=dev)
     for kmax in kmaxes:

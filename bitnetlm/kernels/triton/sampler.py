@@ -2,7 +2,9 @@
 
 - `logit_stats`: each row's argmax (`ends.greedy_step`'s rules) and logsumexp in one pass over its logits, cut
   into chunks over the whole GPU; PyTorch's argmax and log_softmax run one block a row, 27-29 us each over a 128k
-  vocabulary at batch 1 on an H200 (of a greedy sampler graph's 65 us).
+  vocabulary at batch 1 on an H200 (of a greedy sampler graph's 65 us). `greedy_sample`: the same pass ending a
+  greedy sampler's step too (token, log-probability, the next step's input, the draw index), one launch for the
+  nine of PyTorch's ops that did it.
 - `candidate_draw`: a sampled row's token from its top-k candidates (temperature, top-k, top-p, min-p, then the
   draw at its uniform: `sampling._candidate_probs` and `_draw_sorted`), one program a row instead of some twenty
   small PyTorch launches.
@@ -19,7 +21,9 @@ from bitnetlm.kernels.triton.ends import vocab_chunks
 from bitnetlm.kernels.triton.launch import pdl_kw
 
 
-@triton.jit
+# The chunk count follows the batch; not specializing on it leaves one compile per merge width (NCP) for batches
+# 1..32 (4 with SAMPLE and 4 without, not 6 and 6), as fast (H200, benchmarks/gpu_sampler.py, PERF_LOG stop 59).
+@triton.jit(do_not_specialize=["NC"])
 def _logit_stats_kernel(
     x_ptr,
     V,
@@ -37,9 +41,15 @@ def _logit_stats_kernel(
     NCP: tl.constexpr,
     PDL: tl.constexpr = False,
     ONE_CHUNK: tl.constexpr = False,
+    SAMPLE: tl.constexpr = False,
+    lp_ptr=None,
+    nt_ptr=None,
+    stride_nt=0,
+    step_ptr=None,
 ):
     """Program (row, chunk): the chunk's argmax (greedy_step's rules) and its (max, sum of exp(x - max)) over the
-    non-NaN entries; the row's last chunk to finish (an atomic counter, reset for the next call) combines them."""
+    non-NaN entries; the row's last chunk to finish (an atomic counter, reset for the next call) combines them.
+    SAMPLE: that program also ends a greedy sampler's step (`greedy_sample`)."""
     r = tl.program_id(0)
     c = tl.program_id(1)
     _pdl_wait(PDL)
@@ -57,8 +67,11 @@ def _logit_stats_kernel(
         best, best_nan, bi, m = _argmax_step(best, best_nan, bi, x, offs, live, V)
         lm, ls = _lse_add(lm, ls, tl.where(x != x, float("-inf"), x), m)
     if ONE_CHUNK:
+        lse = _lse_end(lm, ls, best_nan)
         tl.store(idx_ptr + r, bi.to(tl.int64))
-        tl.store(lse_ptr + r, _lse_end(lm, ls, best_nan))
+        tl.store(lse_ptr + r, lse)
+        if SAMPLE:
+            _sample_end(x_ptr, stride_x, r, bi, lse, lp_ptr, nt_ptr, stride_nt, step_ptr)
     else:
         tl.store(pmax_ptr + r * NC + c, tl.where(best_nan, float("nan"), best))
         tl.store(pidx_ptr + r * NC + c, bi)
@@ -75,8 +88,21 @@ def _logit_stats_kernel(
             cs = tl.load(pls_ptr + r * NC + offs_c, mask=mc, other=0.0, cache_modifier=".cg")
             mx = tl.max(cm, axis=0)
             w = tl.where(cm == float("-inf"), 0.0, tl.exp(cm - tl.where(_inf(mx), 0.0, mx)))
+            lse = _lse_end(mx, tl.sum(cs * w, axis=0), any_nan)
             tl.store(idx_ptr + r, token.to(tl.int64))
-            tl.store(lse_ptr + r, _lse_end(mx, tl.sum(cs * w, axis=0), any_nan))
+            tl.store(lse_ptr + r, lse)
+            if SAMPLE:
+                _sample_end(x_ptr, stride_x, r, token, lse, lp_ptr, nt_ptr, stride_nt, step_ptr)
+
+
+@triton.jit
+def _sample_end(x_ptr, stride_x, r, token, lse, lp_ptr, nt_ptr, stride_nt, step_ptr):
+    """Row r's greedy token: its log-probability x[r, token] - lse (raw_logprobs' float32 difference), the token
+    into the next step's input, and the row's draw index advanced (as GraphSampler's ops do)."""
+    lp = tl.load(x_ptr + r * stride_x + token).to(tl.float32) - lse
+    tl.store(lp_ptr + r, lp)
+    tl.store(nt_ptr + r * stride_nt, token.to(tl.int64))
+    tl.store(step_ptr + r, tl.load(step_ptr + r) + 1)
 
 
 @triton.jit
@@ -106,6 +132,11 @@ def logit_stats(x: torch.Tensor, chunks: int = 0) -> tuple[torch.Tensor, torch.T
     """x [B, V] (any float dtype; rows may be strided) -> (argmax [B] int64: the first index of the maximum, a NaN
     above every number, as `torch.argmax`; logsumexp [B] float32, as `torch.logsumexp` of x in float32). chunks:
     programs a row (default: about 256 programs in all)."""
+    return _stats(x, chunks, torch.empty((x.shape[0],), dtype=torch.long, device=x.device))
+
+
+def _stats(x: torch.Tensor, chunks: int, idx: torch.Tensor, **ends) -> tuple[torch.Tensor, torch.Tensor]:
+    """logit_stats into idx; ends: the kernel's SAMPLE epilogue's arguments (greedy_sample)."""
     b, v = x.shape
     if x.stride(1) != 1:
         raise ValueError(f"logit_stats: logits need unit stride along the vocabulary, got {x.stride()}")
@@ -121,7 +152,6 @@ def logit_stats(x: torch.Tensor, chunks: int = 0) -> tuple[torch.Tensor, torch.T
             torch.zeros((b,), dtype=torch.int32, device=x.device),
         )
     pmax, pidx, plm, pls, cnt = _stats_ws[key]
-    idx = torch.empty((b,), dtype=torch.long, device=x.device)
     lse = torch.empty((b,), dtype=torch.float32, device=x.device)
     _logit_stats_kernel[(b, nc)](
         x,
@@ -140,9 +170,27 @@ def logit_stats(x: torch.Tensor, chunks: int = 0) -> tuple[torch.Tensor, torch.T
         NCP=triton.next_power_of_2(nc),
         ONE_CHUNK=nc == 1,
         num_warps=1 if INTERPRET else 4,
+        **ends,
         **pdl_kw(),
     )
     return idx, lse
+
+
+def greedy_sample(
+    x: torch.Tensor, tok: torch.Tensor, lp: torch.Tensor, next_tok: torch.Tensor, step: torch.Tensor
+):
+    """A greedy sampler's step in one launch (`GraphSampler` of all-greedy rows): over logits x [B, V], tok [B]
+    int64 = the argmax (`logit_stats`'), lp [B] float32 = its raw log-probability (`sampling.raw_logprobs`'),
+    next_tok [B, 1] int64 (any row stride) = the token, step [B] int64 += 1."""
+    b = x.shape[0]
+    for name, t, dt in (("tok", tok, torch.long), ("lp", lp, torch.float32), ("step", step, torch.long)):
+        if t.shape != (b,) or t.dtype != dt or t.stride(0) != 1:
+            raise ValueError(
+                f"greedy_sample: {name} must be [{b}] contiguous {dt}, got {tuple(t.shape)} {t.dtype}"
+            )
+    if next_tok.shape != (b, 1) or next_tok.dtype != torch.long:
+        raise ValueError(f"greedy_sample: next_tok must be [{b}, 1] int64, got {tuple(next_tok.shape)}")
+    _stats(x, 0, tok, SAMPLE=True, lp_ptr=lp, nt_ptr=next_tok, stride_nt=next_tok.stride(0), step_ptr=step)
 
 
 # The rows' parameters are rows of `sampling.row_tensors`' packed [n, B] tensors, 16-byte aligned for some B only,
