@@ -181,9 +181,8 @@ def test_graph_sampler_equals_the_host_sampler(monkeypatch):
     greedy = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (30, 12, 30)]
     fused, real = [], graph_sampler_mod.greedy_sample
 
-    def spy(
-        *args,
-    ):  # the all-greedy rows' sampler, one launch (reductions.greedy_sample), seen at its capture
+    # the all-greedy rows' sampler, one launch (reductions.greedy_sample), seen at its capture
+    def spy(*args):
         fused.append(real(*args))
         return fused[-1]
 

@@ -36,9 +36,14 @@ def wide(x: torch.Tensor) -> bool:
     return _triton[0]
 
 
+def _wide_rows(x: torch.Tensor) -> bool:
+    """Whether the row kernels take x [B, V]: the wide path and a unit stride along the vocabulary."""
+    return wide(x) and x.stride(-1) == 1
+
+
 def argmax_logsumexp(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, V] -> (argmax [B] long, logsumexp [B] float32 of x in float32), one pass over x on CUDA."""
-    if wide(x) and x.stride(-1) == 1:
+    if _wide_rows(x):
         from bitnetlm.kernels.triton.sampler import logit_stats
 
         return logit_stats(x)
@@ -49,7 +54,7 @@ def greedy_sample(x: torch.Tensor, tok, lp, next_tok, step) -> bool:
     """On the wide path, a greedy sampler's step over logits x [B, V] in one pass: tok [B] = the argmax, lp [B] =
     its raw log-probability, next_tok [B, 1] = the token, step [B] += 1 (`GraphSampler`'s all-greedy rows).
     Returns False, doing nothing, off it."""
-    if not (wide(x) and x.stride(-1) == 1):
+    if not _wide_rows(x):
         return False
     from bitnetlm.kernels.triton.sampler import greedy_sample as fused
 
@@ -59,7 +64,7 @@ def greedy_sample(x: torch.Tensor, tok, lp, next_tok, step) -> bool:
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x [B, V] -> the first index of each row's maximum [B] (torch.argmax's)."""
-    if wide(x) and x.stride(-1) == 1:
+    if _wide_rows(x):
         return argmax_logsumexp(x)[0]
     return x.argmax(dim=-1)
 
@@ -84,18 +89,16 @@ def warm(x: torch.Tensor, kmaxes: tuple[int, ...] = WARM_TOPK) -> None:
     """Compile the wide kernels for logits like x [B, V] and allocate their workspaces, before any request needs
     them: the argmax + logsumexp pass and the greedy sampler's for every batch 1..B (a variant for each width of the
     chunks' merge) and, once for each top-k class of `kmaxes`, a top-k row's draw with and without a temperature
-    and top-p / min-p (which no batch changes). A server calls it at start, so that no sampled step waits for Triton's compiler (the first 32
-    prompts at once: 0.6-0.9 s on an H200, serve_load.py, docs/PERF_LOG.md stop 57). Nothing off the wide path."""
+    and top-p / min-p (which no batch changes). A server calls it at start, so that no sampled step waits for
+    Triton's compiler (the first 32 prompts at once: 0.6-0.9 s on an H200, serve_load.py, docs/PERF_LOG.md stop
+    57). Nothing off the wide path."""
     if not wide(x):
         return
     from bitnetlm.kernels.triton.sampler import candidate_draw as draw
 
     dev = x.device
     n = x.shape[0]
-    tok, step = (
-        torch.zeros((n,), dtype=torch.long, device=dev),
-        torch.zeros((n,), dtype=torch.long, device=dev),
-    )
+    tok, step = (torch.zeros((n,), dtype=torch.long, device=dev) for _ in range(2))  # scratch outputs
     lp, nt = torch.zeros((n,), device=dev), torch.zeros((n, 1), dtype=torch.long, device=dev)
     for b in range(1, n + 1):
         argmax_logsumexp(x[:b])
