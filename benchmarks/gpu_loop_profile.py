@@ -4,9 +4,11 @@
 
 A 2B4T-shaped checkpoint (random weights, benchmarks/make_checkpoint.py) with the LLaMA-3 tokenizer, batch 1, a
 128-token prompt. Prints, per sampler (greedy, llama.cpp's defaults): `generate`'s decode tok/s; the logits step
-alone and gpu_bench's greedy-folded step as chains of replays; the captured sampler alone; the loop's sampler +
-copies + step; and a torch.profiler summary of 12 such iterations (GPU ops by time an iteration). DIR gets each
-profile's timeline of the last iteration (timeline_TAG_SAMPLER.txt).
+alone and gpu_bench's greedy-folded step as chains of replays; the captured sampler alone; stop 59's loop (the
+sampler's graph + copies + the step's graph) and generate's since stop 60 (one graph: the step, the sampler, and
+its outputs stored into pinned host memory); and a torch.profiler summary of 12 iterations of each of those two
+(GPU ops by time an iteration). DIR gets each profile's timeline of the last iteration
+(timeline_TAG_SAMPLER_{loop,both}.txt).
 """
 
 import argparse
@@ -129,53 +131,69 @@ def main():
             reset()
             gs.step.zero_()
             print(f"{name}: sampler+step chain (no D2H) {chain(it_nocopy, 150)} ms")
-            # profile 12 iterations
+            both = gs.step_graph(st)  # generate's loop since stop 60: step + sampler + export in one graph
+
+            def it_both(ready=ready, both=both):
+                both.replay()
+                ready.record()
+
             reset()
             gs.step.zero_()
-            from torch.profiler import ProfilerActivity, profile
-
-            for _ in range(5):
-                it()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(12):
-                    it()
-                torch.cuda.synchronize()
-            path = os.path.join(a.out, f"trace_{a.tag}_{name}.json")
-            prof.export_chrome_trace(path)
-            ev = json.load(open(path))["traceEvents"]
-            gpu = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
-            gpu.sort(key=lambda e: e["ts"])
-            # find iteration boundaries: the first kernel of the sampler = the first after the head kernel
-            t0, t1 = gpu[0]["ts"], gpu[-1]["ts"] + gpu[-1]["dur"]
-            busy = sum(e["dur"] for e in gpu)
             print(
-                f"{name}: profiled 12 its: span {(t1 - t0) / 12:.1f} us/it, kernels busy {busy / 12:.1f} us/it, {len(gpu) / 12:.1f} ops/it"
+                f"{name}: step+sampler+export graph chain {chain(it_both, 150)} ms; "
+                f"host per it {host_time(it_both, 150) * 1e3:.4f} ms"
             )
-            # print the last ~1.2 iterations' ops with gaps
-            n_it = len(gpu) // 12
-            seg = gpu[-n_it - 12 :]
-            prev = None
-            lines = []
-            for e in seg:
-                gap = 0 if prev is None else e["ts"] - prev
-                lines.append(
-                    f"  {e['ts'] - seg[0]['ts']:9.1f} dur {e['dur']:7.2f} gap {gap:6.2f}  {e['name'][:90]}"
-                )
-                prev = e["ts"] + e["dur"]
-            # aggregate by name (non-layer)
-            agg = {}
-            for e in gpu:
-                k = e["name"][:70]
-                agg.setdefault(k, [0, 0.0])
-                agg[k][0] += 1
-                agg[k][1] += e["dur"]
-            print(f"{name}: ops by total time per iteration:")
-            for k, (c, t) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:40]:
-                print(f"   {t / 12:8.2f} us  x{c / 12:5.1f}  {k}")
-            with open(os.path.join(a.out, f"timeline_{a.tag}_{name}.txt"), "w") as f:
-                f.write("\n".join(lines))
-            os.remove(path)
+            for what, fn in (("loop", it), ("both", it_both)):
+                profile_its(a, name, what, fn, reset, gs)
+
+
+def profile_its(a, name, what, it, reset, gs):
+    """A torch.profiler summary of 12 iterations of `it`, and the last ones' timeline into a.out."""
+    reset()
+    gs.step.zero_()
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(5):
+        it()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(12):
+            it()
+        torch.cuda.synchronize()
+    name = f"{name}_{what}"
+    path = os.path.join(a.out, f"trace_{a.tag}_{name}.json")
+    prof.export_chrome_trace(path)
+    ev = json.load(open(path))["traceEvents"]
+    gpu = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    gpu.sort(key=lambda e: e["ts"])
+    # find iteration boundaries: the first kernel of the sampler = the first after the head kernel
+    t0, t1 = gpu[0]["ts"], gpu[-1]["ts"] + gpu[-1]["dur"]
+    busy = sum(e["dur"] for e in gpu)
+    print(
+        f"{name}: profiled 12 its: span {(t1 - t0) / 12:.1f} us/it, kernels busy {busy / 12:.1f} us/it, {len(gpu) / 12:.1f} ops/it"
+    )
+    # print the last ~1.2 iterations' ops with gaps
+    n_it = len(gpu) // 12
+    seg = gpu[-n_it - 12 :]
+    prev = None
+    lines = []
+    for e in seg:
+        gap = 0 if prev is None else e["ts"] - prev
+        lines.append(f"  {e['ts'] - seg[0]['ts']:9.1f} dur {e['dur']:7.2f} gap {gap:6.2f}  {e['name'][:90]}")
+        prev = e["ts"] + e["dur"]
+    # aggregate by name (non-layer)
+    agg = {}
+    for e in gpu:
+        k = e["name"][:70]
+        agg.setdefault(k, [0, 0.0])
+        agg[k][0] += 1
+        agg[k][1] += e["dur"]
+    print(f"{name}: ops by total time per iteration:")
+    for k, (c, t) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:40]:
+        print(f"   {t / 12:8.2f} us  x{c / 12:5.1f}  {k}")
+    with open(os.path.join(a.out, f"timeline_{a.tag}_{name}.txt"), "w") as f:
+        f.write("\n".join(lines))
+    os.remove(path)
 
 
 if __name__ == "__main__":

@@ -494,7 +494,8 @@ class CudaEngine:
             return logits
 
         graph, logits = capture(body, before_capture=pos.zero_)
-        st = _DecodeState(graph, tok, pos, step, out, logits)
+        # the body stays: graph_sampler captures it again, followed by a sampler, in one graph
+        st = _DecodeState(graph, tok, pos, step, out, logits, extra={"body": body})
         self._graphs[key] = st
         return st
 

@@ -161,7 +161,8 @@ def test_graph_sampler_equals_the_host_sampler(monkeypatch):
     """The captured sampler (generate/graph_sampler.py) against the host sampler on the same engine: a batch
     mixing llama.cpp's sampler, top-p alone (the full sort) and a biased greedy row, rows of different lengths,
     and a batch of greedy rows (one fused launch) give the same tokens and log-probabilities, and a stream with
-    top log-probabilities the same top lists."""
+    top log-probabilities the same top lists. (The graph path's steps after the first replay the step and the
+    sampler as one graph.)"""
     from bitnetlm.generate import SamplingParams, batch_generate, stream_generate
     from bitnetlm.generate import graph as graph_mod
     from bitnetlm.generate import graph_sampler as graph_sampler_mod
@@ -194,7 +195,10 @@ def test_graph_sampler_equals_the_host_sampler(monkeypatch):
         return [(r.tokens, r.logprobs) for r in rows], [(c.token, c.logprob, c.top_logprobs) for c in chunks]
 
     graph_rows, graph_stream = run()
-    assert any(k[0] == "sampler" for k in _graph_engine_of(model)._graphs) and True in fused
+    samplers = [gs for k, gs in _graph_engine_of(model)._graphs.items() if k[0] == "sampler"]
+    assert samplers and True in fused
+    # every step after the first ran as one graph of the step and the sampler (GraphSampler.step_graph)
+    assert all(gs._step_graph is not None for gs in samplers)
     monkeypatch.setattr(graph_mod, "GRAPH_SAMPLER", False)
     host_rows, host_stream = run()
     assert [len(t) for t, _ in graph_rows] == [40, 25, 40, 30, 12, 30]

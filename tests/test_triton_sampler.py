@@ -56,6 +56,40 @@ def test_greedy_sample_ends_a_greedy_step(b, v):
         sampler.greedy_sample(x, tok, lp.double(), inp[:, 1:2], step)
 
 
+@pytest.mark.parametrize("b,n", [(3, 0), (70, 3), (1, 20)])
+def test_export_rows_fill_alternate_slots(b, n):
+    """A sampler's outputs into slot seq % 2 of two-slot outputs (pinned host memory on a GPU, which the kernel
+    stores into directly), the other slot untouched, seq advanced on the device and copied to out_seq; 70 rows
+    cross the kernel's 64-row block."""
+    (sampler,) = triton_modules("sampler")
+    g = torch.Generator().manual_seed(b + n)
+    seq = torch.full((1,), 5, dtype=torch.long, device=DEV)
+    pin = DEV == "cuda"  # (pinned memory needs a GPU)
+    out = [
+        torch.full(shape, -7, dtype=dt).pin_memory() if pin else torch.full(shape, -7, dtype=dt)
+        for shape, dt in (((2, b), torch.long), ((2, b), torch.float32), ((2, b, n), torch.float32))
+        + (((2, b, n), torch.long), ((1,), torch.long))
+    ]
+    for i in range(2):
+        src = (
+            torch.randint(0, 1000, (b,), generator=g),
+            torch.randn(b, generator=g),
+            torch.randn(b, n, generator=g),
+            torch.randint(0, 1000, (b, n), generator=g),
+        )
+        sampler.export_rows(*(t.to(DEV) for t in src[:4]), seq, *out)
+        if pin:
+            torch.cuda.synchronize()
+        slot = (5 + i) % 2
+        for o, t in zip(out[:4], src, strict=True):
+            assert torch.equal(o[slot], t)
+            if i == 0:
+                assert (o[1 - slot] == -7).all()
+        assert int(seq[0]) == int(out[4][0]) == 6 + i
+    with pytest.raises(ValueError, match="out_lp must be"):
+        sampler.export_rows(*(t.to(DEV) for t in src[:4]), seq, out[0], out[1].double(), *out[2:])
+
+
 def test_logit_stats_read_bf16_logits():
     (sampler,) = triton_modules("sampler")
     x = (torch.randn(3, 700, generator=torch.Generator().manual_seed(5)) * 4).to(torch.bfloat16).to(DEV)

@@ -14,7 +14,9 @@ eager forward with a Python call per layer.
   for requests with penalties on the host.
 - Pipelining: a step's tokens are copied to pinned host memory and fed to the next graph replay before the host
   reads them, so the GPU computes step s+1 while the host detokenizes step s and checks the stop conditions.
-  When the last row stops, that one speculative step is discarded.
+  When the last row stops, that one speculative step is discarded. With the captured sampler, the step and the
+  sampler are one graph (`GraphSampler.step_graph`), which ends by storing the tokens into one of two pinned
+  buffers (`graph_sampler.HostRing`), alternately.
 """
 
 from __future__ import annotations
@@ -148,6 +150,7 @@ def run_graph(eng, rows, t0: float) -> Iterator:
         # captured before the prefill too; loaded with the rows' parameters and their draws
         draws = [r.max_new for r in rows]
         gs = graph_sampler(eng, st, [r.params for r in rows], [r.generator for r in rows], draws, top_n)
+        gs.step_graph(st)
     logits = torch.stack([eng.prefill(r.ids, i) for i, r in enumerate(rows)])  # [B, V], a graph replay each
     st.pos.copy_(torch.tensor(lens, dtype=torch.int32))
     torch.cuda.synchronize(dev)
@@ -160,31 +163,29 @@ def run_graph(eng, rows, t0: float) -> Iterator:
 
 
 def _graph_sampled(st, gs, rows, top_n, t0, prompt_tps) -> Iterator:
-    """Each step: the sampler's replay (tokens into the step's input), then the step's, queued before the host
-    reads the tokens; every row samples and steps, the finished ones unseen."""
+    """The first tokens from the prefill's logits by the sampler's own replay; then each replay of the step +
+    sampler graph (gs.step_graph) computes the next step's logits and tokens, into the other slot of the
+    sampler's pinned HostRing, while the host handles this step's. Every row samples and steps, the finished
+    ones unseen."""
     from bitnetlm.generate.generate import _emit
     from bitnetlm.generate.sampling import SampleOutput
 
-    b = len(rows)
-    tok_h = torch.empty((b,), dtype=torch.long, pin_memory=True)
-    lp_h = torch.empty((b,), dtype=torch.float32, pin_memory=True)
-    top_v = torch.empty((b, top_n), dtype=torch.float32, pin_memory=True)
-    top_i = torch.empty((b, top_n), dtype=torch.long, pin_memory=True)
-    ready = torch.cuda.Event()
+    both, ring = gs.step_graph(st), gs.host
+    done = (torch.cuda.Event(), torch.cuda.Event())
     active = [r for r in rows if r.finish_reason is None]
-    while True:
-        gs.run()
-        tok_h.copy_(gs.tok, non_blocking=True)
-        lp_h.copy_(gs.lp, non_blocking=True)
-        if top_n:
-            top_v.copy_(gs.top_v, non_blocking=True)
-            top_i.copy_(gs.top_i, non_blocking=True)
-        ready.record()
-        st.graph.replay()  # the next step's logits, while the host handles this step's tokens
-        ready.synchronize()
+    ring.reset()
+    gs.run()
+    ring.export(gs)
+    done[0].record()
+    for s in itertools.count():
+        both.replay()  # the next step, while the host handles this one's tokens
+        done[(s + 1) % 2].record()
+        done[s % 2].synchronize()
+        k = ring.slot(s)
         ai = [r.index for r in active]
-        toks, lps = tok_h.tolist(), lp_h.tolist()
-        out = SampleOutput(tok_h, lp_h, top_i[ai] if top_n else None, top_v[ai] if top_n else None)
+        toks, lps = ring.tok[k].tolist(), ring.lp[k].tolist()
+        top_i, top_v = (ring.top_i[k][ai], ring.top_v[k][ai]) if top_n else (None, None)
+        out = SampleOutput(ring.tok[k], ring.lp[k], top_i, top_v)
         yield from _emit(
             active, out, [toks[i] for i in ai], [lps[i] for i in ai], time.perf_counter(), t0, prompt_tps
         )

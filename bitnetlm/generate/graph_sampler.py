@@ -103,7 +103,7 @@ class GraphSampler:
         self.lp = torch.zeros((b,), dtype=torch.float32, device=dev)
         self.top_v = torch.zeros((b, top_n), dtype=torch.float32, device=dev)
         self.top_i = torch.zeros((b, top_n), dtype=torch.long, device=dev)
-        self.graph = None
+        self.graph = self._step_graph = self.host = None
         if dev.type == "cuda":
             from bitnetlm.engine_cuda import capture
 
@@ -116,23 +116,48 @@ class GraphSampler:
         else:
             self.graph.replay()
 
-    def _body(self):
-        greedy = self.t.all_greedy and self.bias is None and not self.top_n
-        if not (greedy and greedy_sample(self.logits, self.tok, self.lp, self.next_tok, self.step)):
-            self._ops()
+    def step_graph(self, st) -> torch.cuda.CUDAGraph:
+        """The decode step `st` (the logits_state whose logits and input this sampler was made over), this
+        sampler over that step's logits and the export of its outputs into `self.host` (a HostRing), in one
+        graph: a replay does what `st.graph.replay()`, `run()` and the host's copies did, in one launch and with
+        no copy queued by the host (their gaps were most of what `generate` spent a token beyond the step).
+        Captured on first use into st's memory pool (the two are replayed one at a time on one stream, and only
+        st's logits outlive a replay); like st, capture it before prefilling."""
+        if self._step_graph is None:
+            from bitnetlm.engine_cuda import capture
 
-    def _ops(self):
-        x = self.logits.float()
+            body, at = st.extra["body"], self.step.clone()
+            self.host = HostRing(self.tok.shape[0], self.top_n, self.tok.device)
+
+            def both():
+                self._body(body())
+                self.host.export(self)
+
+            def rewind():  # the eager warm-up runs advanced the positions and the draw indices
+                st.pos.zero_()
+                self.step.copy_(at)
+
+            self._step_graph, _ = capture(both, before_capture=rewind, pool=st.graph.pool())
+        return self._step_graph
+
+    def _body(self, logits: torch.Tensor | None = None):
+        x = self.logits if logits is None else logits
+        greedy = self.t.all_greedy and self.bias is None and not self.top_n
+        if not (greedy and greedy_sample(x, self.tok, self.lp, self.next_tok, self.step)):
+            self._ops(x)
+
+    def _ops(self, logits: torch.Tensor):
+        x = logits.float()
         if self.bias is not None:
             x = x + self.bias  # (the host sampler adds a row's few biases in place: the same sums)
         # [B] each row's next uniform (a free row of the server's keeps stepping: clamped)
         u = self.u.gather(1, self.step.clamp(max=self.u.shape[1] - 1)[:, None])[:, 0]
         lse = None
-        if self.t.all_greedy and self.bias is None and wide(self.logits):  # tokens and log-probs in one pass
-            tokens, lse = argmax_logsumexp(self.logits)
+        if self.t.all_greedy and self.bias is None and wide(logits):  # tokens and log-probs in one pass
+            tokens, lse = argmax_logsumexp(logits)
         else:
             tokens = choose(x, self.t, u, full=True)
-        lp, top_v, top_i = raw_logprobs(self.logits, tokens, self.top_n, lse=lse)
+        lp, top_v, top_i = raw_logprobs(logits, tokens, self.top_n, lse=lse)
         self.tok.copy_(tokens)
         self.lp.copy_(lp)
         if self.top_n:
@@ -162,6 +187,40 @@ class GraphSampler:
         if t is not self.t:
             for f in _FIELDS:
                 getattr(self.t, f).copy_(getattr(t, f))
+
+
+class HostRing:
+    """Two slots of pinned host memory for a sampler's outputs (tok, lp, top_v, top_i), filled alternately by
+    one launch that stores into them directly (`kernels.triton.sampler.export_rows`), and the exports' count,
+    on the device and, after each export, on the host: the n-th export since `reset` fills slot n % 2, which
+    the host reads once an event after it has passed while the next replay fills the other."""
+
+    def __init__(self, b: int, top_n: int, device):
+        def pinned(shape, dt):
+            return torch.zeros(shape, dtype=dt, pin_memory=True)
+
+        self.tok, self.lp = pinned((2, b), torch.long), pinned((2, b), torch.float32)
+        self.top_v, self.top_i = pinned((2, b, top_n), torch.float32), pinned((2, b, top_n), torch.long)
+        self.seq_h = pinned((1,), torch.long)
+        self.seq = torch.zeros((1,), dtype=torch.long, device=device)
+
+    def reset(self) -> None:
+        self.seq.zero_()
+        self.seq_h.zero_()
+
+    def export(self, gs: GraphSampler) -> None:
+        from bitnetlm.kernels.triton.sampler import export_rows
+
+        export_rows(
+            gs.tok, gs.lp, gs.top_v, gs.top_i, self.seq, self.tok, self.lp, self.top_v, self.top_i, self.seq_h
+        )
+
+    def slot(self, n: int) -> int:
+        """The slot of the n-th export since reset, once it has run (the next one may have run too)."""
+        seen = int(self.seq_h[0])
+        if not n + 1 <= seen <= n + 2:
+            raise RuntimeError(f"HostRing: export {n} read after {seen} exports (a replay missed or doubled)")
+        return n % 2
 
 
 # Captured samplers kept per engine (each kind of rows -- batch size, top-k, flags -- has its own graph and memory

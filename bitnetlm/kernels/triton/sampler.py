@@ -193,6 +193,74 @@ def greedy_sample(
     _stats(x, 0, tok, SAMPLE=True, lp_ptr=lp, nt_ptr=next_tok, stride_nt=next_tok.stride(0), step_ptr=step)
 
 
+# One program, 64 rows at a time: a sampler's outputs are a few hundred bytes. Nothing is specialized on B or N: one
+# compile serves every batch (and one more each power of 2 of top log-probabilities).
+@triton.jit(do_not_specialize=["B", "N"])
+def _export_kernel(
+    tok_ptr,
+    lp_ptr,
+    tv_ptr,
+    ti_ptr,
+    seq_ptr,
+    otok_ptr,
+    olp_ptr,
+    otv_ptr,
+    oti_ptr,
+    oseq_ptr,
+    B,
+    N,
+    BR: tl.constexpr,
+    BN: tl.constexpr,
+    TOP: tl.constexpr,
+):
+    """Rows 0..B-1 of tok, lp (and top_v / top_i [B, N]) into slot seq % 2 of the outputs, then seq += 1, also
+    into oseq."""
+    s = tl.load(seq_ptr)
+    slot = s % 2
+    for r0 in range(0, B, BR):
+        r = r0 + tl.arange(0, BR)
+        m = r < B
+        tl.store(otok_ptr + slot * B + r, tl.load(tok_ptr + r, mask=m), mask=m)
+        tl.store(olp_ptr + slot * B + r, tl.load(lp_ptr + r, mask=m), mask=m)
+        if TOP:
+            c = tl.arange(0, BN)
+            o = r[:, None] * N + c[None, :]  # [BR, BN] offsets into a [B, N] tensor
+            mm = m[:, None] & (c[None, :] < N)
+            tl.store(otv_ptr + slot * B * N + o, tl.load(tv_ptr + o, mask=mm), mask=mm)
+            tl.store(oti_ptr + slot * B * N + o, tl.load(ti_ptr + o, mask=mm), mask=mm)
+    tl.store(seq_ptr, s + 1)
+    tl.store(oseq_ptr, s + 1)
+
+
+def export_rows(tok, lp, top_v, top_i, seq, out_tok, out_lp, out_top_v, out_top_i, out_seq) -> None:
+    """A sampler's outputs (tok [B] int64, lp [B] float32, top_v [B, N] float32, top_i [B, N] int64; N may be 0)
+    into slot seq % 2 of out_tok [2, B], out_lp [2, B], out_top_v / out_top_i [2, B, N], then seq [1] int64 += 1
+    and out_seq [1] = seq: one launch. The outputs may be pinned host memory, which the stores reach directly: a
+    captured graph hands its tokens to the host without a copy of its own (`graph_sampler.HostRing`)."""
+    b, n = top_v.shape
+    want = (
+        ("tok", tok, (b,), torch.long),
+        ("lp", lp, (b,), torch.float32),
+        ("top_i", top_i, (b, n), torch.long),
+        ("seq", seq, (1,), torch.long),
+        ("out_tok", out_tok, (2, b), torch.long),
+        ("out_lp", out_lp, (2, b), torch.float32),
+        ("out_top_v", out_top_v, (2, b, n), torch.float32),
+        ("out_top_i", out_top_i, (2, b, n), torch.long),
+        ("out_seq", out_seq, (1,), torch.long),
+    )
+    for name, t, shape, dt in (("top_v", top_v, (b, n), torch.float32),) + want:
+        if tuple(t.shape) != shape or t.dtype != dt or not t.is_contiguous():
+            raise ValueError(
+                f"export_rows: {name} must be {list(shape)} contiguous {dt}, got {tuple(t.shape)} {t.dtype}"
+            )
+    bn = triton.next_power_of_2(max(n, 1))
+    _export_kernel[(1,)](
+        tok, lp, top_v, top_i, seq, out_tok, out_lp, out_top_v, out_top_i, out_seq, b, n,
+        BR=64, BN=bn, TOP=n > 0, num_warps=1,
+    )  # fmt: skip
+
+
 # The rows' parameters are rows of `sampling.row_tensors`' packed [n, B] tensors, 16-byte aligned for some B only,
 # and the top-k's size varies by request: neither is specialized on, so that one compile per BK and flags serves
 # every batch (`reductions.warm` compiles them once for a server).
