@@ -5,7 +5,7 @@
 A 2B4T-shaped checkpoint (random weights, benchmarks/make_checkpoint.py) with the LLaMA-3 tokenizer, batch 1, a
 128-token prompt. Prints, per sampler (greedy, llama.cpp's defaults): `generate`'s decode tok/s; the logits step
 alone and gpu_bench's greedy-folded step as chains of replays; the captured sampler alone; stop 59's loop (the
-sampler's graph + copies + the step's graph) and generate's since stop 60 (one graph: the step, the sampler, and
+sampler's graph + copies + the step's graph) and generate's since stop 61 (one graph: the step, the sampler, and
 its outputs stored into pinned host memory); and a torch.profiler summary of 12 iterations of each of those two
 (GPU ops by time an iteration). DIR gets each profile's timeline of the last iteration
 (timeline_TAG_SAMPLER_{loop,both}.txt).
@@ -131,7 +131,7 @@ def main():
             reset()
             gs.step.zero_()
             print(f"{name}: sampler+step chain (no D2H) {chain(it_nocopy, 150)} ms")
-            both = gs.step_graph(st)  # generate's loop since stop 60: step + sampler + export in one graph
+            both = gs.step_graph(st)  # generate's loop since stop 61: step + sampler + export in one graph
 
             def it_both(ready=ready, both=both):
                 both.replay()

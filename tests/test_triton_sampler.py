@@ -67,8 +67,13 @@ def test_export_rows_fill_alternate_slots(b, n):
     pin = DEV == "cuda"  # (pinned memory needs a GPU)
     out = [
         torch.full(shape, -7, dtype=dt).pin_memory() if pin else torch.full(shape, -7, dtype=dt)
-        for shape, dt in (((2, b), torch.long), ((2, b), torch.float32), ((2, b, n), torch.float32))
-        + (((2, b, n), torch.long), ((1,), torch.long))
+        for shape, dt in (
+            ((2, b), torch.long),
+            ((2, b), torch.float32),
+            ((2, b, n), torch.float32),
+            ((2, b, n), torch.long),
+            ((1,), torch.long),
+        )
     ]
     for i in range(2):
         src = (

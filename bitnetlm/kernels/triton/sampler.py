@@ -241,6 +241,7 @@ def export_rows(tok, lp, top_v, top_i, seq, out_tok, out_lp, out_top_v, out_top_
     want = (
         ("tok", tok, (b,), torch.long),
         ("lp", lp, (b,), torch.float32),
+        ("top_v", top_v, (b, n), torch.float32),
         ("top_i", top_i, (b, n), torch.long),
         ("seq", seq, (1,), torch.long),
         ("out_tok", out_tok, (2, b), torch.long),
@@ -249,7 +250,7 @@ def export_rows(tok, lp, top_v, top_i, seq, out_tok, out_lp, out_top_v, out_top_
         ("out_top_i", out_top_i, (2, b, n), torch.long),
         ("out_seq", out_seq, (1,), torch.long),
     )
-    for name, t, shape, dt in (("top_v", top_v, (b, n), torch.float32),) + want:
+    for name, t, shape, dt in want:
         if tuple(t.shape) != shape or t.dtype != dt or not t.is_contiguous():
             raise ValueError(
                 f"export_rows: {name} must be {list(shape)} contiguous {dt}, got {tuple(t.shape)} {t.dtype}"
