@@ -420,16 +420,22 @@ def test_graph_samplers_are_cached_per_kind_and_bounded():
     )  # (key[2] = RowTensors.key(): n, kmax, ...)
 
 
-@pytest.mark.parametrize("bound", [64, 2])
-def test_continuous_sampler_rows_join_and_leave_in_their_streams(bound):
-    """The server's captured sampler (ContinuousSampler, eager on a CPU) over 40 steps of continuous batching:
-    occupants of every kind join rows (after a first token from the host sampler, as the server's prefill
-    gives it), leave, and the batch size follows the highest row in use (1, 2, 4). Each occupant's tokens,
-    log-probabilities and top lists equal the host sampler's for that row alone with its own stream, step for
-    step: a change of batch size or of the other rows' kinds never moves a row in its stream, nor does a
-    captured kind dropped from the cache (bound 2) and made again."""
+@pytest.mark.parametrize(
+    "bound, dev", [(64, "cpu"), (2, "cpu"), pytest.param(2, "cuda", marks=pytest.mark.gpu, id="2-cuda")]
+)
+def test_continuous_sampler_rows_join_and_leave_in_their_streams(bound, dev):
+    """The server's captured sampler (ContinuousSampler; eager on a CPU, CUDA graphs on a GPU) over 40 steps of
+    continuous batching: occupants of every kind join rows (after a first token from the host sampler, as the
+    server's prefill gives it), leave, and the batch size follows the highest row in use (1, 2, 4). Each
+    occupant's tokens, log-probabilities and top lists equal the host sampler's for that row alone with its own
+    stream, step for step: a change of batch size or of the other rows' kinds never moves a row in its stream,
+    nor does a captured kind dropped from the cache (bound 2) and made again. On a GPU each replay also stores
+    its outputs into its sampler's pinned HostRing, read back here after the step as the server reads them."""
     from bitnetlm.generate.graph_sampler import ContinuousSampler
     from bitnetlm.generate.sampling import RowRandom
+
+    if dev == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")  # deselected in CI by -m "not gpu"
 
     v, steps = 2 * 256 + 33, 40
     kinds = [
@@ -443,12 +449,12 @@ def test_continuous_sampler_rows_join_and_leave_in_their_streams(bound):
     # (row, first step, last step, kind): row 0 hosts three occupants in turn, row 3 sets the batch to 4
     plan = [(0, 0, 9, 0), (1, 2, 30, 1), (0, 10, 10, 3), (3, 5, 16, 4), (2, 8, 39, 2), (0, 12, 39, 5)]
     plan += [(1, 31, 39, 3), (3, 20, 27, 0)]
-    cs = ContinuousSampler(4, v, cap=64, device="cpu", max_samplers=bound)
+    cs = ContinuousSampler(4, v, cap=64, device=dev, max_samplers=bound)
     occ = []
     for j, (row, a, z, kind) in enumerate(plan):
         p = SamplingParams(**{**kinds[kind].__dict__, "seed": 10 + j, "max_tokens": z - a + 2})
-        mine, ref = RowRandom(p.make_generator(), "cpu"), RowRandom(p.make_generator(), "cpu")
-        first = _logits(1, v, seed=500 + j)
+        mine, ref = RowRandom(p.make_generator(dev), dev), RowRandom(p.make_generator(dev), dev)
+        first = _logits(1, v, seed=500 + j).to(dev)
         # the prefill's token (host sampler), before the row joins
         assert torch.equal(sample(first, [p], [mine]).tokens, sample(first, [p], [ref]).tokens)
         occ.append((row, a, z, p, mine, ref, object()))
@@ -458,9 +464,16 @@ def test_continuous_sampler_rows_join_and_leave_in_their_streams(bound):
         live = [o for o in occ if o[1] <= s <= o[2]]
         b = next(n for n in (1, 2, 4) if n > max(o[0] for o in live))
         sizes.add(b)
-        logits = _logits(b, v, seed=s) * 2
+        logits = _logits(b, v, seed=s).to(dev) * 2
         rows = {o[0]: (o[6], o[3], o[4], o[3].max_tokens - 1 - (s - o[1])) for o in live}
-        gs = cs.sample(logits, rows)
+        gs, n = cs.sample(logits, rows)
+        assert (n is None) == (dev == "cpu")
+        if n is not None:  # the ring's slot holds the replay's outputs, once it has run
+            torch.cuda.synchronize()
+            k = gs.host.slot(n)
+            r = gs.host
+            for got, t in [(r.tok, gs.tok), (r.lp, gs.lp), (r.top_i, gs.top_i), (r.top_v, gs.top_v)]:
+                assert torch.equal(got[k], t.cpu()), (s, n)
         for row, _, _, p, _, ref, who in live:
             k = p.top_logprobs if p.logprobs else 0
             want = sample(logits[row : row + 1], [p], [ref], num_top_logprobs=k)

@@ -60,7 +60,8 @@ def test_engine_on_cuda_matches_offline_generate(path, monkeypatch):
     eager = path == "eager"
     monkeypatch.setattr(graph_mod, "GRAPH_SAMPLER", path != "host-sampler")
     monkeypatch.setattr(graph_rows, "PIPELINE", path != "no-pipeline")
-    refs = [generate(model, tok, p, sp, enforce_eager=eager).tokens for p, sp in zip(prompts, params)]
+    res = [generate(model, tok, p, sp, enforce_eager=eager) for p, sp in zip(prompts, params)]
+    refs = [r.tokens for r in res]
     if stops:  # every third request stops at the token it samples halfway, every sixth at its first token
         for i in range(0, 32, 3):  # (a prompt's first token is decoded before it is read, when pipelining)
             params[i].stop_token_ids = [refs[i][len(refs[i]) // 2]]
@@ -68,16 +69,18 @@ def test_engine_on_cuda_matches_offline_generate(path, monkeypatch):
             params[i].stop_token_ids = [refs[i][0]]
         params[2].max_tokens = 1  # (and one request wants its first token only)
         for i in [*range(0, 32, 3), *range(1, 32, 6), 2]:
-            refs[i] = generate(model, tok, prompts[i], params[i], enforce_eager=eager).tokens
+            res[i] = generate(model, tok, prompts[i], params[i], enforce_eager=eager)
+            refs[i] = res[i].tokens
     eng = Engine(model, tok, EngineConfig(max_batch=16, prefill_chunk=16, enforce_eager=eager))
     assert (eng.graph is None) == eager
-    out = {i: [] for i in range(32)}
+    out, lps = {i: [] for i in range(32)}, {i: [] for i in range(32)}
     done = threading.Semaphore(0)
     for i, (p, sp) in enumerate(zip(prompts, params)):
 
         def sink(e, i=i):
             if isinstance(e, Chunk):
                 out[i] += e.token_ids
+                lps[i] += e.logprobs or []
             elif isinstance(e, Finished):
                 done.release()
 
@@ -89,8 +92,9 @@ def test_engine_on_cuda_matches_offline_generate(path, monkeypatch):
         "cuda-graph",
         "pipelined",
         "no-pipeline",
-    ):  # the captured sampler ran, for several kinds of rows
+    ):  # the captured sampler ran, for several kinds of rows, each storing its outputs into its pinned ring
         assert eng.graph.sampler is not None and len(eng.graph.sampler.samplers) > 1
+        assert all(gs.exports for gs in eng.graph.sampler.samplers.values())
     elif path == "host-sampler":
         assert eng.graph.sampler is None
     if stops:  # steps queued before the last one's tokens were read: only when pipelining
@@ -106,6 +110,21 @@ def test_engine_on_cuda_matches_offline_generate(path, monkeypatch):
             f"request {i} (temperature {params[i].temperature}): first difference at token {j} of {len(refs[i])}"
         )
     assert all(len(out[i]) == len(refs[i]) for i in range(32))
+    # the log-probabilities (those rows' entries: a stop token has none) are offline generate's for nearly all
+    # tokens (rounding, as above: one of 26 entries was 0.064 off on an H200), and each is at most its row's
+    # best top entry (which come in order). A misread buffer or slot would be off at most of them.
+    asked = [i for i in range(32) if params[i].logprobs and i not in bad]
+    assert asked
+    off = n = 0
+    for i in asked:
+        got = [e["logprob"] for e in lps[i]]
+        assert len(refs[i]) - 1 <= len(got) <= len(refs[i])
+        off += sum(abs(a - b) > 0.01 for a, b in zip(got, res[i].logprobs))
+        n += len(got)
+        for e in lps[i]:
+            top = [v for _, v in e["top"]]
+            assert top == sorted(top, reverse=True) and e["logprob"] <= top[0] + 1e-5, (i, e)
+    assert off <= 0.1 * n, f"{off} of {n} log-probabilities differ from offline generate's by more than 0.01"
     assert len(bad) <= 3, f"{len(bad)} of 32 requests differ from offline generate"
 
 

@@ -79,7 +79,9 @@ class GraphSampler:
     input) and advances every row's draw index: all in `graph`, replayed by `run` once a step after `load` (on a
     CPU, where there are no graphs, `run` runs the ops). `draws`: the rows' uniforms and biases, when shared with
     other samplers (ContinuousSampler); else its own. `pool`: a CUDA graph memory pool shared with samplers that
-    are only ever replayed one after another on one stream (else one of its own)."""
+    are only ever replayed one after another on one stream (else one of its own). `export`: the graph also
+    stores its outputs into `self.host` (a HostRing), so that the host reads them with no copy queued; `run`
+    then returns the export's number, whose slot `host.slot` gives."""
 
     def __init__(
         self,
@@ -91,6 +93,7 @@ class GraphSampler:
         bias: bool,
         draws: Draws | None = None,
         pool=None,
+        export: bool = False,
     ):
         b, v = logits.shape
         dev = logits.device
@@ -104,17 +107,35 @@ class GraphSampler:
         self.top_v = torch.zeros((b, top_n), dtype=torch.float32, device=dev)
         self.top_i = torch.zeros((b, top_n), dtype=torch.long, device=dev)
         self.graph = self._step_graph = self.host = None
+        self.exports = (
+            export and dev.type == "cuda"
+        )  # (a CPU has no graph to export from: `run` runs the ops)
         if dev.type == "cuda":
             from bitnetlm.engine_cuda import capture
 
-            at = self.step.clone()  # the eager warm-up runs advance the (maybe shared) draw indices: undone
-            self.graph, _ = capture(self._body, before_capture=lambda: self.step.copy_(at), pool=pool)
+            body = self._body
+            if self.exports:
+                self.host = HostRing(b, top_n, dev)
 
-    def run(self) -> None:
+                def body():
+                    self._body()
+                    self.host.export(self)
+
+            at = self.step.clone()  # the eager warm-up runs advance the (maybe shared) draw indices: undone
+            self.graph, _ = capture(body, before_capture=lambda: self.step.copy_(at), pool=pool)
+            if self.exports:
+                self.host.reset()  # (and the warm-up runs' exports)
+
+    def run(self) -> int | None:
+        """One sampling step; with `export`, the number of its export into `host` (else None)."""
         if self.graph is None:
             self._body()
-        else:
-            self.graph.replay()
+            return None
+        self.graph.replay()
+        if not self.exports:
+            return None
+        n, self.host.queued = self.host.queued, self.host.queued + 1
+        return n
 
     def step_graph(self, st) -> torch.cuda.CUDAGraph:
         """The decode step `st` (the logits_state whose logits and input this sampler was made over), this
@@ -126,6 +147,8 @@ class GraphSampler:
         if self._step_graph is None:
             from bitnetlm.engine_cuda import capture
 
+            if self.exports:
+                raise RuntimeError("GraphSampler.step_graph: this sampler's own graph exports already")
             body, at = st.extra["body"], self.step.clone()
             self.host = HostRing(self.tok.shape[0], self.top_n, self.tok.device)
 
@@ -193,7 +216,8 @@ class HostRing:
     """Two slots of pinned host memory for a sampler's outputs (tok, lp, top_v, top_i), filled alternately by
     one launch that stores into them directly (`kernels.triton.sampler.export_rows`), and the exports' count,
     on the device and, after each export, on the host: the n-th export since `reset` fills slot n % 2, which
-    the host reads once an event after it has passed while the next replay fills the other."""
+    the host reads once an event after it has passed while the next replay fills the other. `queued`: the
+    exports the host has queued since reset (GraphSampler.run of an exporting graph counts them)."""
 
     def __init__(self, b: int, top_n: int, device):
         def pinned(shape, dt):
@@ -203,10 +227,12 @@ class HostRing:
         self.top_v, self.top_i = pinned((2, b, top_n), torch.float32), pinned((2, b, top_n), torch.long)
         self.seq_h = pinned((1,), torch.long)
         self.seq = torch.zeros((1,), dtype=torch.long, device=device)
+        self.queued = 0
 
     def reset(self) -> None:
         self.seq.zero_()
         self.seq_h.zero_()
+        self.queued = 0
 
     def export(self, gs: GraphSampler) -> None:
         from bitnetlm.kernels.triton.sampler import export_rows
@@ -301,7 +327,8 @@ class ContinuousSampler:
         """One token for every row of `logits` [b, V]; rows maps a row to (occupant, SamplingParams, RowRandom,
         draws it may still need), identified by the occupant (`is`): a new one is loaded, and a row missing
         from `rows` samples as greedy. Returns the sampler whose tok / lp / top_v / top_i [b] hold the result
-        (device tensors, valid until the next call)."""
+        (device tensors, valid until the next call), and the number of the replay's export into the sampler's
+        HostRing (on CUDA; else None)."""
         b = logits.shape[0]
         for i in range(len(self.occupant)):
             occ = rows.get(i)
@@ -317,8 +344,7 @@ class ContinuousSampler:
                 self.draws.load_row(i, occ[1], occ[2], occ[3])
         gs = self._sampler(b)
         self.x[:b].copy_(logits)
-        gs.run()
-        return gs
+        return gs, gs.run()
 
     def _sampler(self, b: int) -> GraphSampler:
         if self._set is not None and self._set[:2] == (self._version, b):
@@ -331,7 +357,7 @@ class ContinuousSampler:
         gs = _cached(
             self.samplers,
             (b, t.key(), bias, top_n),
-            lambda: GraphSampler(x, nt, t, top_n, self.cap, bias, d, self.pool),
+            lambda: GraphSampler(x, nt, t, top_n, self.cap, bias, d, self.pool, export=True),
             bound=self.max_samplers,
         )
         gs.set_params(t)

@@ -9,8 +9,9 @@ of one request, and one decode forward over rows [0, hi). Only the three tensor 
 - decode: one replay of a captured step over the smallest captured batch that covers rows [0, hi), built for
   the shortest key range that holds their contexts (`attention.key_range`: fewer attention splits while short);
 - sample: the decoded rows' next tokens through a captured sampler (`graph_sampler.ContinuousSampler`: one
-  replay over the step's logits, each row's draws loaded once, when it starts decoding) in place of the host
-  sampler's some 30 launches a step; rows with penalties stay on the host sampler (engine.py). A prompt's first
+  replay over the step's logits, each row's draws loaded once, when it starts decoding, that also stores its
+  outputs into pinned host memory: `graph_sampler.HostRing`, no copies queued) in place of the host sampler's
+  some 30 launches a step; rows with penalties stay on the host sampler (engine.py). A prompt's first
   token comes from the host sampler's kernels over its last logits (`sample_first`: its first draw, as offline
   `generate` takes it), left on the device like a step's tokens.
 
@@ -75,9 +76,10 @@ class Pending:
 
     seqs: list
     rows: list[int]  # their rows then (a sequence that ends gives its row back before its last step is read)
-    host: list  # tok, lp[, top_i, top_v] [size] pinned host tensors, filled by the copies before `done`
+    host: list  # tok, lp[, top_i, top_v] [size] pinned host tensors, filled before `done`
     done: torch.cuda.Event
     top_n: int
+    ring: tuple | None = None  # (HostRing, the export's number): `host` is that export's slot of the ring
 
 
 class GraphRows:
@@ -160,9 +162,18 @@ class GraphRows:
         for s in seqs:
             p = s.group.req.params
             rows[s.row] = (s, p, s.generator, p.max_tokens - len(s.generated))  # the draws it may still need
-        gs = self.sampler.sample(self.logits, rows)
-        out = [gs.tok, gs.lp, *((gs.top_i, gs.top_v) if gs.top_n else ())]  # every row's: picked on the host
-        return self._pending(seqs, [s.row for s in seqs], out, gs.top_n)
+        gs, n = self.sampler.sample(self.logits, rows)
+        if n is None:
+            out = [
+                gs.tok,
+                gs.lp,
+                *((gs.top_i, gs.top_v) if gs.top_n else ()),
+            ]  # every row's: picked on the host
+            return self._pending(seqs, [s.row for s in seqs], out, gs.top_n)
+        # the replay stored them into slot n % 2 of its pinned ring itself: no copies to queue
+        r, k = gs.host, n % 2
+        host = [r.tok[k], r.lp[k], *((r.top_i[k], r.top_v[k]) if gs.top_n else ())]
+        return self._pending(seqs, [s.row for s in seqs], host, gs.top_n, ring=(r, n))
 
     def sample_first(self, ready: list) -> Pending:
         """The first token of each (sequence, its prompt's last logits [V]) of `ready`, through the host sampler
@@ -182,12 +193,17 @@ class GraphRows:
         host = [out.tokens, out.logprobs, *((out.top_ids, out.top_logprobs) if top_n else ())]
         return self._pending(seqs, list(range(len(seqs))), host, top_n)
 
-    def _pending(self, seqs: list, rows: list[int], out: list, top_n: int) -> Pending:
-        """Device tensors `out` on their way to pinned host memory, behind the work queued so far."""
-        host = [t.to("cpu", non_blocking=True) for t in out]  # (pinned: one wait for all of them, in collect)
+    def _pending(
+        self, seqs: list, rows: list[int], out: list, top_n: int, ring: tuple | None = None
+    ) -> Pending:
+        """Device tensors `out` on their way to pinned host memory, behind the work queued so far; or, with
+        `ring`, the pinned slot tensors that the queued work fills itself."""
+        host = (
+            out if ring else [t.to("cpu", non_blocking=True) for t in out]
+        )  # (pinned: one wait, in collect)
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
-        return Pending(list(seqs), rows, host, done, top_n)
+        return Pending(list(seqs), rows, host, done, top_n, ring)
 
     def _make_sampler(self, logits: torch.Tensor):
         """The captured sampler, made on first use (for logits [*, V] of this dtype: every step's and prompt's)."""
@@ -203,5 +219,7 @@ class GraphRows:
         """A queued sample's (sequences, tokens, log-probabilities, top-logprob ids, top log-probabilities; the
         last two None when no row asked for them), each a list in the order of its sequences."""
         p.done.synchronize()
+        if p.ring is not None:
+            p.ring[0].slot(p.ring[1])  # (raises if the ring's slot was filled again, or never)
         lists = [[v[r] for r in p.rows] for v in (t.tolist() for t in p.host)]
         return (p.seqs, lists[0], lists[1], *(lists[2:] if p.top_n else (None, None)))
