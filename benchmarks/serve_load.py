@@ -10,6 +10,7 @@ request as soon as the previous one finished) and prints a markdown table naming
   python benchmarks/serve_load.py -m DIR --device cuda --sampler llama   # llama.cpp's sampler defaults
   python benchmarks/serve_load.py -m DIR --device cuda --host-sampler    # CUDA-graph rows, host sampler (A/B)
   python benchmarks/serve_load.py -m DIR --device cuda --no-pipeline     # each step's tokens read first (A/B)
+  python benchmarks/serve_load.py -m DIR --device cuda --head-dtype int8 --kv-cache-dtype fp8  # the fastest rows
   python benchmarks/serve_load.py -m DIR --device cuda --profile prof.txt  # the server under py-spy (host time)
 
 --profile runs the server as a child of `py-spy record` (sampling, raw collapsed stacks per thread, idle
@@ -86,6 +87,10 @@ def start_server(model: str, args, env_extra: dict) -> tuple[subprocess.Popen, s
         cmd += ["--threads", str(args.threads)]
     if args.enforce_eager:
         cmd += ["--enforce-eager"]
+    if args.head_dtype:
+        cmd += ["--head-dtype", args.head_dtype]
+    if args.kv_cache_dtype:
+        cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     url, seen = None, []
     while url is None:
@@ -192,6 +197,8 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default=None)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--enforce-eager", action="store_true", help="CUDA: serve with the eager forward")
+    ap.add_argument("--head-dtype", choices=["bf16", "int8"], default=None, help="server --head-dtype")
+    ap.add_argument("--kv-cache-dtype", default=None, help="server --kv-cache-dtype (auto, bf16, fp8)")
     ap.add_argument(
         "--sampler", choices=sorted(SAMPLERS), default="greedy", help="requests' sampling settings"
     )
@@ -253,6 +260,8 @@ def main(argv=None) -> int:
         path += ", host sampler"
     if args.no_pipeline:
         path += ", no pipelining"
+    if args.head_dtype or args.kv_cache_dtype:
+        path += f", head {args.head_dtype or 'default'}, KV cache {args.kv_cache_dtype or 'default'}"
     if os.environ.get("BITNETLM_WIDE_SAMPLER") == "0":
         path += ", PyTorch's sampler ops (BITNETLM_WIDE_SAMPLER=0)"
     print(
