@@ -470,8 +470,8 @@ def test_continuous_sampler_rows_join_and_leave_in_their_streams(bound, dev):
         assert (n is None) == (dev == "cpu")
         if n is not None:  # the ring's slot holds the replay's outputs, once it has run
             torch.cuda.synchronize()
-            k = gs.host.slot(n)
             r = gs.host
+            k = r.slot(n)
             for got, t in [(r.tok, gs.tok), (r.lp, gs.lp), (r.top_i, gs.top_i), (r.top_v, gs.top_v)]:
                 assert torch.equal(got[k], t.cpu()), (s, n)
         for row, _, _, p, _, ref, who in live:

@@ -107,9 +107,8 @@ class GraphSampler:
         self.top_v = torch.zeros((b, top_n), dtype=torch.float32, device=dev)
         self.top_i = torch.zeros((b, top_n), dtype=torch.long, device=dev)
         self.graph = self._step_graph = self.host = None
-        self.exports = (
-            export and dev.type == "cuda"
-        )  # (a CPU has no graph to export from: `run` runs the ops)
+        # (a CPU has no graph to export from: `run` runs the ops)
+        self.exports = export and dev.type == "cuda"
         if dev.type == "cuda":
             from bitnetlm.engine_cuda import capture
 

@@ -162,15 +162,8 @@ class GraphRows:
         for s in seqs:
             p = s.group.req.params
             rows[s.row] = (s, p, s.generator, p.max_tokens - len(s.generated))  # the draws it may still need
-        gs, n = self.sampler.sample(self.logits, rows)
-        if n is None:
-            out = [
-                gs.tok,
-                gs.lp,
-                *((gs.top_i, gs.top_v) if gs.top_n else ()),
-            ]  # every row's: picked on the host
-            return self._pending(seqs, [s.row for s in seqs], out, gs.top_n)
-        # the replay stored them into slot n % 2 of its pinned ring itself: no copies to queue
+        gs, n = self.sampler.sample(self.logits, rows)  # (on CUDA, as these rows are: n is never None)
+        # every row's, picked on the host; the replay stored them into slot n % 2 of its pinned ring itself
         r, k = gs.host, n % 2
         host = [r.tok[k], r.lp[k], *((r.top_i[k], r.top_v[k]) if gs.top_n else ())]
         return self._pending(seqs, [s.row for s in seqs], host, gs.top_n, ring=(r, n))
@@ -190,17 +183,14 @@ class GraphRows:
         self._make_sampler(logits).next_tok.index_copy_(
             0, rows.to(self.device, non_blocking=True), out.tokens[:, None]
         )
-        host = [out.tokens, out.logprobs, *((out.top_ids, out.top_logprobs) if top_n else ())]
+        sampled = (out.tokens, out.logprobs, *((out.top_ids, out.top_logprobs) if top_n else ()))
+        host = [t.to("cpu", non_blocking=True) for t in sampled]  # (pinned: one wait for all, in collect)
         return self._pending(seqs, list(range(len(seqs))), host, top_n)
 
     def _pending(
-        self, seqs: list, rows: list[int], out: list, top_n: int, ring: tuple | None = None
+        self, seqs: list, rows: list[int], host: list, top_n: int, ring: tuple | None = None
     ) -> Pending:
-        """Device tensors `out` on their way to pinned host memory, behind the work queued so far; or, with
-        `ring`, the pinned slot tensors that the queued work fills itself."""
-        host = (
-            out if ring else [t.to("cpu", non_blocking=True) for t in out]
-        )  # (pinned: one wait, in collect)
+        """Pinned host tensors `host` that the work queued so far fills (copies, or a ring's export)."""
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
         return Pending(list(seqs), rows, host, done, top_n, ring)
