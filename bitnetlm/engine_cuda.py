@@ -259,7 +259,7 @@ class CudaEngine:
                 quant_late=quant_late,
                 defer=defer,
             )
-        from bitnetlm.kernels.triton.attention import gated_act, rmsnorm
+        from bitnetlm.kernels.triton.norm import gated_act, rmsnorm
 
         if norm is not None:
             x = rmsnorm(x, norm, self.eps)
@@ -279,7 +279,7 @@ class CudaEngine:
         self, h: torch.Tensor, argmax: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The final RMSNorm and the LM head: float32 logits (argmax: `w8a16_argmax`'s tile maxima and indices)."""
-        from bitnetlm.kernels.triton.attention import rmsnorm
+        from bitnetlm.kernels.triton.norm import rmsnorm
 
         if self.head is not None:
             return F.linear(rmsnorm(h, self.final_norm, self.eps), self.head).float()

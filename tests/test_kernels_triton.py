@@ -287,6 +287,30 @@ def test_backend_and_custom_op_trace():
     assert torch.equal(compiled(x), f(x))
 
 
+@pytest.mark.parametrize("m, k", [(1, 40), (3, 257)])
+def test_rmsnorm_and_gated_act_equal_torch(m, k):
+    """kernels/triton/norm.py (the dense engine's norms and MLP middle, the bf16 head's input) against PyTorch's
+    ops, on ragged widths: RMSNorm in float32 and in bf16 (one rounding at the store), and act(gate) * up for
+    both activations, over rows wider than one 1024-wide block."""
+    (N,) = triton_modules("norm")
+    g = torch.Generator().manual_seed(m * k)
+    x, w = torch.randn(m, k, generator=g) * 3, torch.rand(k, generator=g) + 0.5
+    for dt in (torch.float32, torch.bfloat16):
+        xd, wd = x.to(dt), w.to(dt)
+        ref = xd.float() * torch.rsqrt(xd.float().pow(2).mean(-1, keepdim=True) + 1e-5) * wd.float()
+        got = N.rmsnorm(xd.to(DEV), wd.to(DEV), 1e-5).cpu()
+        assert got.dtype == dt and got.shape == (m, k)
+        torch.testing.assert_close(
+            got.float(), ref.to(dt).float(), rtol=1e-5 if dt == torch.float32 else 8e-3, atol=1e-5
+        )
+    gu = torch.randn(2, m, 2 * (1024 + k), generator=g)
+    n = gu.shape[-1] // 2
+    for act, f in (("relu2", lambda v: torch.relu(v) ** 2), ("silu", torch.nn.functional.silu)):
+        got = N.gated_act(gu.to(DEV), act).cpu()
+        assert got.shape == (2, m, n)
+        torch.testing.assert_close(got, f(gu[..., :n]) * gu[..., n:])
+
+
 def test_engine_forward_matches_model(tiny_model):
     """The fused engine (prefill: GEMV path + SDPA, from 0 and continuing cached tokens; decode: attention
     kernel) vs the model's own forward."""

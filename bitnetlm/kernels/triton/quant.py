@@ -285,7 +285,7 @@ def _quant_words_g(xrow, g0, g1, g2, g3, K, KW, eps, offs_w, mw, PTX: tl.constex
 
 
 # --------------------------------------------------------------------------------------------------------------
-# the int8 LM head's input: RMSNorm (rounded to the activations' dtype, as `attention.rmsnorm` stores it), then
+# the int8 LM head's input: RMSNorm (rounded to the activations' dtype, as `norm.rmsnorm` stores it), then
 # int16 codes per row split into two int8 halves for two int8 MMAs: q = 256 * hi + lo, hi and lo in [-127, 127]
 # --------------------------------------------------------------------------------------------------------------
 Q16_MAX = tl.constexpr(32639)  # 127 * 256 + 127: the largest code whose halves both fit in [-127, 127]
