@@ -582,31 +582,9 @@ class Engine:
 
     def _advance(self, s: _Seq, t: int, entry: dict | None) -> None:
         g = s.group
-        finish = None
+        delta, finish = s.push(t)
         if t in s.stop_ids:
-            finish = "stop"
-            delta_src = s.detok.finalize()
             entry = None  # the end-of-sequence token is not part of the returned text
-        else:
-            delta_src = s.detok.add(t)
-            if len(s.generated) >= g.max_tokens:
-                finish = "length"
-                delta_src += s.detok.finalize()
-        s.text += delta_src
-        stops = g.req.params.stop
-        if stops and delta_src:
-            start = max(0, len(s.text) - len(delta_src) - max(len(x) for x in stops) + 1)
-            hits = [i for i in (s.text.find(x, start) for x in stops) if i >= 0]
-            if hits:
-                s.text = s.text[: min(hits)]
-                finish = "stop"
-        if finish is None:
-            hold = max((len(x) for x in stops), default=1) - 1  # the tail could begin a stop string
-            upto = max(s.sent, len(s.text) - hold)
-        else:
-            upto = len(s.text)
-        delta = s.text[s.sent : upto]
-        s.sent = upto
         self._emit(g, Chunk(s.index, delta, [t], [entry] if entry else None, finish))
         if finish is not None:
             s.done = True

@@ -89,3 +89,34 @@ class _Seq:
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.n_prompt :]
+
+    def push(self, t: int) -> tuple[str, str | None]:
+        """Token t (already appended to tokens) into the text: (the text to send now, finish reason or None).
+
+        A stop string ends the text before it; text that could begin a stop string is held back until the
+        next token decides."""
+        finish = None
+        if t in self.stop_ids:
+            finish = "stop"
+            piece = self.detok.finalize()
+        else:
+            piece = self.detok.add(t)
+            if len(self.generated) >= self.group.max_tokens:
+                finish = "length"
+                piece += self.detok.finalize()
+        self.text += piece
+        stops = self.group.req.params.stop
+        if stops and piece:
+            start = max(0, len(self.text) - len(piece) - max(len(x) for x in stops) + 1)
+            hits = [i for i in (self.text.find(x, start) for x in stops) if i >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                finish = "stop"
+        if finish is None:
+            hold = max((len(x) for x in stops), default=1) - 1  # the tail could begin a stop string
+            upto = max(self.sent, len(self.text) - hold)
+        else:
+            upto = len(self.text)
+        delta = self.text[self.sent : upto]
+        self.sent = upto
+        return delta, finish
