@@ -76,7 +76,7 @@ def test_ternary_linear_exact(m, n, k, path):
 
 
 def test_default_dispatch_exact():
-    for m in (2, 40):
+    for m in (2, 40, 100):  # (100: the tiled GEMM's and the swapped split-K's tiles both candidates)
         t, x, s = _case(m, 24, 100, seed=m)
         xq, a = quantize_activations(x)
         assert torch.equal(L.ternary_linear(x, layout.pack_triton(t), s, 24), int_matmul_f32(xq, t) * (s / a))
@@ -347,7 +347,7 @@ SHAPES_2B4T = [(3840, 2560), (2560, 2560), (2560, 6912), (640, 2560)]  # q|k|v, 
     "m,path",
     [
         (m, p)
-        for m in (1, 5, 8, 16, 64, 300)
+        for m in (1, 5, 8, 16, 64, 128, 300)
         for p in ("gemv", "gemv8", "row", "rowq", "splitk", "splitk_t", "gemm", "gemm_t")
         if p not in ("gemv", "gemv8", "row", "rowq") or m <= 16
     ],

@@ -30,6 +30,9 @@ from bitnetlm.kernels.triton.tune import (
 ROW_MAX_M = 2  # rows up to this try the row GEMV first (dp4a work grows with M; tensor cores take over)
 GEMV_MAX_M = 16  # rows up to this may use the fused dp4a GEMV (the tuner decides against split-K)
 SPLITK_MAX_M = 64  # rows up to this use split-K tensor-core GEMM; above it, the plain tiled GEMM
+# ... and up to this many the tuner also times the swapped split-K tiles (two or more M tiles of 64): at 128 rows
+# they took 15.1 us for down against the tiled GEMM's 23.0 (H200, benchmarks/gpu_gemm.py, docs/PERF_LOG.md stop 63)
+SPLITK_PREFILL_MAX_M = 256
 # The pre-quantized row GEMV ("rowq") runs a row whose width in words is not a power of two as two parts
 # (`_row_parts`), so that no lanes work on padding: batch 1's gate|up (K = 2560: 160 words as 128 + 32, not 256)
 # runs 561 instructions after its PDL wait instead of 794 and 137 registers instead of 200 (triton_sass.py,
@@ -121,6 +124,10 @@ def check_packed(packed: torch.Tensor, rows: int, k: int, where: str) -> None:
         raise ValueError(f"{where}: packed weights must be contiguous")
 
 
+def _swapped_splitk(m: int, out_features: int, kp: int, gated: bool) -> list[dict]:
+    return [c for c in _splitk_candidates(m, out_features, kp, gated) if c["SWAP"] and not c.get("PAIR")]
+
+
 def linear_candidates(m: int, out_features: int, k: int, gated: bool, path: str | None = None) -> list[dict]:
     """`ternary_linear`'s candidate tiles for M rows (path None: every path its M allows; the first is the
     untuned default)."""
@@ -143,7 +150,9 @@ def linear_candidates(m: int, out_features: int, k: int, gated: bool, path: str 
             return row + rowq[:3] + swapped[:2] + gemv8[:1] + [c for c in pair if c["SPLIT"] == 1]
         if m <= GEMV_MAX_M:
             return swapped + unswapped[:1] + pair + rowq[:2] + gemv8[:2] + gemv[:1]
-        return splitk if m <= SPLITK_MAX_M else gemm
+        if m <= SPLITK_MAX_M:
+            return splitk
+        return gemm + (_swapped_splitk(m, out_features, kp, gated) if m <= SPLITK_PREFILL_MAX_M else [])
     return {
         "gemv": gemv,
         "gemv8": gemv8,
