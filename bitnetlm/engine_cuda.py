@@ -30,13 +30,21 @@ from bitnetlm import engine_weights
 from bitnetlm.models.config import ModelConfig
 
 PREFILL_ALIGN = 128  # prefill attention runs on lengths padded to a multiple of this (see prefill_attention)
+# ... or, for prompts this short, to the first of these that holds them: a 49-token prompt padded to 128 rows
+# took 3.0 ms to prefill on an H200, as long as 128 tokens (int8 head, float8 cache; docs/PERF_LOG.md stop 63)
+PREFILL_SHORT = (16, 32, 64)
+
+
+def prefill_len(t: int) -> int:
+    """The padded length a prefill of t tokens from position 0 runs at (one captured graph, one cuDNN plan each)."""
+    return next((s for s in PREFILL_SHORT if t <= s), -(-t // PREFILL_ALIGN) * PREFILL_ALIGN)
 
 
 def prefill_attention(q, k, v, start: int = 0, gqa: bool = False) -> torch.Tensor:
     """SDPA for prefill: q [B, H, T, D] at positions start..start+T-1 over keys k, v [B, Hkv, start+T, D].
     From position 0: plain causal, PyTorch's choice of backend, cuDNN's on an H100, the fastest here but it
     builds a plan for every new sequence length (tens of ms each), which is why the engine pads prefill lengths
-    to a multiple of PREFILL_ALIGN. A chunk continuing a cached prompt: causal aligned to the last key (query i
+    (`prefill_len`). A chunk continuing a cached prompt: causal aligned to the last key (query i
     sees keys 0..start+i), which flash attention runs natively with GQA; a dense mask took memory-efficient or
     math attention (a 512-token chunk after 512 cached: 14.8-15.1 against 5.27-5.64 ms, benchmarks/gpu_bench.py
     --depths 0,512, H200, docs/PERF_LOG.md stop 51)."""
@@ -338,7 +346,7 @@ class CudaEngine:
             if not qkv_in_row and b not in self._bufs:
                 self._bufs[b] = QuantBuf(b, self.cfg.hidden_size, self.device)
             xq = self._bufs.get(b)
-        tp = -(-t // PREFILL_ALIGN) * PREFILL_ALIGN  # padded length (cache slots t..tp-1 hold finite K/V)
+        tp = prefill_len(t)  # padded length (cache slots t..tp-1 hold finite K/V)
         tp = tp if tp <= self.ecfg.max_seq_len else t
         for li, L in enumerate(self.layers):
             kc, vc = self.k_cache[li][row0 : row0 + b], self.v_cache[li][row0 : row0 + b]  # contiguous views
@@ -366,7 +374,7 @@ class CudaEngine:
                         pf += (self.layers[(li + 1) % len(self.layers)].qkv,)
                 attn_decode(q.view(b, nh, hd), kc, vc, pos, o, scale, keys, pf)
                 o = o.view(b, nh * hd)
-            elif not start:  # from position 0: queries and keys padded to tp (see PREFILL_ALIGN)
+            elif not start:  # from position 0: queries and keys padded to tp (see prefill_len)
                 qp = q
                 if tp != t:  # real query i sees keys 0..i only: the pad rows never reach the real ones
                     qp = q.new_zeros((b, tp, nh, hd))
@@ -502,12 +510,12 @@ class CudaEngine:
     def prefill(self, ids: list[int], row: int) -> torch.Tensor:
         """Prefill one prompt from position 0 into cache row `row` -> float32 logits [V] after its last token.
 
-        Through a captured graph of the prompt padded to a multiple of PREFILL_ALIGN (the pad tokens' keys and
+        Through a captured graph of the prompt padded to `prefill_len` tokens (the pad tokens' keys and
         values land past the prompt, where the decode steps overwrite them before any query reaches them):
         one replay instead of some 300 launches from Python for a 2B4T model."""
         t = len(ids)
-        tp = -(-t // PREFILL_ALIGN) * PREFILL_ALIGN
-        if tp > self.ecfg.max_seq_len:
+        tp = prefill_len(t)
+        if tp >= self.ecfg.max_seq_len:  # (no room for prefill_state's copy: its source would be its target)
             zero = torch.zeros((1,), dtype=torch.int32, device=self.device)
             return self.forward(torch.tensor([ids], device=self.device), zero, row0=row)[0]
         st = self.prefill_state(tp)
@@ -528,6 +536,11 @@ class CudaEngine:
         key = ("prefill", tp)
         if key in self._graphs:
             return self._graphs[key]
+        if tp >= self.ecfg.max_seq_len:  # index_copy_ refuses a source that is all of its target's memory
+            raise ValueError(
+                f"CudaEngine.prefill_state: a captured prefill needs fewer than max_seq_len "
+                f"({self.ecfg.max_seq_len}) tokens, found {tp}"
+            )
         dev = self.device
         tok = torch.zeros((1, tp), dtype=torch.long, device=dev)
         pos = torch.zeros((1,), dtype=torch.int32, device=dev)

@@ -228,26 +228,31 @@ def test_row_random_on_cuda_is_one_stream():
 
 
 def test_captured_prefill_equals_eager_and_touches_only_its_row(oracle_dirs):
-    """CudaEngine.prefill (the prompt padded to 128 tokens, one graph replay in the scratch row, then copied to
-    its row) gives the eager prefill's logits and keys/values; capturing it writes no other row."""
-    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
+    """CudaEngine.prefill (the prompt padded to `prefill_len`: 16, 32, 64, then multiples of 128; one graph
+    replay in the scratch row, then copied to its row) gives the eager prefill's logits and keys/values at every
+    padding bucket and its edges; capturing it writes no other row. A prompt padded to the whole context (400
+    tokens -> 512 = max_seq_len) prefills eagerly: the captured copy's source would be all of its target."""
+    from bitnetlm.engine_cuda import CudaEngine, EngineConfig, prefill_len
     from bitnetlm.loading import load_model
 
     ours, _ = oracle_dirs["packed-autobitlinear"]
     model = load_model(ours, device="cuda", dtype=torch.float32).eval()
     eng = CudaEngine.from_model(
-        model, EngineConfig(max_batch=3, max_seq_len=256, dtype=torch.float32), device="cuda"
+        model, EngineConfig(max_batch=3, max_seq_len=512, dtype=torch.float32), device="cuda"
     )
     for c in eng.k_cache + eng.v_cache:
         c[0].fill_(7.0)  # row 0 holds another sequence
-    ids = torch.randint(3, 500, (37,), generator=torch.Generator().manual_seed(4)).tolist()
-    with torch.no_grad():
-        got = eng.prefill(ids, 2)  # captures the 128-token graph, then replays it
-        got2 = eng.prefill(ids, 2)  # a replay only
-        zero = torch.zeros((1,), dtype=torch.int32, device="cuda")
-        want = eng.forward(torch.tensor([ids], device="cuda"), zero, row0=1)[0]
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert torch.equal(got, got2)
-    for c in eng.k_cache + eng.v_cache:
-        torch.testing.assert_close(c[2, :, :37], c[1, :, :37], rtol=1e-5, atol=1e-5)
-        assert bool((c[0] == 7.0).all())
+    lengths = (1, 16, 17, 37, 64, 65, 130, 400)
+    assert [prefill_len(t) for t in lengths] == [16, 16, 32, 64, 64, 128, 256, 512]
+    for t in lengths:
+        ids = torch.randint(3, 500, (t,), generator=torch.Generator().manual_seed(t)).tolist()
+        with torch.no_grad():
+            got = eng.prefill(ids, 2)  # captures the padded length's graph, then replays it
+            got2 = eng.prefill(ids, 2)  # a replay only
+            zero = torch.zeros((1,), dtype=torch.int32, device="cuda")
+            want = eng.forward(torch.tensor([ids], device="cuda"), zero, row0=1)[0]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda e, t=t: f"{t} tokens: {e}")
+        assert torch.equal(got, got2)
+        for c in eng.k_cache + eng.v_cache:
+            torch.testing.assert_close(c[2, :, :t], c[1, :, :t], rtol=1e-5, atol=1e-5)
+            assert bool((c[0] == 7.0).all())

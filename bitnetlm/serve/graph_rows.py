@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bitnetlm.engine_cuda import PREFILL_ALIGN
+from bitnetlm.engine_cuda import PREFILL_ALIGN, PREFILL_SHORT
 from bitnetlm.generate import reductions
 
 # Queue each step before reading the last one's tokens (engine.py); BITNETLM_SERVE_PIPELINE=0 (benchmarks' A/B):
@@ -100,7 +100,10 @@ class GraphRows:
         # and the samplers' kernels, compiled for every batch up to the largest: the host sampler meets any number
         # of prompts ready at once (32 prompts at once waited 0.6-0.9 s for it, docs/PERF_LOG.md stop 57)
         reductions.warm(torch.zeros_like(eng.logits_state(max(self.sizes)).logits))  # [max size, V]
-        eng.prefill_state(PREFILL_ALIGN)  # and the shortest prompts' prefill (tuning its GEMMs on a new GPU)
+        # and the short prompts' prefills (each length a graph and a cuDNN plan; tuning its GEMMs on a new GPU)
+        for tp in (*PREFILL_SHORT, PREFILL_ALIGN):
+            if tp < eng.ecfg.max_seq_len:  # (longer ones prefill eagerly: CudaEngine.prefill)
+                eng.prefill_state(tp)
 
     @classmethod
     def create(cls, model, max_batch: int, max_len: int) -> GraphRows | None:
