@@ -111,8 +111,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
     from bitnetlm.bench import cpu_model_name
+    from bitnetlm.kernels.triton.bench import gpu_name
 
-    print(f"GPU: {torch.cuda.get_device_name(0)}, host {cpu_model_name()}, torch {torch.__version__}")
+    print(f"GPU: {gpu_name()}; host {cpu_model_name()}")
     replay_table(args)
     if args.model:
         engine_table(args)

@@ -124,10 +124,6 @@ def check_packed(packed: torch.Tensor, rows: int, k: int, where: str) -> None:
         raise ValueError(f"{where}: packed weights must be contiguous")
 
 
-def _swapped_splitk(m: int, out_features: int, kp: int, gated: bool) -> list[dict]:
-    return [c for c in _splitk_candidates(m, out_features, kp, gated) if c["SWAP"] and not c.get("PAIR")]
-
-
 def linear_candidates(m: int, out_features: int, k: int, gated: bool, path: str | None = None) -> list[dict]:
     """`ternary_linear`'s candidate tiles for M rows (path None: every path its M allows; the first is the
     untuned default)."""
@@ -135,7 +131,7 @@ def linear_candidates(m: int, out_features: int, k: int, gated: bool, path: str 
     gemv = [dict(path="gemv", **c) for c in _gemv_candidates(bm, gated, k)]
     splitk = (
         _splitk_candidates(m, out_features, kp, gated)
-        if m <= SPLITK_MAX_M or path in ("splitk", "splitk_t", "splitk_pair")
+        if m <= SPLITK_PREFILL_MAX_M or path in ("splitk", "splitk_t", "splitk_pair")
         else []
     )
     gemm = [dict(path="gemm", **c) for c in _gemm_candidates(m, gated)]
@@ -152,7 +148,7 @@ def linear_candidates(m: int, out_features: int, k: int, gated: bool, path: str 
             return swapped + unswapped[:1] + pair + rowq[:2] + gemv8[:2] + gemv[:1]
         if m <= SPLITK_MAX_M:
             return splitk
-        return gemm + (_swapped_splitk(m, out_features, kp, gated) if m <= SPLITK_PREFILL_MAX_M else [])
+        return gemm + swapped  # (empty above SPLITK_PREFILL_MAX_M)
     return {
         "gemv": gemv,
         "gemv8": gemv8,
