@@ -113,3 +113,29 @@ def test_engine_fused_step_equals_unfused(tiny_model):
 def test_gpu_qkv_rope_2b4t_exact(m):
     for dtype in (torch.bfloat16, torch.float32):
         _check_qkv_rope(m, hidden=2560, nh=20, nkv=5, hd=128, dtype=dtype, dev="cuda", seed=m)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_cache_copy_to_writes_both_rows(dtype):
+    """rope_cache with copy_to (the captured prefill's target row, read on the device): the keys and values land
+    in the launch's row and in that one, bit for bit as two plain launches write them; q and the other rows are
+    untouched by the second store."""
+    nh, nkv, hd, t, s_len, rows = 4, 2, 16, 7, 24, 4
+    qkv = _rand((t, (nh + 2 * nkv) * hd), 1, DEV).to(dtype)
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    fr = torch.arange(s_len, dtype=torch.float32)[:, None] * inv[None, :]
+    cos, sin = fr.cos().contiguous().to(DEV), fr.sin().contiguous().to(DEV)
+    pos = torch.zeros(1, dtype=torch.int32, device=DEV)
+    kc = _rand((rows, nkv, s_len, hd), 2, DEV).to(dtype)
+    vc = _rand((rows, nkv, s_len, hd), 3, DEV).to(dtype)
+    kr, vr = kc.clone(), vc.clone()
+    q = torch.zeros((1, t, nh, hd), dtype=dtype, device=DEV)
+    qr = torch.zeros_like(q)
+    target = torch.tensor([1], dtype=torch.long, device=DEV)
+    A.rope_cache(qkv, cos, sin, pos, q, kc[3:4], vc[3:4], nh, nkv, t, copy_to=target, row0=3)
+    for r in (3, 1):
+        A.rope_cache(qkv, cos, sin, pos, qr, kr[r : r + 1], vr[r : r + 1], nh, nkv, t)
+    assert torch.equal(q, qr) and torch.equal(kc, kr) and torch.equal(vc, vr)
+    assert not torch.equal(kc[1], _rand((rows, nkv, s_len, hd), 2, DEV).to(dtype)[1])  # row 1 was written
+    with pytest.raises(ValueError, match="copy_to needs one cache row, found 2"):
+        A.rope_cache(qkv, cos, sin, pos, q, kc[2:4], vc[2:4], nh, nkv, t, copy_to=target, row0=2)

@@ -36,14 +36,18 @@ def _rope_cache_kernel(
     HKV,
     S,
     stride_row,
+    copy_ptr,
+    ROW0,
     D: tl.constexpr,
     HALF: tl.constexpr,
     HP: tl.constexpr,
     PTX: tl.constexpr,
+    COPY: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """One program per token row, all heads at once ([HP, D/2] halves): q heads rotated into q, k heads rotated
-    into the cache slot pos, v heads copied into theirs."""
+    into the cache slot pos, v heads copied into theirs. COPY (one row, B = 1): k and v also into cache row
+    copy_ptr[0] (k_ptr being row ROW0 of a cache [R, HKV, S, D])."""
     row = tl.program_id(0)  # b * T + t
     _pdl_wait(PDL)
     b = row // T
@@ -73,12 +77,26 @@ def _rope_cache_kernel(
     dv = v_ptr + (((b * HKV + (hh - H - HKV)) * S + pos) * D)[:, None] + d[None, :]
     tl.store(dv, o1.to(v_ptr.dtype.element_ty), mask=mv)
     tl.store(dv + HALF, o2.to(v_ptr.dtype.element_ty), mask=mv)
+    if (
+        COPY
+    ):  # (the captured prefill: its scratch row for the attention, the prompt's row for the decode steps)
+        delta = (tl.load(copy_ptr).to(tl.int64) - ROW0) * (HKV * S * D)
+        tl.store(dk + delta, o1.to(k_ptr.dtype.element_ty), mask=mk)
+        tl.store(dk + delta + HALF, o2.to(k_ptr.dtype.element_ty), mask=mk)
+        tl.store(dv + delta, o1.to(v_ptr.dtype.element_ty), mask=mv)
+        tl.store(dv + delta + HALF, o2.to(v_ptr.dtype.element_ty), mask=mv)
 
 
-def rope_cache(qkv, cos, sin, pos, q_out, k_cache, v_cache, n_heads: int, n_kv: int, t: int) -> None:
-    """Rotate q/k of `qkv` [B*T, (H+2Hkv)*D] at positions pos[b]+t; q -> q_out [B,T,H,D], k/v -> cache slots."""
+def rope_cache(
+    qkv, cos, sin, pos, q_out, k_cache, v_cache, n_heads: int, n_kv: int, t: int, copy_to=None, row0: int = 0
+) -> None:
+    """Rotate q/k of `qkv` [B*T, (H+2Hkv)*D] at positions pos[b]+t; q -> q_out [B,T,H,D], k/v -> cache slots.
+    copy_to: int64 [1] on the device, a second cache row for k/v (B = 1; k_cache/v_cache being row `row0` of
+    contiguous caches [R, Hkv, S, D]), read at run time: a captured prefill's target row."""
     d = k_cache.shape[-1]
     hp = triton.next_power_of_2(n_heads + 2 * n_kv)
+    if copy_to is not None and k_cache.shape[0] != 1:
+        raise ValueError(f"rope_cache: copy_to needs one cache row, found {k_cache.shape[0]}")
     _rope_cache_kernel[(qkv.shape[0],)](
         qkv,
         cos,
@@ -92,10 +110,13 @@ def rope_cache(qkv, cos, sin, pos, q_out, k_cache, v_cache, n_heads: int, n_kv: 
         n_kv,
         k_cache.shape[2],
         qkv.stride(0),
+        copy_to if copy_to is not None else pos,
+        row0,
         D=d,
         HALF=d // 2,
         HP=hp,
         PTX=not INTERPRET,
+        COPY=copy_to is not None,
         num_warps=1 if INTERPRET else max(1, min(8, hp * d // 512)),
         **pdl_kw(),
     )
