@@ -77,9 +77,8 @@ def _rope_cache_kernel(
     dv = v_ptr + (((b * HKV + (hh - H - HKV)) * S + pos) * D)[:, None] + d[None, :]
     tl.store(dv, o1.to(v_ptr.dtype.element_ty), mask=mv)
     tl.store(dv + HALF, o2.to(v_ptr.dtype.element_ty), mask=mv)
-    if (
-        COPY
-    ):  # (the captured prefill: its scratch row for the attention, the prompt's row for the decode steps)
+    # COPY: the captured prefill (its scratch row for the attention, the prompt's row for the decode steps)
+    if COPY:
         delta = (tl.load(copy_ptr).to(tl.int64) - ROW0) * (HKV * S * D)
         tl.store(dk + delta, o1.to(k_ptr.dtype.element_ty), mask=mk)
         tl.store(dk + delta + HALF, o2.to(k_ptr.dtype.element_ty), mask=mk)
