@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -137,8 +138,14 @@ def capture(fn, before_capture=None, warmup: int = 2, pool=None):
     if before_capture is not None:
         before_capture()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+    except RuntimeError as e:  # name the graph and the other threads (in global mode their CUDA calls end it)
+        others = sorted(t.name for t in threading.enumerate() if t is not threading.current_thread())
+        raise RuntimeError(
+            f"capturing {getattr(fn, '__qualname__', fn)!s} failed: {e} (other threads: {others})"
+        ) from e
     return graph, out
 
 
@@ -349,6 +356,14 @@ class CudaEngine:
             xq = self._bufs.get(b)
         tp = prefill_len(t)  # padded length (cache slots t..tp-1 hold finite K/V)
         tp = tp if tp <= self.ecfg.max_seq_len else t
+        kv16 = (
+            None  # a prefill from 0 over a cache of another dtype (float8): the attention's K/V, all layers
+        )
+        if t > 1 and not start and self.k_cache[0].dtype != self.ecfg.dtype:
+            new = (
+                torch.empty if tp == t else torch.zeros
+            )  # (pad slots finite: a masked NaN still poisons p @ V)
+            kv16 = new((2, b, nkv, tp, hd), device=self.device, dtype=self.ecfg.dtype).unbind(0)
         for li, L in enumerate(self.layers):
             kc, vc = self.k_cache[li][row0 : row0 + b], self.v_cache[li][row0 : row0 + b]  # contiguous views
             q = torch.empty((b, t, nh, hd), device=self.device, dtype=self.ecfg.dtype)
@@ -361,7 +376,7 @@ class CudaEngine:
                 qkv_rope(xq, b, L.qkv, L.qkv_scale, q, self.cos, self.sin, pos, kc, vc, nh, nkv)
             else:
                 qkv = self._lin(h, L.qkv, L.qkv_scale, nqkv, norm=L.in_norm)  # [B*T, (H+2Hkv)*D]
-                rope_cache(qkv, self.cos, self.sin, pos, q, kc, vc, nh, nkv, t, copy_to, row0)
+                rope_cache(qkv, self.cos, self.sin, pos, q, kc, vc, nh, nkv, t, copy_to, row0, kv16)
             h = _rows(h)  # the residual rows (a deferred down's: finished by the quantization above)
             if t == 1:
                 o = torch.empty((b, nh, hd), device=h.device, dtype=h.dtype)
@@ -380,7 +395,7 @@ class CudaEngine:
                 if tp != t:  # real query i sees keys 0..i only: the pad rows never reach the real ones
                     qp = q.new_zeros((b, tp, nh, hd))
                     qp[:, :t] = q
-                kp, vp = kc[:, :, :tp].to(q.dtype), vc[:, :, :tp].to(q.dtype)  # (a float8 cache: upcast)
+                kp, vp = kv16 if kv16 is not None else (kc[:, :, :tp], vc[:, :, :tp])
                 o = prefill_attention(qp.transpose(1, 2), kp, vp, gqa=nh != nkv)
                 o = o.transpose(1, 2)[:, :t].reshape(b * t, nh * hd)  # [B*T, H*D]; no copy when tp == t
             else:

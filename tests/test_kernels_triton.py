@@ -336,6 +336,29 @@ def test_engine_forward_matches_model(tiny_model):
     tiny_model.to("cpu")
 
 
+def test_engine_prefill_over_a_float8_cache_matches_its_decode_steps(tiny_model):
+    """A prefill from position 0 over a float8 cache attends over the K/V its RoPE launches hand it, upcast
+    (rope_cache kv16): padded (5 tokens in 16 slots) and not (16), every position's logits are those of decode
+    steps fed the same tokens one at a time, whose attention reads the cache itself. (The reference forward is
+    the oracle on the GPU, test_kv_fp8.py: the interpreter rounds to float8 differently from torch.)"""
+    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
+
+    ecfg = EngineConfig(max_batch=2, max_seq_len=16, dtype=torch.float32, kv_dtype=torch.float8_e4m3fn)
+    pre, dec = (CudaEngine.from_model(tiny_model, ecfg, device=DEV) for _ in range(2))
+    for t in (5, 16):
+        tok = torch.randint(0, 512, (2, t), generator=torch.Generator().manual_seed(t)).to(DEV)
+        with torch.no_grad():
+            got = pre.forward(tok, torch.zeros(2, dtype=torch.int32, device=DEV), last_only=False)
+            want = [
+                dec.forward(tok[:, i : i + 1], torch.full((2,), i, dtype=torch.int32, device=DEV))
+                for i in range(t)
+            ]
+        want = torch.stack(want, 1)  # [2, t, V]
+        torch.testing.assert_close(got.view(2, t, -1), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+        for a, b in zip(pre.k_cache + pre.v_cache, dec.k_cache + dec.v_cache):
+            assert torch.equal(a[:2, :, :t].view(torch.uint8), b[:2, :, :t].view(torch.uint8))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # GPU: compiled kernels on the BitNet b1.58 2B4T shapes
 # ---------------------------------------------------------------------------------------------------------

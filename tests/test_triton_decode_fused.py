@@ -139,3 +139,35 @@ def test_rope_cache_copy_to_writes_both_rows(dtype):
     assert not torch.equal(kc[1], _rand((rows, nkv, s_len, hd), 2, DEV).to(dtype)[1])  # row 1 was written
     with pytest.raises(ValueError, match="copy_to needs one cache row, found 2"):
         A.rope_cache(qkv, cos, sin, pos, q, kc[2:4], vc[2:4], nh, nkv, t, copy_to=target, row0=2)
+
+
+@pytest.mark.parametrize(
+    "q_dtype,kv_dtype", [(torch.bfloat16, torch.float8_e4m3fn), (torch.float32, torch.bfloat16)]
+)
+def test_rope_cache_kv16_holds_the_cache_values_upcast(q_dtype, kv_dtype):
+    """rope_cache with kv16 (a prefill's attention operands over a cache of another dtype): slot t of k16/v16
+    holds the cache's stored k/v of token t in q's dtype, bit for bit, for every row; the slots past T keep what
+    they held, and q and the caches are what a launch without kv16 writes."""
+    nh, nkv, hd, b, t, tp, s_len = 4, 2, 16, 2, 5, 8, 24
+    qkv = _rand((b * t, (nh + 2 * nkv) * hd), 4, DEV).to(q_dtype)
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    fr = torch.arange(s_len, dtype=torch.float32)[:, None] * inv[None, :]
+    cos, sin = fr.cos().contiguous().to(DEV), fr.sin().contiguous().to(DEV)
+    pos = torch.zeros(b, dtype=torch.int32, device=DEV)
+    kc, vc = (torch.zeros((b, nkv, s_len, hd), device=DEV).to(kv_dtype) for _ in range(2))
+    kr, vr = kc.clone(), vc.clone()
+    q, qr = (torch.zeros((b, t, nh, hd), dtype=q_dtype, device=DEV) for _ in range(2))
+    k16, v16 = (torch.full((b, nkv, tp, hd), 7.0, dtype=q_dtype, device=DEV) for _ in range(2))
+    A.rope_cache(qkv, cos, sin, pos, q, kc, vc, nh, nkv, t, kv16=(k16, v16))
+    A.rope_cache(qkv, cos, sin, pos, qr, kr, vr, nh, nkv, t)
+    assert torch.equal(q, qr) and torch.equal(kc.float(), kr.float()) and torch.equal(vc.float(), vr.float())
+    assert kc[:, :, :t].float().abs().sum() > 0  # the launch wrote the cache
+    assert torch.equal(k16[:, :, :t], kc[:, :, :t].to(q_dtype)) and torch.equal(
+        v16[:, :, :t], vc[:, :, :t].to(q_dtype)
+    )
+    assert bool((k16[:, :, t:] == 7).all()) and bool((v16[:, :, t:] == 7).all())
+    with pytest.raises(ValueError, match=r"k16 must be contiguous .* found .*\(not contiguous\)"):
+        wide = torch.zeros((b, nkv, tp, 2 * hd), dtype=q_dtype, device=DEV)[..., :hd]
+        A.rope_cache(qkv, cos, sin, pos, q, kc, vc, nh, nkv, t, kv16=(wide, v16))
+    with pytest.raises(ValueError, match=r"v16 must be contiguous"):
+        A.rope_cache(qkv, cos, sin, pos, q, kc, vc, nh, nkv, t, kv16=(k16, v16[:, :, :3].contiguous()))

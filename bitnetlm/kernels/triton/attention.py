@@ -38,16 +38,21 @@ def _rope_cache_kernel(
     stride_row,
     copy_ptr,
     ROW0,
+    k16_ptr,
+    v16_ptr,
+    TP,
     D: tl.constexpr,
     HALF: tl.constexpr,
     HP: tl.constexpr,
     PTX: tl.constexpr,
     COPY: tl.constexpr = False,
+    KV16: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """One program per token row, all heads at once ([HP, D/2] halves): q heads rotated into q, k heads rotated
     into the cache slot pos, v heads copied into theirs. COPY (one row, B = 1): k and v also into cache row
-    copy_ptr[0] (k_ptr being row ROW0 of a cache [R, HKV, S, D])."""
+    copy_ptr[0] (k_ptr being row ROW0 of a cache [R, HKV, S, D]). KV16: k and v as the cache holds them (its
+    dtype's rounding) also into k16/v16 [B, HKV, TP, D] at slot t, in their own (attention) dtype."""
     row = tl.program_id(0)  # b * T + t
     _pdl_wait(PDL)
     b = row // T
@@ -84,18 +89,51 @@ def _rope_cache_kernel(
         tl.store(dk + delta + HALF, o2.to(k_ptr.dtype.element_ty), mask=mk)
         tl.store(dv + delta, o1.to(v_ptr.dtype.element_ty), mask=mv)
         tl.store(dv + delta + HALF, o2.to(v_ptr.dtype.element_ty), mask=mv)
+    # KV16: a prefill's attention operands without an upcast launch of the cache per layer (float8 cache)
+    if KV16:
+        dt = k16_ptr.dtype.element_ty
+        d16 = (((b * HKV + (hh - H)) * TP + t) * D)[:, None] + d[None, :]
+        tl.store(k16_ptr + d16, o1.to(k_ptr.dtype.element_ty).to(dt), mask=mk)
+        tl.store(k16_ptr + d16 + HALF, o2.to(k_ptr.dtype.element_ty).to(dt), mask=mk)
+        d16 = d16 - (HKV * TP * D)  # v heads' index hh - H - HKV
+        tl.store(v16_ptr + d16, o1.to(v_ptr.dtype.element_ty).to(dt), mask=mv)
+        tl.store(v16_ptr + d16 + HALF, o2.to(v_ptr.dtype.element_ty).to(dt), mask=mv)
 
 
 def rope_cache(
-    qkv, cos, sin, pos, q_out, k_cache, v_cache, n_heads: int, n_kv: int, t: int, copy_to=None, row0: int = 0
+    qkv,
+    cos,
+    sin,
+    pos,
+    q_out,
+    k_cache,
+    v_cache,
+    n_heads: int,
+    n_kv: int,
+    t: int,
+    copy_to=None,
+    row0: int = 0,
+    kv16=None,
 ) -> None:
     """Rotate q/k of `qkv` [B*T, (H+2Hkv)*D] at positions pos[b]+t; q -> q_out [B,T,H,D], k/v -> cache slots.
     copy_to: int64 [1] on the device, a second cache row for k/v (B = 1; k_cache/v_cache being row `row0` of
-    contiguous caches [R, Hkv, S, D]), read at run time: a captured prefill's target row."""
+    contiguous caches [R, Hkv, S, D]), read at run time: a captured prefill's target row.
+    kv16: (k16, v16), contiguous [B, Hkv, TP >= T, D] of q_out's dtype: slot t also gets token t's k/v as the
+    cache stores them, upcast (a float8 cache's values for the prefill attention, bit for bit)."""
     d = k_cache.shape[-1]
     hp = triton.next_power_of_2(n_heads + 2 * n_kv)
     if copy_to is not None and k_cache.shape[0] != 1:
         raise ValueError(f"rope_cache: copy_to needs one cache row, found {k_cache.shape[0]}")
+    k16 = v16 = q_out
+    if kv16 is not None:
+        k16, v16 = kv16
+        want = (k_cache.shape[0], n_kv, k16.shape[2], d)
+        for name, x in (("k16", k16), ("v16", v16)):
+            if tuple(x.shape) != want or x.shape[2] < t or not x.is_contiguous() or x.dtype != q_out.dtype:
+                raise ValueError(
+                    f"rope_cache: {name} must be contiguous {q_out.dtype} [B, Hkv, TP >= {t}, D] = {want}, "
+                    f"found {x.dtype} {tuple(x.shape)}{'' if x.is_contiguous() else ' (not contiguous)'}"
+                )
     _rope_cache_kernel[(qkv.shape[0],)](
         qkv,
         cos,
@@ -111,11 +149,15 @@ def rope_cache(
         qkv.stride(0),
         copy_to if copy_to is not None else pos,
         row0,
+        k16,
+        v16,
+        k16.shape[2] if kv16 is not None else 0,
         D=d,
         HALF=d // 2,
         HP=hp,
         PTX=not INTERPRET,
         COPY=copy_to is not None,
+        KV16=kv16 is not None,
         num_warps=1 if INTERPRET else max(1, min(8, hp * d // 512)),
         **pdl_kw(),
     )
