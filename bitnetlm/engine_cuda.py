@@ -330,7 +330,8 @@ class CudaEngine:
         greedy (int8 head): (tok, out, step, pos) of a greedy step, which the head runs itself (`w8a16_greedy`);
         returns None. copy_to (T > 1, B = 1): int64 [1], a cache row that also receives the keys and values."""
         from bitnetlm.kernels.triton import attention
-        from bitnetlm.kernels.triton.attention import attn_decode, rope_cache
+        from bitnetlm.kernels.triton.attention import attn_decode
+        from bitnetlm.kernels.triton.rope import rope_cache
 
         b, t = tok.shape
         self._check_batch(b, start + t)

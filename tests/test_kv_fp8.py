@@ -50,7 +50,7 @@ def test_engine_float8_cache_equals_reference_bytes(tiny_model):
     """CudaEngine with kv_dtype float8 (float32 activations): layer 0's cache is the float8 of the float32
     engine's, bit for bit, at prefill (rope_cache) and at a decode step (the fused q|k|v + RoPE kernel); every
     layer's cache and the logits agree with the reference forward over a float8 KVCache."""
-    triton_modules("attention", "decode")
+    triton_modules("attention", "rope", "decode")
     from bitnetlm.engine_cuda import CudaEngine, EngineConfig
 
     model = copy.deepcopy(tiny_model).to(DEV)

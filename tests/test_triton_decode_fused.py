@@ -9,7 +9,7 @@ import pytest
 import torch
 from triton_interp import DEV, triton_modules
 
-L, A, F, layout = triton_modules("launch", "attention", "decode", "layout")
+L, R, F, layout = triton_modules("launch", "rope", "decode", "layout")
 
 
 def _rand(shape, seed, dev):
@@ -51,7 +51,7 @@ def _check_qkv_rope(m, hidden, nh, nkv, hd, dtype, dev, seed=0, per_row=True):
     F.qkv_rope(xq, m, w, s, q, cos, sin, pos, kc, vc, nh, nkv)
     qkv = L.ternary_linear(x, w, s, nqkv, norm_weight=nin, eps=eps, path="rowq")
     qr = torch.zeros_like(q)
-    A.rope_cache(qkv, cos, sin, pos, qr, kr, vr, nh, nkv, 1)
+    R.rope_cache(qkv, cos, sin, pos, qr, kr, vr, nh, nkv, 1)
     assert torch.equal(q, qr) and torch.equal(kc, kr) and torch.equal(vc, vr)
     # the quantizing variant (every program normalizes and quantizes x itself) vs the row GEMV that does the same
     kc2, vc2 = kc.clone(), vc.clone()
@@ -59,7 +59,7 @@ def _check_qkv_rope(m, hidden, nh, nkv, hd, dtype, dev, seed=0, per_row=True):
     pos2 = pos + 1  # fresh cache slots
     F.qkv_rope(x, m, w, s, q, cos, sin, pos2, kc2, vc2, nh, nkv, nin, eps)
     qkv = L.ternary_linear(x, w, s, nqkv, norm_weight=nin, eps=eps, path="row")
-    A.rope_cache(qkv, cos, sin, pos2, qr, kr2, vr2, nh, nkv, 1)
+    R.rope_cache(qkv, cos, sin, pos2, qr, kr2, vr2, nh, nkv, 1)
     assert torch.equal(q, qr) and torch.equal(kc2, kr2) and torch.equal(vc2, vr2)
     assert not torch.equal(kc2, kc)  # the slots were written
 
@@ -132,13 +132,13 @@ def test_rope_cache_copy_to_writes_both_rows(dtype):
     q = torch.zeros((1, t, nh, hd), dtype=dtype, device=DEV)
     qr = torch.zeros_like(q)
     target = torch.tensor([1], dtype=torch.long, device=DEV)
-    A.rope_cache(qkv, cos, sin, pos, q, kc[3:4], vc[3:4], nh, nkv, t, copy_to=target, row0=3)
+    R.rope_cache(qkv, cos, sin, pos, q, kc[3:4], vc[3:4], nh, nkv, t, copy_to=target, row0=3)
     for r in (3, 1):
-        A.rope_cache(qkv, cos, sin, pos, qr, kr[r : r + 1], vr[r : r + 1], nh, nkv, t)
+        R.rope_cache(qkv, cos, sin, pos, qr, kr[r : r + 1], vr[r : r + 1], nh, nkv, t)
     assert torch.equal(q, qr) and torch.equal(kc, kr) and torch.equal(vc, vr)
     assert not torch.equal(kc[1], _rand((rows, nkv, s_len, hd), 2, DEV).to(dtype)[1])  # row 1 was written
     with pytest.raises(ValueError, match="copy_to needs one cache row, found 2"):
-        A.rope_cache(qkv, cos, sin, pos, q, kc[2:4], vc[2:4], nh, nkv, t, copy_to=target, row0=2)
+        R.rope_cache(qkv, cos, sin, pos, q, kc[2:4], vc[2:4], nh, nkv, t, copy_to=target, row0=2)
 
 
 @pytest.mark.parametrize(
@@ -158,8 +158,8 @@ def test_rope_cache_kv16_holds_the_cache_values_upcast(q_dtype, kv_dtype):
     kr, vr = kc.clone(), vc.clone()
     q, qr = (torch.zeros((b, t, nh, hd), dtype=q_dtype, device=DEV) for _ in range(2))
     k16, v16 = (torch.full((b, nkv, tp, hd), 7.0, dtype=q_dtype, device=DEV) for _ in range(2))
-    A.rope_cache(qkv, cos, sin, pos, q, kc, vc, nh, nkv, t, kv16=(k16, v16))
-    A.rope_cache(qkv, cos, sin, pos, qr, kr, vr, nh, nkv, t)
+    R.rope_cache(qkv, cos, sin, pos, q, kc, vc, nh, nkv, t, kv16=(k16, v16))
+    R.rope_cache(qkv, cos, sin, pos, qr, kr, vr, nh, nkv, t)
     assert torch.equal(q, qr) and torch.equal(kc.float(), kr.float()) and torch.equal(vc.float(), vr.float())
     assert kc[:, :, :t].float().abs().sum() > 0  # the launch wrote the cache
     assert torch.equal(k16[:, :, :t], kc[:, :, :t].to(q_dtype)) and torch.equal(
@@ -168,6 +168,6 @@ def test_rope_cache_kv16_holds_the_cache_values_upcast(q_dtype, kv_dtype):
     assert bool((k16[:, :, t:] == 7).all()) and bool((v16[:, :, t:] == 7).all())
     with pytest.raises(ValueError, match=r"k16 must be contiguous .* found .*\(not contiguous\)"):
         wide = torch.zeros((b, nkv, tp, 2 * hd), dtype=q_dtype, device=DEV)[..., :hd]
-        A.rope_cache(qkv, cos, sin, pos, q, kc, vc, nh, nkv, t, kv16=(wide, v16))
+        R.rope_cache(qkv, cos, sin, pos, q, kc, vc, nh, nkv, t, kv16=(wide, v16))
     with pytest.raises(ValueError, match=r"v16 must be contiguous"):
-        A.rope_cache(qkv, cos, sin, pos, q, kc, vc, nh, nkv, t, kv16=(k16, v16[:, :, :3].contiguous()))
+        R.rope_cache(qkv, cos, sin, pos, q, kc, vc, nh, nkv, t, kv16=(k16, v16[:, :, :3].contiguous()))

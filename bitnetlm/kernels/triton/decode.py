@@ -2,7 +2,7 @@
 
 Its tiles' weight rows are rotation pairs (d, d + D/2) of the heads (`_pair_cols`), so a program rotates its own
 outputs and writes q into the query buffer [B, 1, H, D] and k / v straight into the KV-cache slot pos: no q|k|v
-round trip and no RoPE launch (`attention.rope_cache`). Two kernels, one tuner choosing between them:
+round trip and no RoPE launch (`rope.rope_cache`). Two kernels, one tuner choosing between them:
 - `_qkv_rope_kernel`, the row GEMV (`gemv._gemv_row_kernel`): the only one at batch 1-2;
 - `_qkv_rope_mma_kernel`, the split-K tensor-core GEMM (`gemm._gemm_kernel`) with `_rope_store` as its epilogue:
   from batch 3 (the engine uses it at batch 8-64: `engine_cuda.FUSED_GAP`).
