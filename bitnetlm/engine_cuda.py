@@ -357,13 +357,11 @@ class CudaEngine:
             xq = self._bufs.get(b)
         tp = prefill_len(t)  # padded length (cache slots t..tp-1 hold finite K/V)
         tp = tp if tp <= self.ecfg.max_seq_len else t
-        kv16 = (
-            None  # a prefill from 0 over a cache of another dtype (float8): the attention's K/V, all layers
-        )
+        # a prefill from 0 over a cache of another dtype (float8): the attention's K/V, reused by every layer;
+        # pad slots zeroed, since a masked NaN still poisons p @ V
+        kv16 = None
         if t > 1 and not start and self.k_cache[0].dtype != self.ecfg.dtype:
-            new = (
-                torch.empty if tp == t else torch.zeros
-            )  # (pad slots finite: a masked NaN still poisons p @ V)
+            new = torch.empty if tp == t else torch.zeros
             kv16 = new((2, b, nkv, tp, hd), device=self.device, dtype=self.ecfg.dtype).unbind(0)
         for li, L in enumerate(self.layers):
             kc, vc = self.k_cache[li][row0 : row0 + b], self.v_cache[li][row0 : row0 + b]  # contiguous views
