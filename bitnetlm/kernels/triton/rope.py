@@ -16,6 +16,13 @@ from bitnetlm.kernels.triton.launch import pdl_kw
 
 
 @triton.jit
+def _store_halves(p, a, b, mask, HALF: tl.constexpr):
+    """A head's rotate-half pair: a [HP, HALF] at p, b at p + HALF, both in p's element dtype."""
+    tl.store(p, a.to(p.dtype.element_ty), mask=mask)
+    tl.store(p + HALF, b.to(p.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rope_cache_kernel(
     qkv_ptr,
     cos_ptr,
@@ -65,32 +72,24 @@ def _rope_cache_kernel(
     o2 = tl.where(rot, r2, f2)
     mq = (hh < H)[:, None]
     dq = q_ptr + ((row * H + hh) * D)[:, None] + d[None, :]  # q [B, T, H, D]
-    tl.store(dq, o1.to(q_ptr.dtype.element_ty), mask=mq)
-    tl.store(dq + HALF, o2.to(q_ptr.dtype.element_ty), mask=mq)
+    _store_halves(dq, o1, o2, mq, HALF)
     mk = ((hh >= H) & (hh < H + HKV))[:, None]
     dk = k_ptr + (((b * HKV + (hh - H)) * S + pos) * D)[:, None] + d[None, :]
-    tl.store(dk, o1.to(k_ptr.dtype.element_ty), mask=mk)
-    tl.store(dk + HALF, o2.to(k_ptr.dtype.element_ty), mask=mk)
+    _store_halves(dk, o1, o2, mk, HALF)
     mv = ((hh >= H + HKV) & (hh < H + 2 * HKV))[:, None]
     dv = v_ptr + (((b * HKV + (hh - H - HKV)) * S + pos) * D)[:, None] + d[None, :]
-    tl.store(dv, o1.to(v_ptr.dtype.element_ty), mask=mv)
-    tl.store(dv + HALF, o2.to(v_ptr.dtype.element_ty), mask=mv)
+    _store_halves(dv, o1, o2, mv, HALF)
     # COPY: the captured prefill (its scratch row for the attention, the prompt's row for the decode steps)
     if COPY:
         delta = (tl.load(copy_ptr).to(tl.int64) - ROW0) * (HKV * S * D)
-        tl.store(dk + delta, o1.to(k_ptr.dtype.element_ty), mask=mk)
-        tl.store(dk + delta + HALF, o2.to(k_ptr.dtype.element_ty), mask=mk)
-        tl.store(dv + delta, o1.to(v_ptr.dtype.element_ty), mask=mv)
-        tl.store(dv + delta + HALF, o2.to(v_ptr.dtype.element_ty), mask=mv)
+        _store_halves(dk + delta, o1, o2, mk, HALF)
+        _store_halves(dv + delta, o1, o2, mv, HALF)
     # KV16: a prefill's attention operands without an upcast launch of the cache per layer (float8 cache)
     if KV16:
-        dt = k16_ptr.dtype.element_ty
         d16 = (((b * HKV + (hh - H)) * TP + t) * D)[:, None] + d[None, :]
-        tl.store(k16_ptr + d16, o1.to(k_ptr.dtype.element_ty).to(dt), mask=mk)
-        tl.store(k16_ptr + d16 + HALF, o2.to(k_ptr.dtype.element_ty).to(dt), mask=mk)
+        _store_halves(k16_ptr + d16, o1.to(k_ptr.dtype.element_ty), o2.to(k_ptr.dtype.element_ty), mk, HALF)
         d16 = d16 - (HKV * TP * D)  # v heads' index hh - H - HKV
-        tl.store(v16_ptr + d16, o1.to(v_ptr.dtype.element_ty).to(dt), mask=mv)
-        tl.store(v16_ptr + d16 + HALF, o2.to(v_ptr.dtype.element_ty).to(dt), mask=mv)
+        _store_halves(v16_ptr + d16, o1.to(v_ptr.dtype.element_ty), o2.to(v_ptr.dtype.element_ty), mv, HALF)
 
 
 def rope_cache(
