@@ -1,0 +1,54 @@
+"""smollm2-135m-1.58 without its teacher's embedding: the zoo's real ternary parts (models/) with a seeded random
+Q8_0 embedding, assembled by the zoo's own `assemble` (tests/test_gpu_zoo.py; benchmarks/zoo_reference_ranks.py).
+
+The real embedding is rebuilt from the teacher GGUF (scripts/zoo_smollm2_parts.py), which the GPU machine lacks.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+NAME = "smollm2-135m-1.58"
+TEXTS = [  # the prompts both check the zoo's models with
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune",
+    "The sea was calm",
+    "Emma Woodhouse, handsome, clever, and rich, with a comfortable home and happy disposition, seemed to unite",
+]
+
+
+def random_q8_0(shape: tuple[int, int], seed: int) -> np.ndarray:
+    """GGUF Q8_0 bytes (per 32 values: fp16 scale d, 32 int8) of a seeded random [rows, cols] matrix."""
+    g = np.random.default_rng(seed)
+    nb = shape[0] * shape[1] // 32
+    blocks = np.empty((nb, 34), np.uint8)
+    blocks[:, :2] = g.uniform(2e-4, 6e-4, (nb, 1)).astype(np.float16).view(np.uint8)  # |value| < 0.08
+    blocks[:, 2:] = g.integers(-127, 128, (nb, 32), dtype=np.int8).view(np.uint8)
+    return blocks.reshape(-1)
+
+
+def smollm2_random_embedding(root: Path, seed: int = 7) -> Path:
+    """An HF directory under `root` of smollm2-135m-1.58's parts with a seeded random embedding."""
+    from safetensors.numpy import save_file
+
+    from bitnetlm import zoo
+    from bitnetlm.zoo.assemble import assemble
+
+    parts = Path(root) / "parts"
+    parts.mkdir(parents=True, exist_ok=True)
+    src = zoo.models_dir() / NAME
+    for p in src.iterdir():
+        if p.is_file() and p.name != "embed_q8_0.safetensors":
+            shutil.copy(p, parts / p.name)
+    cfg = json.loads((src / "config.json").read_text())
+    shape = (cfg["vocab_size"], cfg["hidden_size"])
+    meta = {
+        "shape": json.dumps(list(shape)),
+        "ggml_type": "Q8_0",
+        "source": f"tests/zoo_parts.py, seed {seed}",
+    }
+    save_file({"embed_tokens.weight": random_q8_0(shape, seed)}, str(parts / "embed_q8_0.safetensors"), meta)
+    return assemble(NAME, parts, Path(root) / "model")
