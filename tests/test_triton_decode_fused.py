@@ -17,6 +17,13 @@ def _rand(shape, seed, dev):
     return torch.randn(shape, generator=g).to(dev)
 
 
+def _rope_tables(hd, s_len, dev):
+    """HF's RoPE cos / sin tables [s_len, hd / 2] (theta 10,000), as the engine holds them."""
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    fr = torch.arange(s_len, dtype=torch.float32)[:, None] * inv[None, :]
+    return fr.cos().contiguous().to(dev), fr.sin().contiguous().to(dev)
+
+
 def _tern(n, k, seed, dev):
     g = torch.Generator().manual_seed(seed)
     return layout.pack_triton(torch.randint(-1, 2, (n, k), generator=g, dtype=torch.int8)).to(dev)
@@ -41,9 +48,7 @@ def _check_qkv_rope(m, hidden, nh, nkv, hd, dtype, dev, seed=0, per_row=True):
     s_len = 24
     pos = torch.tensor([5, 17, 0, 11, 22][:m], dtype=torch.int32, device=dev)
     pos = torch.cat([pos, torch.arange(m - pos.numel(), device=dev, dtype=torch.int32) % 20])
-    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-    fr = torch.arange(s_len, dtype=torch.float32)[:, None] * inv[None, :]
-    cos, sin = fr.cos().contiguous().to(dev), fr.sin().contiguous().to(dev)
+    cos, sin = _rope_tables(hd, s_len, dev)
     kc = _rand((m, nkv, s_len, hd), seed + 5, dev).to(dtype)
     vc = _rand((m, nkv, s_len, hd), seed + 6, dev).to(dtype)
     kr, vr = kc.clone(), vc.clone()
@@ -122,9 +127,7 @@ def test_rope_cache_copy_to_writes_both_rows(dtype):
     untouched by the second store."""
     nh, nkv, hd, t, s_len, rows = 4, 2, 16, 7, 24, 4
     qkv = _rand((t, (nh + 2 * nkv) * hd), 1, DEV).to(dtype)
-    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-    fr = torch.arange(s_len, dtype=torch.float32)[:, None] * inv[None, :]
-    cos, sin = fr.cos().contiguous().to(DEV), fr.sin().contiguous().to(DEV)
+    cos, sin = _rope_tables(hd, s_len, DEV)
     pos = torch.zeros(1, dtype=torch.int32, device=DEV)
     kc = _rand((rows, nkv, s_len, hd), 2, DEV).to(dtype)
     vc = _rand((rows, nkv, s_len, hd), 3, DEV).to(dtype)
@@ -150,9 +153,7 @@ def test_rope_cache_kv16_holds_the_cache_values_upcast(q_dtype, kv_dtype):
     they held, and q and the caches are what a launch without kv16 writes."""
     nh, nkv, hd, b, t, tp, s_len = 4, 2, 16, 2, 5, 8, 24
     qkv = _rand((b * t, (nh + 2 * nkv) * hd), 4, DEV).to(q_dtype)
-    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-    fr = torch.arange(s_len, dtype=torch.float32)[:, None] * inv[None, :]
-    cos, sin = fr.cos().contiguous().to(DEV), fr.sin().contiguous().to(DEV)
+    cos, sin = _rope_tables(hd, s_len, DEV)
     pos = torch.zeros(b, dtype=torch.int32, device=DEV)
     kc, vc = (torch.zeros((b, nkv, s_len, hd), device=DEV).to(kv_dtype) for _ in range(2))
     kr, vr = kc.clone(), vc.clone()
