@@ -32,7 +32,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args()
     from oracle import greedy_with_cache
-    from zoo_parts import TEXTS, smollm2_random_embedding
+    from zoo_parts import TEXTS, smollm2_random_embedding, teacher_forced
 
     from bitnetlm import zoo
     from bitnetlm.bench import machine_name
@@ -54,9 +54,7 @@ def main() -> int:
         for i, text in enumerate(TEXTS):
             p = tok.encode(text)
             got = greedy_with_cache(model, torch.tensor([p]), args.tokens)[0]
-            with torch.inference_mode():
-                logits = model(torch.cat([torch.tensor(p), got])[None])[0, len(p) - 1 : -1].float()
-            rank = (logits > logits.gather(1, got[:, None])).sum(1)  # [N]
+            logits, rank = teacher_forced(model, p, got)  # [N, V], [N]
             top2 = logits.topk(2, dim=1).values
             gap = top2[:, 0] - top2[:, 1]
             print(

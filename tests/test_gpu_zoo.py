@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from oracle import greedy_with_cache
-from zoo_parts import TEXTS
+from zoo_parts import TEXTS, teacher_forced
 
 pytestmark = pytest.mark.gpu
 
@@ -69,8 +69,9 @@ def test_zoo_model_on_cuda_follows_the_cpu_reference(zoo_dirs, name, run):
     moves later logits by more than float noise. smollm2 with its random embedding has top-2 gaps down to 0.003
     logits, and the CPU reference's own cached decode, teacher-forced by its uncached forward, ranks 2nd at
     worst and first at 89-97% of its positions (benchmarks/zoo_reference_ranks.py, 64 tokens a prompt). So the
-    check is teacher-forced: over the GPU's own 48 tokens, the float32 reference ranks each of them within the run's worst rank and first at its share of positions (bf16
-    activations, an int8 head and a float8 cache round more, so their bounds are looser). A wrong kernel (a
+    check is teacher-forced: over the GPU's own 48 tokens, the float32 reference ranks each of them within the
+    run's worst rank and first at its share of positions (bf16 activations, an int8 head and a float8 cache round
+    more, so their bounds are looser). A wrong kernel (a
     scale, a head, a position) gives tokens that the reference ranks thousands deep."""
     from bitnetlm.commands.generate import load_model_and_tokenizer
     from bitnetlm.generate import SamplingParams, batch_generate
@@ -87,10 +88,7 @@ def test_zoo_model_on_cuda_follows_the_cpu_reference(zoo_dirs, name, run):
     ranks = []
     for p, r in zip(prompts, batch_generate(model, tok, prompts, sp)):
         assert len(r.tokens) == 48
-        with torch.inference_mode():
-            logits = cpu(torch.tensor([p + r.tokens]))[0, len(p) - 1 : -1].float()  # [48, V]
-        got = torch.tensor(r.tokens)
-        ranks += (logits > logits.gather(1, got[:, None])).sum(1).tolist()  # 0 = the reference's argmax
+        ranks += teacher_forced(cpu, p, r.tokens)[1].tolist()  # 0 = the reference's argmax
     firsts = sum(x == 0 for x in ranks)
     print(f"{name} {run}: worst rank {max(ranks)}, first at {firsts} of {len(ranks)}")  # pytest -rP shows it
     assert max(ranks) < worst and firsts >= share * len(ranks), (name, run, max(ranks), firsts, len(ranks))

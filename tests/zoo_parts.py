@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import torch
 
 NAME = "smollm2-135m-1.58"
 TEXTS = [  # the prompts both check the zoo's models with
@@ -52,3 +53,14 @@ def smollm2_random_embedding(root: Path, seed: int = 7) -> Path:
     }
     save_file({"embed_tokens.weight": random_q8_0(shape, seed)}, str(parts / "embed_q8_0.safetensors"), meta)
     return assemble(NAME, parts, Path(root) / "model")
+
+
+def teacher_forced(model, prompt: list[int], tokens: list[int] | torch.Tensor):
+    """The model's logits [N, V] (float32) for each of the N tokens that follow `prompt`, fed prompt + tokens in
+    one uncached forward, and each token's rank among them [N] (0 = the argmax)."""
+    got = torch.as_tensor(tokens)
+    with torch.inference_mode():
+        logits = model(torch.cat([torch.tensor(prompt), got])[None])[
+            0, len(prompt) - 1 : -1
+        ].float()  # [N, V]
+    return logits, (logits > logits.gather(1, got[:, None])).sum(1)
