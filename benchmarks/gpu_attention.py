@@ -26,8 +26,8 @@ H, HKV, D = 20, 5, 128
 
 def _graph_us(fn, steps: int, calls: int) -> float:
     """Microseconds a call of fn (which makes `calls` calls), captured once and replayed `steps` times."""
-    from bitnetlm.engine_cuda import capture
-    from bitnetlm.kernels.triton.bench import _events_ms
+    from bitnetlm.runtime.cuda.engine import capture
+    from bitnetlm.runtime.cuda.bench import _events_ms
 
     g, _ = capture(fn)  # eager warm-up first: compiles, allocates workspaces
     g.replay()
@@ -87,7 +87,7 @@ def main() -> int:
     )
     args = ap.parse_args()
     from bitnetlm.kernels.triton import attention
-    from bitnetlm.kernels.triton.bench import gpu_name
+    from bitnetlm.runtime.cuda.bench import gpu_name
     from bitnetlm.models.cache import parse_kv_cache_dtype
 
     roof = copy_gbps()

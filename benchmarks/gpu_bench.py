@@ -96,7 +96,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--kv", default="auto", help="KV-cache types of the ternary rows: auto (bf16), fp8")
     args = ap.parse_args()
-    from bitnetlm.kernels.triton.bench import bench_cuda, gpu_name, markdown
+    from bitnetlm.runtime.cuda.bench import bench_cuda, gpu_name, markdown
 
     out = {"gpu": gpu_name()}
     md = [f"GPU: {out['gpu']}"]

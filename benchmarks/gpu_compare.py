@@ -51,7 +51,7 @@ def main() -> int:
             f"--baseline {args.baseline}: no benchmarks/gpu_profile.py there (expected a package tree)"
         )
     sys.path.insert(0, HERE)
-    from bitnetlm.kernels.triton.bench import gpu_name
+    from bitnetlm.runtime.cuda.bench import gpu_name
 
     trees = {"base": os.path.abspath(args.baseline), "new": HERE}
     runs: dict[str, list[dict[str, float]]] = {"base": [], "new": []}

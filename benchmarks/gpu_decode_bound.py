@@ -25,7 +25,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--n-gen", type=int, default=128)
     args = ap.parse_args()
-    from bitnetlm.kernels.triton.bench import bench_engine, gpu_name, random_engine
+    from bitnetlm.runtime.cuda.bench import bench_engine, gpu_name, random_engine
 
     batches = tuple(int(b) for b in args.batches.split(","))
     pre = 16  # bench_engine's prefill rows (not shown): a short chunk after the context

@@ -82,7 +82,7 @@ def child(path: str, prompt: int) -> None:
     import torch
 
     sys.path.insert(0, ROOT)
-    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
+    from bitnetlm.runtime.cuda.engine import CudaEngine, EngineConfig
 
     t_import = time.perf_counter()
     model = _load_cuda(path)
@@ -120,7 +120,7 @@ def child_generate(path: str) -> None:
     sys.path.insert(0, ROOT)
     import bitnetlm.loading
     from bitnetlm.commands.generate import DEFAULTS, load_model_and_tokenizer
-    from bitnetlm.engine_cuda import CudaEngine
+    from bitnetlm.runtime.cuda.engine import CudaEngine
     from bitnetlm.generate import graph, stream_generate
 
     t_import = time.perf_counter()

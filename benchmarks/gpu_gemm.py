@@ -87,7 +87,7 @@ def main() -> int:
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="which projections")
     args = ap.parse_args()
     from benchmarks.gpu_attention import copy_gbps
-    from bitnetlm.kernels.triton.bench import gpu_name
+    from bitnetlm.runtime.cuda.bench import gpu_name
     from bitnetlm.kernels.triton.layout import pack_triton
 
     torch.manual_seed(0)

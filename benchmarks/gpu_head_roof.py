@@ -122,7 +122,7 @@ def main() -> int:
     args = ap.parse_args()
     from bitnetlm.kernels.triton import head as L
     from bitnetlm.kernels.triton import tune
-    from bitnetlm.kernels.triton.bench import gpu_name
+    from bitnetlm.runtime.cuda.bench import gpu_name
 
     v, k = args.vocab, args.hidden
     w = torch.randint(-127, 128, (v, k), dtype=torch.int8, device="cuda")

@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_int8_head_ppl.py [--model .assets/smollm2-gguf/SmolLM2-135M-Instruct.Q4_1.gguf]
 
-The engine's int8 head stores q = round(w / s) with s = max|w_row| / 127 (bitnetlm.engine_weights.int8_rows). Its
+The engine's int8 head stores q = round(w / s) with s = max|w_row| / 127 (bitnetlm.runtime.cuda.weights.int8_rows). Its
 input is the final RMSNorm's output rounded to the activations' dtype (bf16), and it computes logits either from
 those bf16 values, bf16(h) @ q^T * s (head.w8_linear), or from int16 codes of them, c = round(h * 32639 /
 max|h|) per row, as (c @ q^T) / a * s (head.w8a16_linear, what the engine runs: engine_cuda.HEAD_A16). This
@@ -69,7 +69,7 @@ def model_and_heldout(description: str):
         "comma-separated BITS:G, with the int8 embedding and int16 activation codes (not engine options)",
     )
     args = ap.parse_args()
-    from bitnetlm.generate.tokenizer import Tokenizer
+    from bitnetlm.text.tokenizer import Tokenizer
     from bitnetlm.loading import load
 
     model, tok = load(args.model)
@@ -109,7 +109,7 @@ class _Head(torch.nn.Module):
 
 
 def main() -> int:
-    from bitnetlm.engine_weights import int8_rows
+    from bitnetlm.runtime.cuda.weights import int8_rows
 
     args, model, ids = model_and_heldout(__doc__.splitlines()[0])
     emb = model.embed_tokens.weight.data.clone()

@@ -33,8 +33,8 @@ def main() -> int:
     args = ap.parse_args()
 
     from bitnetlm.kernels.triton import attention
-    from bitnetlm.kernels.triton.bench import gpu_name, random_engine
-    from bitnetlm.kernels.triton.step_tune import step_ms
+    from bitnetlm.runtime.cuda.bench import gpu_name, random_engine
+    from bitnetlm.runtime.cuda.step_tune import step_ms
 
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.context.split(",")]

@@ -66,8 +66,8 @@ def main():
     from make_checkpoint import write_checkpoint
 
     from bitnetlm.generate.graph import graph_engine
-    from bitnetlm.generate.graph_sampler import graph_sampler
-    from bitnetlm.generate.sampling import RowRandom
+    from bitnetlm.runtime.cuda.graph_sampler import graph_sampler
+    from bitnetlm.sampling.sampler import RowRandom
     from bitnetlm.models.cache import parse_kv_cache_dtype
 
     d = os.path.join(ROOT, ".assets", "bench-2b4t")

@@ -29,7 +29,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto (bf16), bf16 or fp8")
     args = ap.parse_args()
-    from bitnetlm.kernels.triton.bench import random_engine
+    from bitnetlm.runtime.cuda.bench import random_engine
 
     eng = random_engine(args.batch, args.context + 200, kv_cache_dtype=args.kv_cache_dtype)
     st = eng.decode_state(args.batch)

@@ -41,8 +41,8 @@ def replay_ms(eng, ids: list[int], reps: int) -> float:
 
 
 def replay_table(args) -> None:
-    from bitnetlm.engine_cuda import prefill_len
-    from bitnetlm.kernels.triton.bench import random_engine
+    from bitnetlm.runtime.cuda.engine import prefill_len
+    from bitnetlm.runtime.cuda.bench import random_engine
 
     lengths = [int(x) for x in args.lengths.split(",")]
     eng = random_engine(8, max(4096, 2 * max(lengths)), head=args.head, kv_cache_dtype=args.kv_cache_dtype)
@@ -58,7 +58,7 @@ def replay_table(args) -> None:
 
 def request_ms(engine, prompt: list[int], max_tokens: int) -> tuple[float, float]:
     """(ms to the first chunk, ms to Finished) of one greedy request."""
-    from bitnetlm.generate.sampling import SamplingParams
+    from bitnetlm.sampling.sampler import SamplingParams
     from bitnetlm.serve.requests import Chunk, Finished, GenerationRequest
 
     done, first = threading.Event(), []
@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
     from bitnetlm.bench import cpu_model_name
-    from bitnetlm.kernels.triton.bench import gpu_name
+    from bitnetlm.runtime.cuda.bench import gpu_name
 
     print(f"GPU: {gpu_name()}; host {cpu_model_name()}")
     replay_table(args)

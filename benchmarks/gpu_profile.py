@@ -115,8 +115,8 @@ def main() -> int:
     )
     args = ap.parse_args()
     from bitnetlm.kernels.triton import attention, launch
-    from bitnetlm.kernels.triton.bench import random_engine
-    from bitnetlm.kernels.triton.step_tune import step_ms
+    from bitnetlm.runtime.cuda.bench import random_engine
+    from bitnetlm.runtime.cuda.step_tune import step_ms
 
     launch.QUANT_WARPS = args.quant_warps
 
@@ -162,7 +162,7 @@ def main() -> int:
     if args.prefill:
         from torch.profiler import ProfilerActivity, profile
 
-        from bitnetlm.engine_cuda import capture
+        from bitnetlm.runtime.cuda.engine import capture
 
         tok = torch.randint(0, eng.cfg.vocab_size, (1, args.prefill), device="cuda")
         pos0 = torch.zeros((1,), dtype=torch.int32, device="cuda")

@@ -40,7 +40,7 @@ ENTRIES += ("dropkept", "newcs", "upload", "settle")
 
 
 def _time_replays(st, context: int, stream: str = "default", reps: int = 100) -> float:
-    from bitnetlm.kernels.triton.step_tune import replay_ms
+    from bitnetlm.runtime.cuda.step_tune import replay_ms
 
     if stream == "default":
         return replay_ms(st, context, reps)
@@ -60,8 +60,8 @@ def main() -> int:
     ap.add_argument("--trace-dir", default=".", help="where `prof` entries write their Chrome traces")
     ap.add_argument("--again-stream", choices=("default", "side", "capture"), default="default")
     args = ap.parse_args()
-    from bitnetlm.kernels.triton.bench import gpu_name, random_engine
-    from bitnetlm.kernels.triton.step_tune import settle_graphs, small_graph, step_ms
+    from bitnetlm.runtime.cuda.bench import gpu_name, random_engine
+    from bitnetlm.runtime.cuda.step_tune import settle_graphs, small_graph, step_ms
 
     seq = args.sequence.split(",")
     bad = [

@@ -12,7 +12,7 @@ alternate for --rounds and both are printed. --write merges the step's choices i
 for this GPU model (kernels/triton/configs/, which `tune._tune` consults first). Random weights of the 2B4T
 shape; the shipped table is ignored while this runs, so it starts from the chain's own choices, unless
 --from-table: a re-tune from the shipped table's choices (the "chain" column is then the table's). The work
-is `bitnetlm.kernels.triton.step_tune`, which `bitnet tune` runs for any shape into the user's own table.
+is `bitnetlm.runtime.cuda.step_tune`, which `bitnet tune` runs for any shape into the user's own table.
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ def main() -> int:
         help="start from the shipped table's choices (a re-tune: no chain timing) instead of the chain's",
     )
     args = ap.parse_args()
-    from bitnetlm.kernels.triton import step_tune, tune
-    from bitnetlm.kernels.triton.bench import random_engine
+    from bitnetlm.kernels.triton import tune
+    from bitnetlm.runtime.cuda import step_tune
+    from bitnetlm.runtime.cuda.bench import random_engine
 
     if args.from_table:
         tune.USER_TABLE_DIR = ""  # the shipped table only

@@ -146,7 +146,7 @@ def run_chain(
                 **kw,
             )
 
-    from bitnetlm.engine_cuda import capture
+    from bitnetlm.runtime.cuda.engine import capture
     from bitnetlm.kernels.triton.tune import _replay_ms
 
     g, _ = capture(body)  # compiled and warmed up eagerly first

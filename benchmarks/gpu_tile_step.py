@@ -52,8 +52,9 @@ def main() -> int:
     ap.add_argument("--head", default="int8")
     ap.add_argument("--kv-cache-dtype", default="fp8")
     args = ap.parse_args()
-    from bitnetlm.kernels.triton import step_tune, tune
-    from bitnetlm.kernels.triton.bench import random_engine
+    from bitnetlm.kernels.triton import tune
+    from bitnetlm.runtime.cuda import step_tune
+    from bitnetlm.runtime.cuda.bench import random_engine
 
     tune.USER_TABLE_DIR = ""  # the shipped table only
     batches = [int(b) for b in args.batches.split(",")]

@@ -26,7 +26,7 @@ def _child(args) -> None:
     """One process's timings, as a JSON line: [(part, seconds)]."""
     import torch
 
-    from bitnetlm.generate import reductions
+    from bitnetlm.sampling import reductions
 
     x = torch.zeros(args.max_batch, args.vocab, device="cuda")  # [B, V] float32, as the engine's logits
     rows = []

@@ -224,7 +224,7 @@ def main(argv=None) -> int:
     env_extra = {}
     if model is None:
         import bitnetlm
-        from bitnetlm.serve.testing import tiny_model_and_tokenizer
+        from serve_parts import tiny_model_and_tokenizer
 
         m, tok = tiny_model_and_tokenizer(max_len=1024, layers=4, hidden=256)
         tmp = tempfile.TemporaryDirectory()

@@ -36,7 +36,7 @@ def main() -> int:
 
     from bitnetlm import zoo
     from bitnetlm.bench import machine_name
-    from bitnetlm.generate.tokenizer import Tokenizer
+    from bitnetlm.text.tokenizer import Tokenizer
     from bitnetlm.loading import load_model
 
     torch.set_num_threads(min(2, os.cpu_count() or 1))

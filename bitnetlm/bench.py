@@ -22,25 +22,8 @@ import time
 
 import torch
 
-# model shapes for random-weight benchmarks (the real checkpoints are not available offline)
-SHAPES = {
-    "2b4t": dict(arch="bitnet"),  # ModelConfig defaults are BitNet b1.58 2B4T
-    "large": dict(  # 1bitLLM/bitnet_b1_58-large (0.7B)
-        arch="1bitllm",
-        vocab_size=32002,
-        hidden_size=1536,
-        intermediate_size=4096,
-        num_hidden_layers=24,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        max_position_embeddings=2048,
-        rope_theta=10000.0,
-        hidden_act="silu",
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    ),
-}
+from bitnetlm.models.shapes import SHAPES
+from bitnetlm.runtime.args import int_list
 
 
 # ---- random-weight models ---------------------------------------------------------------------------
@@ -73,7 +56,7 @@ def random_model(
     from torch import nn
 
     from bitnetlm.kernels import select_backend
-    from bitnetlm.kernels.cpu.head import CompactHead
+    from bitnetlm.kernels.cpu.head import CompactEmbedding, CompactHead
     from bitnetlm.models import ModelConfig, build_empty_model
     from bitnetlm.models.transformer import rope_inv_freq
     from bitnetlm.quant.bitlinear import BitLinear
@@ -87,7 +70,7 @@ def random_model(
             mod.packed = random_packed(mod.out_features, mod.in_features, be, gen)
             mod.weight_scale = torch.rand(1, generator=gen) * 0.5 + 0.5
             mod.layout = be.layout
-            mod._backend = be
+            mod.kernel = be
     model.inv_freq = rope_inv_freq(cfg)
 
     def table(v: int) -> torch.Tensor:
@@ -102,20 +85,13 @@ def random_model(
         if model.lm_head is not None:
             model.lm_head.weight = nn.Parameter(table(cfg.vocab_size).float(), requires_grad=False)
     else:
-        model.embed_tokens.weight = nn.Parameter(torch.empty(0), requires_grad=False)
-        model.compact_embed = CompactHead(emb, head_dtype)
-        if model.lm_head is None:
-            model.compact_head = model.compact_embed
-        else:
-            model.compact_head = CompactHead(table(cfg.vocab_size), head_dtype)
-            model.lm_head = None
+        head = CompactHead(emb, head_dtype)
+        model.embed_tokens = CompactEmbedding(head)
+        model.lm_head = head if model.lm_head is None else CompactHead(table(cfg.vocab_size), head_dtype)
     for mod in model.modules():  # norms: real ones
         for name, p in list(mod.named_parameters(recurse=False)):
             if p.is_meta:
                 setattr(mod, name, nn.Parameter(torch.ones(p.shape, dtype=p.dtype), requires_grad=False))
-    from bitnetlm.kernels.cpu.decode import attach
-
-    attach(model)  # fused one-token decode steps on the C kernels, as kernels.prepare gives loaded models
     return model.eval()
 
 
@@ -156,39 +132,34 @@ def default_threads() -> list[int]:
 
 
 # ---- the tests ------------------------------------------------------------------------------------
-def _cache_at_depth(model, n: int, depth: int, device: torch.device, vocab: int, gen: torch.Generator):
-    """A KV cache for `depth` + n positions whose first `depth` hold a random prompt (run untimed)."""
-    cache = model.new_cache(1, depth + n, device=device)
+def _runner(model, n: int, depth: int, vocab: int, gen: torch.Generator):
+    """A one-row runner for `depth` + n positions whose first `depth` hold a random prompt (run untimed)."""
+    from bitnetlm.runtime import make_runner
+    from bitnetlm.runtime.config import RuntimeConfig
+
+    runner = make_runner(model, RuntimeConfig(), 1, depth + n)
     if depth:
-        model(torch.randint(0, vocab, (1, depth), generator=gen).to(device), cache=cache, last_only=True)
-    return cache
+        runner.prefill(0, torch.randint(0, vocab, (depth,), generator=gen).tolist())
+    return runner
 
 
-@torch.inference_mode()
-def time_prefill(
-    model, n_prompt: int, device: torch.device, vocab: int, gen: torch.Generator, depth: int = 0
-) -> float:
-    cache = _cache_at_depth(model, n_prompt, depth, device, vocab, gen)
-    ids = torch.randint(0, vocab, (1, n_prompt), generator=gen).to(device)
-    positions = torch.arange(depth, depth + n_prompt, device=device)[None]  # [1, N] after the cached context
+def time_prefill(model, n_prompt: int, device: torch.device, vocab: int, gen: torch.Generator, depth: int = 0):
+    runner = _runner(model, n_prompt, depth, vocab, gen)
+    ids = torch.randint(0, vocab, (n_prompt,), generator=gen).tolist()
     _sync(device)
     t0 = time.perf_counter()
-    model(ids, positions=positions, cache=cache, last_only=True)
+    runner.prefill(0, ids, depth)
     _sync(device)
     return time.perf_counter() - t0
 
 
-@torch.inference_mode()
-def time_decode(
-    model, n_gen: int, device: torch.device, vocab: int, gen: torch.Generator, depth: int = 0
-) -> float:
-    cache = _cache_at_depth(model, n_gen, depth, device, vocab, gen)
-    tok = torch.randint(0, vocab, (1, 1), generator=gen).to(device)
+def time_decode(model, n_gen: int, device: torch.device, vocab: int, gen: torch.Generator, depth: int = 0):
+    runner = _runner(model, n_gen, depth, vocab, gen)
+    tok = int(torch.randint(0, vocab, (1,), generator=gen))
     _sync(device)
     t0 = time.perf_counter()
     for pos in range(depth, depth + n_gen):
-        logits = model(tok, positions=torch.tensor([[pos]], device=device), cache=cache)
-        tok = logits[:, -1].argmax(-1, keepdim=True)
+        tok = int(runner.decode([0], [tok], [pos])[0].argmax())
     _sync(device)
     return time.perf_counter() - t0
 
@@ -245,8 +216,8 @@ def _backend_name(model) -> str:
     from bitnetlm.quant.bitlinear import BitLinear
 
     for m in model.modules():
-        if isinstance(m, BitLinear) and getattr(m, "_backend", None) is not None:
-            name = m._backend.name
+        if isinstance(m, BitLinear) and m.kernel is not None:
+            name = m.kernel.name
             if name == "cpu":
                 from bitnetlm.kernels import cpu
 
@@ -256,9 +227,10 @@ def _backend_name(model) -> str:
 
 
 def _head_name(model) -> str:
-    h = getattr(model, "compact_head", None)
-    if h is not None:
-        return h.dtype_name
+    from bitnetlm.kernels.cpu.head import CompactHead
+
+    if isinstance(model.lm_head, CompactHead):
+        return model.lm_head.dtype_name
     return str(model.lm_head_weight().dtype).replace("torch.", "")
 
 
@@ -309,30 +281,23 @@ def markdown(rows: list[dict]) -> str:
 
 
 # ---- CLI ------------------------------------------------------------------------------------------
-def _int_list(s: str) -> list[int]:
-    try:
-        return [int(v) for v in s.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, found {s!r}") from None
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", help="model directory, .gguf file or zoo name (or use --shape)")
     p.add_argument(
         "--shape", choices=sorted(SHAPES), help="random weights of a real model shape instead of -m"
     )
     p.add_argument(
-        "-p", "--n-prompt", type=_int_list, default=[128, 512], help="prompt lengths (default: 128,512)"
+        "-p", "--n-prompt", type=int_list, default=[128, 512], help="prompt lengths (default: 128,512)"
     )
-    p.add_argument("-n", "--n-gen", type=_int_list, default=[128], help="tokens to generate (default: 128)")
+    p.add_argument("-n", "--n-gen", type=int_list, default=[128], help="tokens to generate (default: 128)")
     p.add_argument(
-        "-t", "--threads", type=_int_list, default=None, help="thread counts (default: 1,physical cores)"
+        "-t", "--threads", type=int_list, default=None, help="thread counts (default: 1,physical cores)"
     )
     p.add_argument("-r", "--repetitions", type=int, default=3, help="runs of each test (default: 3)")
     p.add_argument(
         "-d",
         "--n-depth",
-        type=_int_list,
+        type=int_list,
         default=[0],
         help="tokens already in the KV cache before each test, comma-separated (default: 0, an empty cache)",
     )
@@ -345,7 +310,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-b",
         "--batch",
-        type=_int_list,
+        type=int_list,
         default=None,
         help="--device cuda: decode batch sizes (default: 1,8,64)",
     )
@@ -369,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"bitnet bench: -d/--n-depth takes counts >= 0, found {args.n_depth}", file=sys.stderr)
         return 2
     if args.device.startswith("cuda"):  # the CUDA half lives with the Triton kernels
-        from bitnetlm.kernels.triton.bench import run_cuda
+        from bitnetlm.runtime.cuda.bench import run_cuda
 
         return run_cuda(args)
     if args.device != "cpu":

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import torch
 
-from bitnetlm.kernels import prepare, warm_up_async
+from bitnetlm.kernels import prepare
+from bitnetlm.runtime import configure
+from bitnetlm.runtime.config import RuntimeConfig
 
 
 def resolve_path(name_or_path: str | os.PathLike) -> Path:
@@ -25,21 +27,17 @@ def resolve_path(name_or_path: str | os.PathLike) -> Path:
 
 
 def load_model(
-    path: str | os.PathLike,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
-    backend: str | None = None,
-    mode: str = "infer",
-    head_dtype: str | None = None,
+    path: str | os.PathLike, runtime: RuntimeConfig | None = None, *, mode: str = "infer", **options
 ):
-    """Load a model (HF directory or GGUF file), move it to `device` and prepare its kernels.
+    """Load a model (HF directory or GGUF file) as `runtime` (or the RuntimeConfig fields in `options`: device,
+    dtype, backend, head_dtype, kv_cache_dtype, threads, ...) says: on its device, kernels prepared, the CPU's
+    compact head and threads applied. The options are kept for the model's later calls (`runtime.configure`).
 
-    head_dtype "bf16" / "int8": keep the embedding + LM head in that storage (kernels.cpu.head), inference only.
-    On CUDA the model keeps its float head and `head_dtype` picks the CUDA-graph engine's LM head instead
-    (`model.head_dtype`; "int8": per-row int8 weights, `EngineConfig.head`); the eager path uses the float head.
-    """
+    On CUDA the model keeps its float head and head_dtype="int8" picks the CUDA-graph engine's int8 LM head; on
+    the CPU head_dtype "bf16" / "int8" changes the model's own embedding + head storage (inference only)."""
+    cfg = _config(runtime, options)
     p = resolve_path(path)
-    dtype = dtype or torch.float32
+    device, dtype = cfg.torch_device, cfg.torch_dtype if cfg.dtype or mode != "train" else torch.float32
     config = None
     if p.is_file() and p.suffix == ".gguf":
         from bitnetlm.formats import gguf
@@ -54,23 +52,32 @@ def load_model(
         read = lambda: load_native(p, mode=mode, dtype=dtype)
     else:
         raise ValueError(f"{p}: not a model directory (config.json + safetensors) or a .gguf file")
-    if mode != "train":  # CUDA context, first kernels, compiler keys: in threads beside the read
-        warm_up_async(device, backend, dtype, config)  # (started after our imports: no import-lock waits)
+    if (
+        mode != "train" and device.type == "cuda"
+    ):  # CUDA context, first kernels, compiler keys: beside the read
+        from bitnetlm.runtime.cuda import warm
+
+        warm.start(device, cfg.backend or os.environ.get("BITNETLM_BACKEND") or "triton", dtype, config)
     model = read()
     if mode == "train":
         return model.to(device)
-    model = prepare(model, device, backend)
-    if head_dtype and torch.device(device).type == "cuda":
-        from bitnetlm.kernels.cpu.head import HEAD_DTYPES
+    model = prepare(model, device, cfg.backend)
+    if device.type == "cuda":
+        from bitnetlm.runtime.cuda import warm
 
-        if head_dtype not in HEAD_DTYPES:
-            raise ValueError(f"head_dtype must be one of {HEAD_DTYPES}, got {head_dtype!r}")
-        model.head_dtype = head_dtype  # read by generate.graph.engine_config
-    elif head_dtype:
-        from bitnetlm.kernels.cpu.head import set_head_dtype
+        warm.join()
+    elif device.type == "cpu":
+        from bitnetlm.runtime import cpu
 
-        set_head_dtype(model, head_dtype)
+        cpu.apply(model, cfg)
+    configure(model, cfg.replace(device=str(device)))
     return model
+
+
+def _config(runtime: RuntimeConfig | None, options: dict) -> RuntimeConfig:
+    if runtime is None:
+        return RuntimeConfig(**options)
+    return runtime.replace(**options) if options else runtime
 
 
 def load_tokenizer(path: str | os.PathLike):
@@ -81,22 +88,35 @@ def load_tokenizer(path: str | os.PathLike):
 
         return gguf.load_gguf_tokenizer(p)
     if (p / "tokenizer.json").is_file():
-        from bitnetlm.generate.tokenizer import Tokenizer
+        from bitnetlm.text.tokenizer import Tokenizer
 
         return Tokenizer.from_dir(p)
     return None
 
 
-def load(
-    path: str | os.PathLike,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
-    backend: str | None = None,
-    mode: str = "infer",
-    head_dtype: str | None = None,
-):
-    """(model, tokenizer) for `path`; tokenizer is None if the checkpoint has none."""
-    return load_model(path, device, dtype, backend, mode, head_dtype), load_tokenizer(path)
+def load(path: str | os.PathLike, runtime: RuntimeConfig | None = None, *, mode: str = "infer", **options):
+    """(model, tokenizer) for `path` (a directory, .gguf file or zoo name); tokenizer is None if the checkpoint
+    has none. Runtime options as `load_model` takes them (device="auto", kv_cache_dtype="fp8", ...)."""
+    return load_model(path, runtime, mode=mode, **options), load_tokenizer(path)
+
+
+def default_model_name(name: str | None) -> str:
+    """`name`, or the zoo's default model when it is None."""
+    if name:
+        return str(name)
+    from bitnetlm import zoo
+
+    return zoo.DEFAULT_MODEL
+
+
+def load_for_generation(name: str | os.PathLike | None, runtime: RuntimeConfig | None = None, **options):
+    """(model, tokenizer) ready to generate: the zoo's default model when `name` is None, in eval mode, with a
+    clear error when the checkpoint has no tokenizer."""
+    name = default_model_name(name)
+    model, tok = load(name, runtime, **options)
+    if tok is None:
+        raise FileNotFoundError(f"{name}: the model has no tokenizer (tokenizer.json next to config.json)")
+    return model.eval(), tok
 
 
 def save(

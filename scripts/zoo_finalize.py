@@ -55,7 +55,7 @@ def _ternary_params(cfg) -> int:
 
 def tiny(out_dir: str, card_template: str) -> None:
     import bitnetlm
-    from bitnetlm.generate.tokenizer import Tokenizer
+    from bitnetlm.text.tokenizer import Tokenizer
     from bitnetlm.models import ModelConfig, build_model
 
     res = json.loads(Path(out_dir, "results.json").read_text())

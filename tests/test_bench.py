@@ -61,9 +61,8 @@ def test_depth_runs_each_test_after_a_cached_context(capsys):
         ("tg4 @ d5", 5),
     ]
     gen = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
-        cache = bench._cache_at_depth(model, 8, 5, torch.device("cpu"), 300, gen)
-        assert cache.valid[0].tolist() == [True] * 5 + [False] * 8
+    runner = bench._runner(model, 8, 5, 300, gen)
+    assert runner.cache.valid[0].tolist() == [True] * 5 + [False] * 8
     assert main(["bench", "--shape", "2b4t", "-d", "0,-1"]) == 2
     assert "-d/--n-depth takes counts >= 0, found [0, -1]" in capsys.readouterr().err
 
@@ -135,8 +134,8 @@ def test_batch_and_kv_cache_options_are_cuda_only(opt, capsys):
 def test_cuda_bench_of_a_checkpoint_times_its_own_weights(oracle_dirs, capsys):
     """`bitnet bench -m DIR --device cuda` builds its engines from that checkpoint (not a random shape): every
     row's resident weights are those of an engine built from the loaded model, ternary and bf16 baseline."""
-    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
     from bitnetlm.loading import load_model
+    from bitnetlm.runtime.cuda.engine import CudaEngine, EngineConfig
 
     ours, _ = oracle_dirs["packed-autobitlinear"]
     argv = ["bench", "-m", str(ours), "--device", "cuda", "-p", "16", "-n", "8", "-b", "1,2", "-r", "1"]

@@ -23,7 +23,7 @@ CFG = ModelConfig(
 
 
 def _engine(weights="ternary", seed=0, head="fp"):
-    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
+    from bitnetlm.runtime.cuda.engine import CudaEngine, EngineConfig
 
     ecfg = EngineConfig(max_seq_len=16, dtype=torch.float32, weights=weights, head=head)
     return CudaEngine.random(CFG, ecfg, device=DEV, seed=seed)
@@ -60,7 +60,7 @@ def test_random_engine_steps_and_the_seed_decides(weights):
 
 
 def test_random_int8_head_rows_round_trip():
-    from bitnetlm.engine_weights import int8_rows
+    from bitnetlm.runtime.cuda.weights import int8_rows
 
     eng = _engine(head="int8", seed=4)
     ref = _engine(seed=4).embed  # the same draw, kept in float

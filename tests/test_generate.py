@@ -222,11 +222,12 @@ def test_generation_runs_torch_on_one_thread_beside_the_c_kernels(model, tok):
 
 
 def test_engine_config_follows_the_model(tiny_model):
-    """The CUDA-graph engine's options come from the model: its activation dtype, kv_cache_dtype and the
-    head_dtype that load(..., head_dtype=...) sets on CUDA (only "int8" changes the engine's head)."""
-    from bitnetlm.generate.graph import engine_config
+    """The CUDA-graph engine's options come from the model and its RuntimeConfig: its activation dtype,
+    kv_cache_dtype and head_dtype (on CUDA only "int8" changes the engine's head)."""
+    from bitnetlm.runtime.config import RuntimeConfig
+    from bitnetlm.runtime.cuda.runner import engine_config
 
-    ec = engine_config(tiny_model, 3, 64)
+    ec = engine_config(tiny_model, RuntimeConfig(), 3, 64)
     assert (ec.max_batch, ec.max_seq_len, ec.dtype, ec.head, ec.kv_dtype) == (
         3,
         64,
@@ -234,11 +235,6 @@ def test_engine_config_follows_the_model(tiny_model):
         "fp",
         None,
     )
-    try:
-        tiny_model.head_dtype, tiny_model.kv_cache_dtype = "int8", torch.float8_e4m3fn
-        ec = engine_config(tiny_model, 1, 16, "dense")
-        assert (ec.head, ec.kv_dtype, ec.weights) == ("int8", torch.float8_e4m3fn, "dense")
-        tiny_model.head_dtype = "bf16"
-        assert engine_config(tiny_model, 1, 16).head == "fp"
-    finally:
-        tiny_model.head_dtype = tiny_model.kv_cache_dtype = None
+    ec = engine_config(tiny_model, RuntimeConfig(head_dtype="int8", kv_cache_dtype="fp8"), 1, 16, "dense")
+    assert (ec.head, ec.kv_dtype, ec.weights) == ("int8", torch.float8_e4m3fn, "dense")
+    assert engine_config(tiny_model, RuntimeConfig(head_dtype="bf16"), 1, 16).head == "fp"

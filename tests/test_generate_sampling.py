@@ -65,7 +65,7 @@ def test_processing_matches_transformers_warpers(kw):
     "kw", [dict(top_p=0.9), dict(min_p=0.1), dict(top_p=0.95, min_p=0.01, temperature=0.7)]
 )
 def test_candidate_fast_path_matches_transformers(kw, scale):
-    from bitnetlm.generate import sampling
+    from bitnetlm.sampling import sampler as sampling
 
     logits = _logits(4, 8 * sampling.CANDIDATES, seed=5) * scale / 3
     ours = process_logits(logits, [SamplingParams(**kw)] * 4)
@@ -179,7 +179,7 @@ def test_draw_across_chunks_follows_the_probabilities():
     """The inverse-CDF draw searches chunk masses, then one chunk (sampling.CDF_CHUNK tokens; here 700 tokens: two
     whole chunks and a short last one): tokens at chunk edges and in the short chunk are drawn at their
     probabilities (chi-square, 20000 draws), and no removed token (-inf) ever is, not even one beside a kept one."""
-    from bitnetlm.generate.sampling import CDF_CHUNK
+    from bitnetlm.sampling.sampler import CDF_CHUNK
 
     assert CDF_CHUNK == 256  # the edges below
     probs = {3: 0.1, 255: 0.2, 256: 0.15, 511: 0.25, 512: 0.1, 699: 0.2}
@@ -239,7 +239,7 @@ def test_row_random_is_one_stream_however_it_is_taken():
     """A row's uniforms come in BLOCKs from its generator: one at a time (the host sampler), a run up front (the
     CUDA-graph sampler) or across a block edge, the numbers are the same; on a CPU generator they are also what
     one draw at a time gives (so seeded CPU sampling is what it was before blocks)."""
-    from bitnetlm.generate.sampling import BLOCK, RowRandom
+    from bitnetlm.sampling.sampler import BLOCK, RowRandom
 
     n = 2 * BLOCK + 37
     r = RowRandom(torch.Generator().manual_seed(3), "cpu")
@@ -264,7 +264,7 @@ def _mixed_params():
 def test_full_filter_equals_the_candidates_and_fallback_path():
     """The CUDA-graph sampler's filter (full=True: rows without top-k always sort the whole vocabulary) removes
     exactly what the host's candidates-then-fallback path removes, for sharp and for flat rows."""
-    from bitnetlm.generate.sampling import CANDIDATES, _filter_mask_over, filtered, row_tensors
+    from bitnetlm.sampling.sampler import CANDIDATES, _filter_mask_over, filtered, row_tensors
 
     params = _mixed_params()
     for scale in (3.0, 0.05):  # sharp: the candidates hold the cut; flat: the fallback sort is needed
@@ -292,8 +292,8 @@ def test_graph_sampler_ops_equal_the_host_sampler(rows):
     alone (or only top-k rows), a biased greedy row and logit biases, with the top log-probabilities: the
     tokens, log-probabilities and top lists of `sample` with the same rows' streams, step for step. The graph
     samples every row each step; the host loop only the rows still running (rows 1 and 3 stop early)."""
-    from bitnetlm.generate.graph_sampler import GraphSampler
-    from bitnetlm.generate.sampling import RowRandom, row_tensors
+    from bitnetlm.runtime.cuda.graph_sampler import GraphSampler
+    from bitnetlm.sampling.sampler import RowRandom, row_tensors
 
     params = _mixed_params() if rows == "mixed" else _top_k_params()
     b, v, steps = len(params), 3 * 256 + 17, 30
@@ -332,7 +332,7 @@ def test_top_k_rows_draw_from_the_processed_distribution():
     """Rows that all have a top-k draw among their kmax best tokens (sampling._candidate_probs, no pass over the
     vocabulary besides the top-k): their probabilities are softmax(process_logits), itself checked against
     transformers' warpers above, and 20000 draws follow them (chi-square); no removed token is ever drawn."""
-    from bitnetlm.generate.sampling import _candidate_probs, row_tensors
+    from bitnetlm.sampling.sampler import _candidate_probs, row_tensors
 
     def chi2_999(k):  # the chi-square distribution's 99.9% quantile, Wilson-Hilferty (z = 3.09)
         return k * (1 - 2 / (9 * k) + 3.09 * math.sqrt(2 / (9 * k))) ** 3
@@ -367,7 +367,7 @@ def test_a_seeded_row_samples_the_same_tokens_whatever_the_batch():
     """A row's draw depends on its own parameters only (a top-k row draws among its top-k, a row without one over
     the vocabulary): the same seeded rows alone, together, beside greedy rows or rows of the other kind give the
     same tokens, step for step (the server batches requests of every kind; offline generate runs them alone)."""
-    from bitnetlm.generate.sampling import RowRandom
+    from bitnetlm.sampling.sampler import RowRandom
 
     logits = _logits(4, 700, seed=8)
     k_row = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=1)
@@ -393,8 +393,8 @@ def test_graph_samplers_are_cached_per_kind_and_bounded():
     for the engine's graph table)."""
     from types import SimpleNamespace
 
-    from bitnetlm.generate import graph_sampler as gsm
-    from bitnetlm.generate.sampling import RowRandom
+    from bitnetlm.runtime.cuda import graph_sampler as gsm
+    from bitnetlm.sampling.sampler import RowRandom
 
     st = SimpleNamespace(logits=torch.zeros(2, 50), tok=torch.zeros(2, 1, dtype=torch.long))
     eng = SimpleNamespace(_graphs={(2, 0.0, 0, False, None): st}, ecfg=SimpleNamespace(max_seq_len=64))
@@ -431,8 +431,8 @@ def test_continuous_sampler_rows_join_and_leave_in_their_streams(bound, dev):
     stream, step for step: a change of batch size or of the other rows' kinds never moves a row in its stream,
     nor does a captured kind dropped from the cache (bound 2) and made again. On a GPU each replay also stores
     its outputs into its sampler's pinned HostRing, read back here after the step as the server reads them."""
-    from bitnetlm.generate.graph_sampler import ContinuousSampler
-    from bitnetlm.generate.sampling import RowRandom
+    from bitnetlm.runtime.cuda.graph_sampler import ContinuousSampler
+    from bitnetlm.sampling.sampler import RowRandom
 
     if dev == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")  # deselected in CI by -m "not gpu"

@@ -14,9 +14,9 @@ pytestmark = pytest.mark.gpu
 def test_greedy_64_tokens_equal_cpu_reference(oracle_dirs, variant, keys, monkeypatch):
     """keys: the step's attention runs its short-context splits (71 keys at most: "range"), the default splits
     over small blocks ("small") or over the default ones."""
-    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
     from bitnetlm.kernels.triton import attention
     from bitnetlm.loading import load_model
+    from bitnetlm.runtime.cuda.engine import CudaEngine, EngineConfig
 
     monkeypatch.setattr(attention, "ATTN_RANGE_MAX_B", 8 if keys == "range" else 0)
     monkeypatch.setattr(attention, "ATTN_SMALL_MAX_B", 2 if keys == "small" else 0)
@@ -44,9 +44,10 @@ def _graph_engine_of(model):
 def test_graph_generate_equals_cpu_reference(oracle_dirs, variant):
     """Single prompts and a batch of different-length prompts (each prefilled into its own cache row, decoded
     together at their own positions) give the CPU reference's greedy tokens."""
+    from serve_parts import tiny_tokenizer
+
     from bitnetlm.generate import SamplingParams, batch_generate, generate
     from bitnetlm.loading import load_model
-    from bitnetlm.serve.testing import tiny_tokenizer
 
     ours, _ = oracle_dirs[variant]
     cpu = load_model(ours, device="cpu", backend="reference").eval()
@@ -75,10 +76,11 @@ def test_load_head_dtype_on_cuda_picks_the_engine_head(oracle_dirs, head):
     """load(..., device="cuda", head_dtype=...) keeps the float head on the model and picks the CUDA-graph
     engine's head: "int8" gives the tokens of an engine built directly with the int8 head (its kernel is checked
     against exact products in test_kernels_triton.py), "bf16" the float head's (the CPU reference's tokens)."""
-    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
+    from serve_parts import tiny_tokenizer
+
     from bitnetlm.generate import SamplingParams, generate
     from bitnetlm.loading import load_model
-    from bitnetlm.serve.testing import tiny_tokenizer
+    from bitnetlm.runtime.cuda.engine import CudaEngine, EngineConfig
 
     ours, _ = oracle_dirs["packed-autobitlinear"]
     prompt = torch.randint(3, 500, (1, 9), generator=torch.Generator().manual_seed(4))
@@ -104,8 +106,9 @@ def test_graph_generate_stops_lengths_and_stale_weights():
     """Stop token ids, stop strings and max_tokens end the rows of the graph path where the eager loop ends
     them; a batch whose rows stop at different steps keeps decoding the others; a weight changed in place
     after a call rebuilds the engine instead of decoding with stale weights."""
+    from serve_parts import tiny_model_and_tokenizer
+
     from bitnetlm.generate import SamplingParams, batch_generate, generate
-    from bitnetlm.serve.testing import tiny_model_and_tokenizer
 
     model, tok = tiny_model_and_tokenizer(max_len=256, layers=2, hidden=64)
     model = model.to("cuda")
@@ -141,8 +144,9 @@ def test_graph_generate_stops_lengths_and_stale_weights():
 
 def test_graph_generate_sampling_is_seeded():
     """Sampled rows draw from their own seeded generators, as in the eager loop: same seed, same tokens."""
+    from serve_parts import tiny_model_and_tokenizer
+
     from bitnetlm.generate import SamplingParams, generate
-    from bitnetlm.serve.testing import tiny_model_and_tokenizer
 
     model, tok = tiny_model_and_tokenizer(max_len=256, layers=2, hidden=64)
     model = model.to("cuda")
@@ -163,10 +167,11 @@ def test_graph_sampler_equals_the_host_sampler(monkeypatch):
     and a batch of greedy rows (one fused launch) give the same tokens and log-probabilities, and a stream with
     top log-probabilities the same top lists. (The graph path's steps after the first replay the step and the
     sampler as one graph.)"""
+    from serve_parts import tiny_model_and_tokenizer
+
     from bitnetlm.generate import SamplingParams, batch_generate, stream_generate
     from bitnetlm.generate import graph as graph_mod
-    from bitnetlm.generate import graph_sampler as graph_sampler_mod
-    from bitnetlm.serve.testing import tiny_model_and_tokenizer
+    from bitnetlm.runtime.cuda import graph_sampler as graph_sampler_mod
 
     model, tok = tiny_model_and_tokenizer(max_len=256, layers=2, hidden=64)
     model = model.to("cuda")
@@ -216,7 +221,7 @@ def test_graph_sampler_equals_the_host_sampler(monkeypatch):
 def test_row_random_on_cuda_is_one_stream():
     """On a CUDA generator one draw of n numbers is not n draws of one: RowRandom's blocks make a request's
     up-front run (the graph sampler) the numbers its one-a-step draws (the server's host sampler) get."""
-    from bitnetlm.generate.sampling import BLOCK, RowRandom
+    from bitnetlm.sampling.sampler import BLOCK, RowRandom
 
     n = BLOCK + 9
     r = RowRandom(torch.Generator("cuda").manual_seed(8), "cuda")
@@ -232,8 +237,8 @@ def test_captured_prefill_equals_eager_and_touches_only_its_row(oracle_dirs):
     replay in the scratch row, then copied to its row) gives the eager prefill's logits and keys/values at every
     padding bucket and its edges; capturing it writes no other row. A prompt padded to the whole context (400
     tokens -> 512 = max_seq_len) prefills eagerly: the captured copy's source would be all of its target."""
-    from bitnetlm.engine_cuda import CudaEngine, EngineConfig, prefill_len
     from bitnetlm.loading import load_model
+    from bitnetlm.runtime.cuda.engine import CudaEngine, EngineConfig, prefill_len
 
     ours, _ = oracle_dirs["packed-autobitlinear"]
     model = load_model(ours, device="cuda", dtype=torch.float32).eval()

@@ -35,9 +35,10 @@ def test_bitnet_tiny_greedy_on_cuda_equals_the_cpu_reference(zoo_dirs):
     """float32 activations: `generate` and `batch_generate` on CUDA (the CUDA-graph engine) give the CPU
     reference path's 64 greedy tokens for each prompt, alone and as one batch of different lengths. (A trained
     model: its top logits stand apart, unlike smollm2's with a random embedding, below.)"""
+    from bitnetlm.generate.graph import _ATTR
+
     from bitnetlm.commands.generate import load_model_and_tokenizer
     from bitnetlm.generate import SamplingParams, batch_generate, generate
-    from bitnetlm.generate.graph import _ATTR
     from bitnetlm.loading import load_model
 
     cpu = load_model(zoo_dirs["bitnet-tiny"], device="cpu", backend="reference").eval()

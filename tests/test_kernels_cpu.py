@@ -12,7 +12,7 @@ import torch
 from bitnetlm.kernels import cpu as cpuk
 from bitnetlm.kernels import reference, select_backend
 from bitnetlm.kernels.cpu import ops
-from bitnetlm.quant.packing import PackingFormat, pack, unpack
+from bitnetlm.quant.packing import PackingFormat
 from bitnetlm.quant.ternary import int_matmul, quantize_activations
 
 
@@ -53,9 +53,9 @@ def test_layout_roundtrip_and_c_pack_agree():
     gen = torch.Generator().manual_seed(1)
     for n, k, _ in SHAPES:
         t = _rand_ternary(n, k, gen)
-        p = pack(t, PackingFormat.CPU_2BIT)
+        p = cpuk.BACKEND.pack(t)
         assert p.shape == ((n + 3) // 4 * 4, cpuk.padded_k(k) // 4) and p.dtype == torch.uint8
-        assert torch.equal(unpack(p, PackingFormat.CPU_2BIT, (n, k)), t)
+        assert torch.equal(cpuk.BACKEND.unpack(p, (n, k)), t)
         # the C library's own packer writes the same bytes as the torch definition
         pc = torch.empty_like(p)
         cpuk._lib.load().bn_pack(t.data_ptr(), n, k, pc.data_ptr())
@@ -257,7 +257,7 @@ def test_bitlinear_dispatches_to_cpu_backend():
     layer = BitLinear.from_ternary(t, torch.tensor(0.7))
     x = torch.randn(2, 5, 200, generator=gen)
     y_ref = reference.BACKEND.linear(x, reference.BACKEND.pack(t), torch.tensor([0.7]), 48)
-    layer.set_backend("cpu")
+    layer.use_kernel(select_backend("cpu", "cpu"))
     assert PackingFormat(layer.layout) is PackingFormat.CPU_2BIT
     assert torch.equal(layer(x), y_ref)
     assert select_backend("cpu").name == "cpu"

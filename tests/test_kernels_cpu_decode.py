@@ -1,5 +1,5 @@
-"""Fused CPU decode / prefill step (kernels.cpu.decode): same logits as the unfused C-backend layers, same greedy
-tokens as the reference backend, and the torch layers whenever it is off or a step does not qualify."""
+"""Fused CPU decode / prefill step (kernels.cpu.decode, run by runtime.cpu): same logits as the unfused C-backend
+layers, same greedy tokens as the reference backend, and the torch layers whenever a step does not qualify."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import torch
 from oracle import greedy_with_cache, random_model
 
 from bitnetlm.kernels import cpu, prepare
-from bitnetlm.kernels.cpu.decode import ENV, attach, detach, why_not
 from bitnetlm.loading import load_model
 from bitnetlm.quant import to_inference_
+from bitnetlm.runtime.config import RuntimeConfig
+from bitnetlm.runtime.cpu import CpuRunner, fused_forward, fused_step, why_not
 
 # The fused step sums RMSNorm means and attention dot products / softmax in another order than torch, so it
 # is not bit-exact; everything else (projections, RoPE, activation, residuals) repeats torch's fp32 ops.
@@ -20,12 +21,41 @@ from bitnetlm.quant import to_inference_
 REL_BOUND = 1e-5
 
 
+class Fused:
+    """`model` called with its layers in the fused C step (`runtime.cpu.fused_forward`, what CpuRunner runs)."""
+
+    def __init__(self, model):
+        step = fused_step(model)
+        assert not isinstance(step, str), step
+        self.model, self.step, self.config = model, step, model.config
+
+    @property
+    def calls(self) -> int:
+        return self.step.calls
+
+    def new_cache(self, *args, **kwargs):
+        return self.model.new_cache(*args, **kwargs)
+
+    def __call__(self, ids, *args, **kwargs):
+        return fused_forward(self.model, self.step, ids, *args, **kwargs)
+
+
+def greedy_with_runner(runner, prompt, n: int) -> torch.Tensor:
+    """Greedy decoding through a runner: prompt [B, T] (one row each, one prefill forward) -> [B, n]."""
+    b, t0 = prompt.shape
+    logits = runner.prefill_many(list(range(b)), prompt.tolist())
+    out = [logits.argmax(-1)]
+    for i in range(n - 1):
+        logits = runner.decode(list(range(b)), out[-1].tolist(), [t0 + i] * b)
+        out.append(logits.argmax(-1))
+    return torch.stack(out, 1)
+
+
 def _fused_vs_unfused(model, batch: int, kv_dtype: torch.dtype, steps: int = 12, ctx: int = 0):
     """Prefill rows with padding, then decode `steps` tokens twice per step: fused into one cache, unfused into
     a copy. Batch 3: rows at different positions, rows 1 and 2 left-padded (masked slots before the query),
     row 2 a padding query every other step. ctx: extra prompt length for every row."""
-    fused = model.cpu_decode
-    assert fused is not None
+    fused = Fused(model)
     gen = torch.Generator().manual_seed(7)
     left, lens = torch.tensor([0, 2, 3][:batch]), torch.tensor([9, 5, 7][:batch]) + ctx
     t0 = int(lens.max())
@@ -36,10 +66,8 @@ def _fused_vs_unfused(model, batch: int, kv_dtype: torch.dtype, steps: int = 12,
     with torch.inference_mode():
         # the same (unfused) prefill for both: long fused and unfused prefills may differ by an activation
         # rounding flip (see _prefill_fused_vs_unfused); this test is about the decode steps
-        model.cpu_decode = None
         for c in caches:
             model(prompt, cache=c, input_mask=pmask)
-        model.cpu_decode = fused
         pos, tok = lens.clone(), prompt[:, 0]
         for s in range(steps):
             real = torch.ones(batch, dtype=torch.bool)
@@ -47,11 +75,9 @@ def _fused_vs_unfused(model, batch: int, kv_dtype: torch.dtype, steps: int = 12,
                 real[2] = s % 2 == 0
             args = dict(positions=pos[:, None], input_mask=real[:, None])
             n = fused.calls
-            got = model(tok[:, None], cache=caches[0], **args)
+            got = fused(tok[:, None], cache=caches[0], **args)
             assert fused.calls == n + 1  # the fused step ran
-            model.cpu_decode = None
             want = model(tok[:, None], cache=caches[1], **args)
-            model.cpu_decode = fused
             err = (got - want).abs().max().item()
             assert err <= REL_BOUND * want.abs().max().item(), (s, err)
             worst = max(worst, err / want.abs().max().item())
@@ -107,18 +133,19 @@ def test_fused_long_context_threaded_attention(oracle_dirs, one_torch_thread, is
 @pytest.mark.parametrize("variant", ["packed-autobitlinear", "packed-bitlinear", "1bitllm"])
 @pytest.mark.parametrize("kv", [None, torch.bfloat16])
 def test_fused_greedy_equals_reference_backend(oracle_dirs, one_torch_thread, variant, kv):
-    """Greedy tokens of the fused C steps equal the reference backend's, with the model's default cache and with
-    model.kv_cache_dtype = bfloat16 (`--kv-cache-dtype bf16`: a bf16 cache for both)."""
+    """Greedy tokens of the fused C steps (the CPU runner) equal the reference backend's, with the model's default
+    cache and with kv_cache_dtype="bf16" (`--kv-cache-dtype bf16`: a bf16 cache for both)."""
     ours, _ = oracle_dirs[variant]
     ref = load_model(ours, backend="reference").eval()
     fast = load_model(ours, backend="cpu").eval()
-    ref.kv_cache_dtype = fast.kv_cache_dtype = kv
-    assert ref.cpu_decode is None and fast.cpu_decode is not None
-    assert fast.new_cache(1, 8).k[0].dtype == (kv or torch.float32)
+    rt = RuntimeConfig(kv_cache_dtype="bf16" if kv else "auto")
+    refs, fasts = CpuRunner(ref, rt, 2, 7 + 40), CpuRunner(fast, rt, 2, 7 + 40)
+    assert refs.fused is None and fasts.fused is not None
+    assert fasts.cache.k[0].dtype == (kv or torch.float32)
     prompt = torch.randint(3, ref.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(11))
-    got = greedy_with_cache(fast, prompt, 40)
-    assert fast.cpu_decode.calls == 40  # the prefill and every step after it
-    assert torch.equal(got, greedy_with_cache(ref, prompt, 40))
+    got = greedy_with_runner(fasts, prompt, 40)
+    assert fasts.fused.calls == 40  # the prefill and every step after it
+    assert torch.equal(got, greedy_with_runner(refs, prompt, 40))
 
 
 def test_fused_steps_from_several_threads(oracle_dirs, one_torch_thread):
@@ -130,13 +157,14 @@ def test_fused_steps_from_several_threads(oracle_dirs, one_torch_thread):
     fast = load_model(ours, backend="cpu").eval()
     gen = torch.Generator().manual_seed(21)
     prompts = [torch.randint(3, fast.config.vocab_size, (1, 5 + i), generator=gen) for i in range(4)]
-    want = [greedy_with_cache(fast, p, 24) for p in prompts]
+    rt = RuntimeConfig()
+    want = [greedy_with_runner(CpuRunner(fast, rt, 1, 40), p, 24) for p in prompts]
     got: list = [None] * 4
     start = threading.Barrier(4)
 
     def run(i):
         start.wait()
-        got[i] = greedy_with_cache(fast, prompts[i], 24)
+        got[i] = greedy_with_runner(CpuRunner(fast, rt, 1, 40), prompts[i], 24)
 
     for _ in range(3):
         threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
@@ -163,8 +191,7 @@ def _prefill_fused_vs_unfused(
     seeds; hooks on the unfused path showed an o_proj input 2e-6 from a boundary). The seed is one whose data
     have no such token; long prefills (vs_unfused=False) are checked against the fused t == 1 steps only,
     which have no such ambiguity."""
-    fused = model.cpu_decode
-    assert fused is not None
+    fused = Fused(model)
     gen = torch.Generator().manual_seed(1000 + 100 * t + batch)
     caches = [model.new_cache(batch, 2 * t + 3 * batch + 2, dtype=kv_dtype) for _ in range(3)]
     starts = [torch.zeros(batch, dtype=torch.long), t + 3 * torch.arange(batch)]
@@ -179,15 +206,13 @@ def _prefill_fused_vs_unfused(
                 mask[0, 0] = False
                 mask[-1, -1] = False
             n = fused.calls
-            got, hid = model(ids, positions=pos, cache=caches[0], input_mask=mask, return_hidden=True)
+            got, hid = fused(ids, positions=pos, cache=caches[0], input_mask=mask, return_hidden=True)
             assert fused.calls == n + 1  # the fused step ran
-            model.cpu_decode = None
             want = model(ids, positions=pos, cache=caches[1], input_mask=mask)
-            model.cpu_decode = fused
             # the same tokens one by one through fused t == 1 steps (same kernels, same summation order): the
             # same hidden states bit for bit (the logits not: torch's LM head matmul sums differently for t = 1)
             steps = [
-                model(
+                fused(
                     ids[:, i : i + 1],
                     positions=pos[:, i : i + 1],
                     cache=caches[2],
@@ -239,72 +264,56 @@ def test_fused_prefill_threaded_wide_gqa(one_torch_thread, isa):
         cpu.set_num_threads(threads)
 
 
-def test_disabled_gives_the_unfused_path(oracle_dirs, one_torch_thread, monkeypatch):
+def test_unfused_c_path_equals_the_reference_backend(oracle_dirs, one_torch_thread):
+    """The model's own forward on the C kernels (projections in C, no fused step): bit-identical to the reference
+    backend, logits included."""
     ours, _ = oracle_dirs["packed-autobitlinear"]
     prompt = torch.randint(3, 512, (1, 6), generator=torch.Generator().manual_seed(12))
     ref = load_model(ours, backend="reference").eval()
     want = greedy_with_cache(ref, prompt, 16)
-    monkeypatch.setenv(ENV, "0")
-    off = load_model(ours, backend="cpu").eval()
-    assert off.cpu_decode is None
-    monkeypatch.delenv(ENV)
-    on = load_model(ours, backend="cpu").eval()
-    detach(on)
-    assert on.cpu_decode is None
-    for model in (off, on):
-        # the unfused C path is bit-identical to the reference backend, logits included
-        cache, cache_ref = model.new_cache(1, 8), ref.new_cache(1, 8)
-        with torch.inference_mode():
-            for pos in range(3):
-                ids, p = prompt[:, pos : pos + 1], torch.tensor([[pos]])
-                assert torch.equal(
-                    model(ids, positions=p, cache=cache), ref(ids, positions=p, cache=cache_ref)
-                )
-        assert torch.equal(greedy_with_cache(model, prompt, 16), want)
-    assert attach(on) is on.cpu_decode is not None
+    model = load_model(ours, backend="cpu").eval()
+    cache, cache_ref = model.new_cache(1, 8), ref.new_cache(1, 8)
+    with torch.inference_mode():
+        for pos in range(3):
+            ids, p = prompt[:, pos : pos + 1], torch.tensor([[pos]])
+            assert torch.equal(model(ids, positions=p, cache=cache), ref(ids, positions=p, cache=cache_ref))
+    assert torch.equal(greedy_with_cache(model, prompt, 16), want)
 
 
 def test_steps_that_do_not_qualify_run_the_torch_layers(oracle_dirs, one_torch_thread):
     ours, _ = oracle_dirs["packed-autobitlinear"]
     model = load_model(ours, backend="cpu").eval()
-    fused = model.cpu_decode
+    fused = Fused(model)
     ids = torch.tensor([[5]])
     with torch.no_grad():
         cache = model.new_cache(1, 8)
-        model(ids, cache=cache)  # plain no_grad qualifies
+        fused(ids, cache=cache)  # plain no_grad qualifies
         assert fused.calls == 1
-        model(
+        fused(
             torch.tensor([[5, 6]]), cache=model.new_cache(1, 8), positions=torch.tensor([[3, 3]])
         )  # slot twice
-        model(ids)  # no cache
-        model(ids, cache=model.new_cache(1, 8, dtype=torch.float16))  # fp16 cache
+        fused(ids)  # no cache
+        fused(ids, cache=model.new_cache(1, 8, dtype=torch.float16))  # fp16 cache
         # one layer's tensors unlike the first's: the C step would index them with layer 0's shape
         odd = model.new_cache(1, 8)
         odd.v[-1] = odd.v[-1].transpose(2, 3).contiguous().transpose(2, 3)  # same shape, not contiguous
-        model(ids, cache=odd)
+        fused(ids, cache=odd)
         odd = model.new_cache(1, 8)
         odd.k[1] = model.new_cache(1, 9).k[1][:, :, :8].contiguous().double()  # another dtype
-        model(ids, cache=odd)
-    model(ids, cache=model.new_cache(1, 8))  # autograd on: the torch layers build the graph
+        fused(ids, cache=odd)
+    fused(ids, cache=model.new_cache(1, 8))  # autograd on: the torch layers build the graph
     assert fused.calls == 1
-    # repacked weights: the step follows the new tensors (here the same values in a fresh buffer)
-    lin = model.layers[0].mlp.down_proj
-    lin.packed = lin.packed.clone()
-    assert fused.stale()
-    with torch.inference_mode():
-        model(ids, cache=model.new_cache(1, 8))
-    assert fused.calls == 2 and not fused.stale()
 
 
 def test_models_it_does_not_take(oracle_dirs):
     ours, _ = oracle_dirs["packed-autobitlinear"]
     ref = load_model(ours, backend="reference")
-    assert "backend" in why_not(ref) and attach(ref) is None and ref.cpu_decode is None
+    assert "backend" in why_not(ref) and CpuRunner(ref, RuntimeConfig(), 1, 8).fused is None
     gelu = load_model(ours, backend="cpu")
     gelu.config.hidden_act = "gelu"
-    assert "gelu" in why_not(gelu) and attach(gelu) is None
+    assert "gelu" in why_not(gelu) and CpuRunner(gelu, RuntimeConfig(), 1, 8).fused is None
     fp = load_model(oracle_dirs["llama"][0], backend="cpu")
-    assert "Linear" in why_not(fp) and fp.cpu_decode is None
+    assert "Linear" in why_not(fp) and CpuRunner(fp, RuntimeConfig(), 1, 8).fused is None
 
 
 @pytest.mark.parametrize("isa", [None, "scalar"])  # the AVX2 vector exp (where the CPU has it) and libm's
@@ -333,7 +342,7 @@ def test_phase_timers(oracle_dirs, one_torch_thread):
 
     from bitnetlm.kernels.cpu.decode import PHASES, phase_timers
 
-    model = load_model(oracle_dirs["packed-autobitlinear"][0], backend="cpu").eval()
+    model = Fused(load_model(oracle_dirs["packed-autobitlinear"][0], backend="cpu").eval())
     prompt = torch.randint(3, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(3))
     phase_timers(False)
     try:

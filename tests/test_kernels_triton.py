@@ -314,7 +314,7 @@ def test_rmsnorm_and_gated_act_equal_torch(m, k):
 def test_engine_forward_matches_model(tiny_model):
     """The fused engine (prefill: GEMV path + SDPA, from 0 and continuing cached tokens; decode: attention
     kernel) vs the model's own forward."""
-    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
+    from bitnetlm.runtime.cuda.engine import CudaEngine, EngineConfig
 
     eng = CudaEngine.from_model(
         tiny_model, EngineConfig(max_batch=2, max_seq_len=16, dtype=torch.float32), device=DEV
@@ -341,7 +341,7 @@ def test_engine_prefill_over_a_float8_cache_matches_its_decode_steps(tiny_model)
     (rope_cache kv16): padded (5 tokens in 16 slots) and not (16), every position's logits are those of decode
     steps fed the same tokens one at a time, whose attention reads the cache itself. (The reference forward is
     the oracle on the GPU, test_kv_fp8.py: the interpreter rounds to float8 differently from torch.)"""
-    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
+    from bitnetlm.runtime.cuda.engine import CudaEngine, EngineConfig
 
     ecfg = EngineConfig(max_batch=2, max_seq_len=16, dtype=torch.float32, kv_dtype=torch.float8_e4m3fn)
     pre, dec = (CudaEngine.from_model(tiny_model, ecfg, device=DEV) for _ in range(2))
@@ -665,7 +665,7 @@ def test_key_range_picks_small_blocks_or_one_range_block(monkeypatch):
 
 def test_engine_argmax_first_index():
     """The engine's two-pass argmax equals torch.argmax (first index of the maximum), ties across chunks too."""
-    from bitnetlm.engine_cuda import CudaEngine
+    from bitnetlm.runtime.cuda.engine import CudaEngine
 
     g = torch.Generator().manual_seed(4)
     for v in (128256, 32000, 512, 1001):

@@ -15,8 +15,7 @@ FP8 = torch.float8_e4m3fn
 
 def _prefill(model, tok, dtype):
     model = copy.deepcopy(model)
-    model.kv_cache_dtype = dtype
-    cache = model.new_cache(1, 16)
+    cache = model.new_cache(1, 16, dtype=dtype)
     with torch.no_grad():
         logits = model(tok, positions=torch.arange(tok.shape[1])[None], cache=cache)
     return logits, cache
@@ -37,7 +36,7 @@ def test_reference_cache_holds_the_float8_of_what_it_would_store(tiny_model):
 
 
 def test_cli_kv_cache_dtype_values():
-    from bitnetlm.models.cache import parse_kv_cache_dtype
+    from bitnetlm.runtime.config import kv_cache_dtype as parse_kv_cache_dtype
 
     assert parse_kv_cache_dtype("auto") is None and parse_kv_cache_dtype(None) is None
     assert parse_kv_cache_dtype("fp8") is FP8 and parse_kv_cache_dtype("bf16") is torch.bfloat16
@@ -51,7 +50,7 @@ def test_engine_float8_cache_equals_reference_bytes(tiny_model):
     engine's, bit for bit, at prefill (rope_cache) and at a decode step (the fused q|k|v + RoPE kernel); every
     layer's cache and the logits agree with the reference forward over a float8 KVCache."""
     triton_modules("attention", "rope", "decode")
-    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
+    from bitnetlm.runtime.cuda.engine import CudaEngine, EngineConfig
 
     model = copy.deepcopy(tiny_model).to(DEV)
     tok = torch.randint(0, 512, (1, 6), generator=torch.Generator().manual_seed(1)).to(DEV)
@@ -85,12 +84,12 @@ def test_engine_float8_cache_equals_reference_bytes(tiny_model):
 def test_graph_generate_float8_cache_equals_reference(oracle_dirs, variant):
     """generate / batch_generate on CUDA with model.kv_cache_dtype = float8 (the CUDA-graph engine, captured
     prefill) give the greedy tokens of the CPU reference forward over a float8 KVCache."""
+    from bitnetlm.generate.graph import _ATTR
     from oracle import greedy_with_cache
+    from serve_parts import tiny_tokenizer
 
     from bitnetlm.generate import SamplingParams, batch_generate, generate
-    from bitnetlm.generate.graph import _ATTR
     from bitnetlm.loading import load_model
-    from bitnetlm.serve.testing import tiny_tokenizer
 
     ours, _ = oracle_dirs[variant]
     cpu = load_model(ours, device="cpu", backend="reference").eval()

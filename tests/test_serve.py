@@ -13,11 +13,11 @@ import time
 import httpx
 import openai
 import pytest
+from serve_parts import tiny_model_and_tokenizer
 
+from bitnetlm.engine.metrics import parse_metrics
 from bitnetlm.generate import SamplingParams, generate
 from bitnetlm.serve import start
-from bitnetlm.serve.metrics import parse_metrics
-from bitnetlm.serve.testing import tiny_model_and_tokenizer
 
 WORDS = (
     "the quick brown fox jumps over lazy dog truth universally acknowledged single man fortune wife".split()
@@ -362,9 +362,9 @@ def test_health_is_503_while_loading(mt):
 def test_real_llama3_tokenizer_chat_and_stream_match_offline():
     """The LLaMA-3 tokenizer (128,256 ids, byte-level BPE, the real chat template) through the whole server."""
     from assets import asset
+    from serve_parts import tiny_model
 
     from bitnetlm.generate import Tokenizer
-    from bitnetlm.serve.testing import tiny_model
 
     tok = Tokenizer.from_dir(asset("llama3-tokenizer"))
     model = tiny_model(tok.vocab_size, max_len=128, seed=3)

@@ -13,10 +13,10 @@ import time
 
 import httpx
 import pytest
+from serve_parts import tiny_model_and_tokenizer
 
 import bitnetlm
 from bitnetlm.commands.serve import FLAGS, env_name
-from bitnetlm.serve.testing import tiny_model_and_tokenizer
 
 
 def test_every_flag_has_an_env_var():

@@ -5,8 +5,10 @@ from __future__ import annotations
 import threading
 
 import pytest
+from serve_parts import tiny_model_and_tokenizer
 
 from bitnetlm.generate import SamplingParams, generate
+from bitnetlm.runtime.config import RuntimeConfig
 from bitnetlm.serve.engine import (
     Chunk,
     ContextTooLong,
@@ -17,7 +19,6 @@ from bitnetlm.serve.engine import (
     Finished,
     GenerationRequest,
 )
-from bitnetlm.serve.testing import tiny_model_and_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -46,7 +47,7 @@ def test_n_choices_share_one_prefill(mt):
     ids = tok.encode("a single man in possession of a good fortune")
     p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     ref = generate(model, tok, ids, p).tokens
-    eng = Engine(model, tok, EngineConfig(max_batch=4))
+    eng = Engine(model, tok, runtime=RuntimeConfig(max_batch=4))
     try:
         c = Collector()
         eng.submit(GenerationRequest(ids, p, n=4), c)
@@ -61,7 +62,7 @@ def test_n_choices_share_one_prefill(mt):
 
 def test_cancel_ends_with_failed_event_and_frees_rows(mt):
     model, tok = mt
-    eng = Engine(model, tok, EngineConfig(max_batch=2, max_queue=2))
+    eng = Engine(model, tok, EngineConfig(max_queue=2), runtime=RuntimeConfig(max_batch=2))
     try:
         long = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
         running, queued = Collector(), Collector()
@@ -84,7 +85,7 @@ def test_cancel_ends_with_failed_event_and_frees_rows(mt):
 
 def test_limits_and_draining_shutdown(mt):
     model, tok = mt
-    eng = Engine(model, tok, EngineConfig(max_batch=1, max_queue=4))
+    eng = Engine(model, tok, EngineConfig(max_queue=4), runtime=RuntimeConfig(max_batch=1))
     with pytest.raises(ContextTooLong, match="maximum context length is 128"):
         eng.submit(GenerationRequest(list(range(5, 100)), SamplingParams(max_tokens=40)), Collector())
     with pytest.raises(ValueError, match="outside the vocabulary"):

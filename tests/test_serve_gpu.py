@@ -31,11 +31,12 @@ def test_engine_on_cuda_matches_offline_generate(path, monkeypatch):
     first token (sampled on the device and decoded before it is read) and one wants a single token."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")  # deselected in CI by -m "not gpu"
+    from serve_parts import tiny_model_and_tokenizer
+
     from bitnetlm.generate import SamplingParams, generate
     from bitnetlm.generate import graph as graph_mod
     from bitnetlm.serve import graph_rows
     from bitnetlm.serve.engine import Chunk, Engine, EngineConfig, Finished, GenerationRequest
-    from bitnetlm.serve.testing import tiny_model_and_tokenizer
 
     model, tok = tiny_model_and_tokenizer(max_len=256, layers=4, hidden=256)
     model = model.to("cuda")
@@ -71,7 +72,9 @@ def test_engine_on_cuda_matches_offline_generate(path, monkeypatch):
         for i in [*range(0, 32, 3), *range(1, 32, 6), 2]:
             res[i] = generate(model, tok, prompts[i], params[i], enforce_eager=eager)
             refs[i] = res[i].tokens
-    eng = Engine(model, tok, EngineConfig(max_batch=16, prefill_chunk=16, enforce_eager=eager))
+    eng = Engine(
+        model, tok, EngineConfig(prefill_chunk=16), runtime=RuntimeConfig(max_batch=16, enforce_eager=eager)
+    )
     assert (eng.graph is None) == eager
     out, lps = {i: [] for i in range(32)}, {i: [] for i in range(32)}
     done = threading.Semaphore(0)
@@ -131,16 +134,17 @@ def test_engine_on_cuda_matches_offline_generate(path, monkeypatch):
 def test_graph_rows_share_a_prompt_between_choices():
     """n = 2 greedy choices of one request on the CUDA-graph rows: the second row gets the first's prefilled
     keys and values by copy, and both decode the tokens of offline generate."""
+    from serve_parts import tiny_model_and_tokenizer
+
     from bitnetlm.generate import SamplingParams, generate
     from bitnetlm.serve.engine import Chunk, Engine, EngineConfig, Finished, GenerationRequest
-    from bitnetlm.serve.testing import tiny_model_and_tokenizer
 
     model, tok = tiny_model_and_tokenizer(max_len=256, layers=2, hidden=64)
     model = model.to("cuda")
     prompt = "It is a truth universally acknowledged, that a single man"
     sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     ref = generate(model, tok, prompt, sp).tokens
-    eng = Engine(model, tok, EngineConfig(max_batch=4, prefill_chunk=8))
+    eng = Engine(model, tok, EngineConfig(prefill_chunk=8), runtime=RuntimeConfig(max_batch=4))
     assert eng.graph is not None
     out, done = {0: [], 1: []}, threading.Event()
 

@@ -10,10 +10,10 @@ import time
 import httpx
 import openai
 import pytest
+from serve_parts import tiny_model_and_tokenizer
 
+from bitnetlm.engine.metrics import parse_metrics
 from bitnetlm.serve import start
-from bitnetlm.serve.metrics import parse_metrics
-from bitnetlm.serve.testing import tiny_model_and_tokenizer
 
 LAB = '{model_name="bitnet"}'
 

@@ -11,10 +11,10 @@ import struct
 import zlib
 
 import pytest
+from serve_parts import tiny_model_and_tokenizer
 
 from bitnetlm.generate import SamplingParams, generate
 from bitnetlm.serve import start
-from bitnetlm.serve.testing import tiny_model_and_tokenizer
 
 CHROMIUM = os.environ.get("BITNET_CHROMIUM", "/usr/bin/chromium")
 ARGS = [

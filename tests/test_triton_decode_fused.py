@@ -86,7 +86,7 @@ def test_engine_fused_step_equals_unfused(tiny_model):
     row GEMV that quantizes inside each program, whose sum order differs: close, not bit-identical)."""
     import copy
 
-    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
+    from bitnetlm.runtime.cuda.engine import CudaEngine, EngineConfig
 
     model = copy.deepcopy(tiny_model)
     g = torch.Generator().manual_seed(5)

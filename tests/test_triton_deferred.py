@@ -113,7 +113,7 @@ def test_engine_deferred_step_equals_finished(monkeypatch):
     enough (K of 256 and 384) that the interpreter's split-K tiles split."""
     from oracle import tiny_config_kwargs
 
-    import bitnetlm.engine_cuda as E
+    import bitnetlm.runtime.cuda.engine as E
     from bitnetlm.models import ModelConfig, build_model
     from bitnetlm.quant import to_inference_
 
@@ -180,7 +180,7 @@ def test_gpu_deferred_2b4t_exact(m, proj):
 def test_gpu_engine_deferred_step_exact(b, monkeypatch):
     """The 2B4T-shaped engine's captured greedy decode step (int8 head, float8 cache) with and without the
     deferred split-K projections: the same tokens and KV cache bit for bit over 8 steps."""
-    import bitnetlm.engine_cuda as E
+    import bitnetlm.runtime.cuda.engine as E
     from bitnetlm.models import ModelConfig
 
     eng = E.CudaEngine.random(

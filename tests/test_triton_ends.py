@@ -93,8 +93,8 @@ def test_greedy_step_index_maps_the_winning_tile(b, chunks):
 @pytest.mark.parametrize("b", [1, 8, 64])
 def test_gpu_greedy_step_2b4t_vocab_in_a_graph(b):
     """The 2B4T vocabulary, default chunking, replayed in a CUDA graph (as the engine's decode step runs)."""
-    from bitnetlm.engine_cuda import capture
     from bitnetlm.kernels.triton.ends import greedy_step
+    from bitnetlm.runtime.cuda.engine import capture
 
     v = 128256
     g = torch.Generator().manual_seed(b)
@@ -194,7 +194,7 @@ def test_gpu_engine_head_fold_exact(b, monkeypatch):
     """The 2B4T-shaped engine's captured greedy step (int8 head, float8 cache) with the greedy step folded into
     the head (`engine_cuda.HEAD_FOLD`) and as its own launch: the same tokens, outputs, positions and step over 8
     replays."""
-    import bitnetlm.engine_cuda as E
+    import bitnetlm.runtime.cuda.engine as E
 
     _greedy_steps_agree(b, lambda fold: monkeypatch.setattr(E, "HEAD_FOLD", fold))
 
@@ -214,7 +214,7 @@ def test_gpu_engine_attention_prefetch_exact(b, monkeypatch):
 def _greedy_steps_agree(b, variant):
     """8 replays of a 2B4T-shaped engine's captured greedy step of b rows, with variant(False) and variant(True)
     set before each capture: the same tokens, outputs, positions and step."""
-    import bitnetlm.engine_cuda as E
+    import bitnetlm.runtime.cuda.engine as E
     from bitnetlm.models import ModelConfig
 
     eng = E.CudaEngine.random(

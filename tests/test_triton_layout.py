@@ -36,9 +36,9 @@ def test_repack_hf_rejects_wrong_shape():
 def test_engine_takes_rows_already_in_the_triton_layout(tiny_model):
     """from_model on a model prepared for the Triton backend (rows already triton-2bit-v1) builds the same packed
     matrices and logits as from the reference-backend model (rows repacked from int8)."""
-    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
     from bitnetlm.kernels import prepare
     from bitnetlm.quant.packing import PackingFormat
+    from bitnetlm.runtime.cuda.engine import CudaEngine, EngineConfig
 
     tri = prepare(copy.deepcopy(tiny_model), DEV, "triton")
     assert tri.layers[0].self_attn.q_proj.layout == PackingFormat.TRITON_2BIT
@@ -57,8 +57,8 @@ def test_engine_takes_rows_already_in_the_triton_layout(tiny_model):
 def test_engine_shares_the_models_packed_weights(tiny_model):
     """share=True (what generate and serve use) points the model's projections at rows of the engine's fused
     tensors: one copy of the packed weights on the GPU, the same bytes, the same logits from both paths."""
-    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
     from bitnetlm.kernels import prepare
+    from bitnetlm.runtime.cuda.engine import CudaEngine, EngineConfig
 
     tri = prepare(copy.deepcopy(tiny_model), DEV, "triton")
     projs = lambda blk: (  # noqa: E731

@@ -111,9 +111,9 @@ def test_gpu_wide_sampler_reductions_equal_torch(b, monkeypatch):
     """Over a 128k vocabulary, `generate.reductions` against PyTorch's own ops, and
     a captured llama.cpp-default sampler built on them against one built on PyTorch's: the same tokens and
     log-probabilities over 20 steps."""
-    from bitnetlm.generate import reductions
-    from bitnetlm.generate.graph_sampler import GraphSampler
-    from bitnetlm.generate.sampling import RowRandom, SamplingParams, row_tensors
+    from bitnetlm.runtime.cuda.graph_sampler import GraphSampler
+    from bitnetlm.sampling import reductions
+    from bitnetlm.sampling.sampler import RowRandom, SamplingParams, row_tensors
 
     g = torch.Generator(device="cuda").manual_seed(b)
     v = 128256
@@ -155,10 +155,10 @@ def test_gpu_warm_compiles_every_kernel_a_server_samples_with():
     top-k with top-p at temperature 1, top-k classes 9 to 100) and the captured sampler of all-greedy rows
     compile nothing more; warm itself compiled what they needed (the count grew: no other test draws from top-k
     classes 32 or 128)."""
-    from bitnetlm.generate import reductions
-    from bitnetlm.generate.graph_sampler import GraphSampler
-    from bitnetlm.generate.sampling import SamplingParams, choose, raw_logprobs, row_tensors, sample
     from bitnetlm.kernels.triton import sampler
+    from bitnetlm.runtime.cuda.graph_sampler import GraphSampler
+    from bitnetlm.sampling import reductions
+    from bitnetlm.sampling.sampler import SamplingParams, choose, raw_logprobs, row_tensors, sample
 
     n, v = 24, 128256
     kernels = (sampler._logit_stats_kernel, sampler._candidate_draw_kernel)
@@ -190,7 +190,7 @@ def test_gpu_warm_compiles_every_kernel_a_server_samples_with():
 
 
 def _rows():
-    from bitnetlm.generate.sampling import SamplingParams
+    from bitnetlm.sampling.sampler import SamplingParams
 
     return [
         SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),  # llama.cpp's defaults
@@ -206,7 +206,7 @@ def test_candidate_draw_equals_the_host_samplers_draw(which):
     """Rows mixing temperatures, top-k, top-p and min-p (or top-k alone: no probabilities pass) over 40 steps of
     logits and uniforms: the token `_candidate_probs` + `_draw_sorted` draw, for every row."""
     (sampler,) = triton_modules("sampler")
-    from bitnetlm.generate.sampling import _candidate_probs, _draw_sorted, row_tensors
+    from bitnetlm.sampling.sampler import _candidate_probs, _draw_sorted, row_tensors
 
     params = _rows() if which == "mixed" else _rows()[1:3]
     b, v = len(params), 300

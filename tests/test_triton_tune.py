@@ -134,7 +134,7 @@ def test_unreadable_user_table_falls_back_to_shipped(monkeypatch, tmp_path):
 
 
 def test_write_table_merges_and_never_clobbers_a_foreign_file(tmp_path):
-    from bitnetlm.kernels.triton.step_tune import write_table
+    from bitnetlm.runtime.cuda.step_tune import write_table
 
     path = tmp_path / "t" / "GPU.json"
     write_table(path, {"k1": dict(BN=8), "k2": dict(BN=16)})
@@ -189,8 +189,9 @@ def test_shipped_choice_is_taken_without_timing(monkeypatch, tmp_path):
 def test_tune_shape_writes_a_table_the_tuner_then_takes(monkeypatch, tmp_path):
     """`bitnet tune`'s library function on a small shape: every key of the step gets one of its candidates into
     the table, which the tuner then takes."""
-    from bitnetlm.kernels.triton import step_tune, tune
+    from bitnetlm.kernels.triton import tune
     from bitnetlm.models import ModelConfig
+    from bitnetlm.runtime.cuda import step_tune
 
     monkeypatch.setattr(tune, "USER_TABLE_DIR", str(tmp_path))
     monkeypatch.setattr(tune, "TUNE", True)

@@ -10,7 +10,8 @@ import argparse
 import json
 import sys
 
-from bitnetlm.commands.generate import add_model_arguments, load_model_and_tokenizer, sampling_params
+from bitnetlm.commands.generate import add_model_arguments, sampling_params
+from bitnetlm.runtime.args import OFFLINE, runtime_from_args
 
 HELP = "commands: /exit (or /quit, end of input) ends, /reset forgets the conversation, /help shows this"
 
@@ -47,7 +48,7 @@ def chat_session(
     verbose: bool = False,
     json_lines: bool = False,
     interactive: bool = False,
-    enforce_eager: bool = False,
+    runtime=None,
 ) -> list[dict]:
     """Run a chat over the user messages in `lines` (an iterable of str); returns the conversation.
 
@@ -99,7 +100,7 @@ def chat_session(
 
         t0 = time.perf_counter()
         chunks = []
-        for c in _engine(model, tokenizer, [ids], [p], ctx_size=ctx, enforce_eager=enforce_eager):
+        for c in _engine(model, tokenizer, [ids], [p], ctx_size=ctx, runtime=runtime):
             chunks.append(c)
             if not json_lines and c.text:
                 out.write(c.text)
@@ -127,9 +128,10 @@ def chat_session(
 
 
 def run(args) -> int:
-    model, tok = load_model_and_tokenizer(
-        args.model, args.device, args.backend, args.dtype, args.threads, args.head_dtype, args.kv_cache_dtype
-    )
+    from bitnetlm.loading import load_for_generation
+
+    runtime = runtime_from_args(args, OFFLINE)
+    model, tok = load_for_generation(args.model, runtime)
     if not tok.chat_template:
         raise ValueError(f"{args.model}: the tokenizer has no chat_template; use `bitnet generate` instead")
     interactive = sys.stdin.isatty()
@@ -141,11 +143,11 @@ def run(args) -> int:
         sys.stdin,
         sampling_params(args),
         system=args.system,
-        ctx_size=args.ctx_size,
+        ctx_size=runtime.max_seq_len,
         verbose=args.verbose,
         json_lines=args.json,
         interactive=interactive,
-        enforce_eager=args.enforce_eager,
+        runtime=runtime,
     )
     return 0
 

@@ -6,12 +6,14 @@ import argparse
 import json
 import sys
 
+from bitnetlm.runtime.args import OFFLINE, add_runtime_arguments, runtime_from_args
+
 # llama.cpp's defaults for the sampling flags
 DEFAULTS = dict(max_tokens=256, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repetition_penalty=1.0)
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags shared by generate and chat: model, device and sampling."""
+    """Flags shared by generate and chat: model, sampling and the runtime group."""
     p.add_argument("-m", "--model", help="model directory, .gguf file or zoo name")
     p.add_argument(
         "-n",
@@ -68,49 +70,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--system", "-sys", default=None, help="system prompt (uses the chat template)")
-    p.add_argument(
-        "-c",
-        "--ctx-size",
-        type=int,
-        default=None,
-        help="context length in tokens (default: the model's max_position_embeddings)",
-    )
-    p.add_argument(
-        "-t",
-        "--threads",
-        type=int,
-        default=None,
-        help="CPU threads for the kernels (default: physical cores)",
-    )
-    p.add_argument(
-        "--head-dtype",
-        default=None,
-        choices=["bf16", "int8"],
-        help="store the embedding/LM head in bf16 or int8 (per-row scaled) for faster decode (CPU); on CUDA, int8 "
-        "runs the CUDA-graph engine's int8 LM head",
-    )
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
-    p.add_argument(
-        "--backend", default=None, help="kernel backend: reference, cpu, triton (default: best available)"
-    )
-    p.add_argument(
-        "--dtype",
-        default=None,
-        choices=["float32", "bfloat16", "float16"],
-        help="activation dtype (default: float32 on CPU, bfloat16 on CUDA)",
-    )
-    p.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="CUDA: run the model's own forward per token instead of the CUDA-graph decode engine",
-    )
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=["auto", "bf16", "fp8"],
-        help="KV-cache elements: auto (the activation dtype), bf16 (CPU: half a float32 cache) or fp8 (CUDA: e4m3, "
-        "unscaled; half a bf16 cache's memory and decode-attention reads) (default: %(default)s)",
-    )
+    add_runtime_arguments(p, OFFLINE)
     p.add_argument(
         "--verbose",
         "-v",
@@ -130,62 +90,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="format the prompt as one user message with the chat template (implied by --system)",
     )
-
-
-def resolve_model_name(name: str | None) -> str:
-    """The -m value, or the zoo's default model when the zoo offers one."""
-    if name:
-        return name
-    try:
-        from bitnetlm import zoo
-    except ImportError:
-        zoo = None
-    default = None
-    if zoo is not None:
-        default = getattr(zoo, "DEFAULT_MODEL", None)
-        if default is None and callable(getattr(zoo, "default_model", None)):
-            default = zoo.default_model()
-    if default:
-        return str(default)
-    raise ValueError("no model given: pass -m/--model PATH (a model directory, .gguf file or zoo name)")
-
-
-def resolve_device(device: str | None) -> str:
-    if device in (None, "auto"):
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
-def load_model_and_tokenizer(
-    model: str | None,
-    device="auto",
-    backend=None,
-    dtype=None,
-    threads=None,
-    head_dtype=None,
-    kv_cache_dtype: str | None = None,
-):
-    """(model, tokenizer) for the CLI: zoo default if `model` is None, threads set, KV-cache dtype (a
-    --kv-cache-dtype value), clear error if no tokenizer."""
-    import torch
-
-    import bitnetlm
-    from bitnetlm.kernels import configure_threads
-    from bitnetlm.models.cache import parse_kv_cache_dtype
-
-    name = resolve_model_name(model)
-    device = resolve_device(device)
-    if dtype is None and device.startswith("cuda"):
-        dtype = "bfloat16"  # as vLLM and transformers serve BitNet on GPUs; float32 doubles the head's reads
-    dt = getattr(torch, dtype) if dtype else None
-    m, tok = bitnetlm.load(name, device=device, dtype=dt, backend=backend, head_dtype=head_dtype)
-    configure_threads(m, threads)
-    m.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype)
-    if tok is None:
-        raise FileNotFoundError(f"{name}: the model has no tokenizer (tokenizer.json next to config.json)")
-    return m.eval(), tok
 
 
 def sampling_params(args):
@@ -218,20 +122,19 @@ def generate_text(
     stream=None,
     verbose: bool = False,
     err=None,
-    enforce_eager: bool = False,
+    runtime=None,
     **kwargs,
 ):
     """Generate for `prompt`, writing text to `stream` as it arrives (None: silent); returns GenerationResult."""
     import time
 
-    from bitnetlm.generate import format_stats, make_params, prompt_to_ids
-    from bitnetlm.generate.generate import _engine, _result
+    from bitnetlm.generate import format_stats, prompt_to_ids, stream_generate
+    from bitnetlm.generate.generate import _result
 
     t0 = time.perf_counter()
-    p = make_params(params, **kwargs)
     ids = prompt_to_ids(tokenizer, prompt, system=system, chat=chat)
     chunks = []
-    for c in _engine(model, tokenizer, [ids], [p], ctx_size=ctx_size, enforce_eager=enforce_eager):
+    for c in stream_generate(model, tokenizer, ids, params, ctx_size=ctx_size, runtime=runtime, **kwargs):
         chunks.append(c)
         if stream is not None and c.text:
             stream.write(c.text)
@@ -258,10 +161,11 @@ def _read_prompt(args) -> str:
 
 
 def run(args) -> int:
+    from bitnetlm.loading import default_model_name, load_for_generation
+
     prompt = _read_prompt(args)
-    model, tok = load_model_and_tokenizer(
-        args.model, args.device, args.backend, args.dtype, args.threads, args.head_dtype, args.kv_cache_dtype
-    )
+    runtime = runtime_from_args(args, OFFLINE)
+    model, tok = load_for_generation(args.model, runtime)
     res = generate_text(
         model,
         tok,
@@ -269,14 +173,14 @@ def run(args) -> int:
         sampling_params(args),
         system=args.system,
         chat=args.chat,
-        ctx_size=args.ctx_size,
+        ctx_size=runtime.max_seq_len,
         stream=None if args.json else sys.stdout,
         verbose=args.verbose,
-        enforce_eager=args.enforce_eager,
+        runtime=runtime,
     )
     if args.json:
         out = {
-            "model": resolve_model_name(args.model),
+            "model": default_model_name(args.model),
             "prompt": prompt,
             "text": str(res),
             "tokens": res.tokens,

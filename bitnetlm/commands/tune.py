@@ -1,4 +1,4 @@
-"""bitnet tune: tune the CUDA decode step's kernel tiles for a model shape on this GPU (bitnetlm.kernels.triton.step_tune).
+"""bitnet tune: tune the CUDA decode step's kernel tiles for a model shape on this GPU (bitnetlm.runtime.cuda.step_tune).
 
 Each tuning key's tile is chosen by timing the whole captured decode step, not the projection alone; the choices
 go into this GPU model's table (~/.cache/bitnetlm/step_tune/<GPU>.json), which every later engine on this GPU
@@ -13,7 +13,7 @@ import sys
 
 
 def _ints(s: str) -> list[int]:
-    from bitnetlm.bench import _int_list
+    from bitnetlm.runtime.args import int_list as _int_list
 
     out = _int_list(s)
     if not out or min(out) < 1:
@@ -22,7 +22,7 @@ def _ints(s: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from bitnetlm.bench import SHAPES
+    from bitnetlm.models.shapes import SHAPES
 
     p.add_argument("-m", "--model", help="model directory (its config.json gives the shape; or use --shape)")
     p.add_argument("--shape", choices=sorted(SHAPES), help="a known model shape instead of -m")
@@ -48,10 +48,10 @@ def run(args: argparse.Namespace) -> int:
             "bitnet tune: needs a CUDA GPU (it times the GPU decode step); none is visible", file=sys.stderr
         )
         return 2
-    from bitnetlm.bench import SHAPES
-    from bitnetlm.kernels.triton.step_tune import tune_shape
     from bitnetlm.models import ModelConfig
-    from bitnetlm.models.cache import parse_kv_cache_dtype
+    from bitnetlm.models.shapes import SHAPES
+    from bitnetlm.runtime.config import kv_cache_dtype as parse_kv_cache_dtype
+    from bitnetlm.runtime.cuda.step_tune import tune_shape
 
     if args.shape:
         cfg = ModelConfig(**SHAPES[args.shape])

@@ -195,7 +195,7 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     f = read_gguf(path)
     if "tokenizer.ggml.tokens" not in f.metadata:
         return None
-    from bitnetlm.generate.tokenizer import Tokenizer
+    from bitnetlm.text.tokenizer import Tokenizer
 
     tk, config = tokenizer_from_gguf_metadata(f.metadata, str(path))
     return Tokenizer.from_tokenizers(tk, config)

@@ -1,6 +1,5 @@
-"""Text generation: tokenizer + chat template, sampling, streaming detokenization, generate/stream/batch."""
+"""Text generation: generate, stream_generate and batch_generate (re-exports the tokenizer and sampling types)."""
 
-from bitnetlm.generate.detok import StreamDetokenizer
 from bitnetlm.generate.generate import (
     GenerationChunk,
     GenerationResult,
@@ -11,8 +10,8 @@ from bitnetlm.generate.generate import (
     prompt_to_ids,
     stream_generate,
 )
-from bitnetlm.generate.sampling import SampleOutput, SamplingParams, process_logits, sample
-from bitnetlm.generate.tokenizer import Tokenizer
+from bitnetlm.sampling import SampleOutput, SamplingParams, process_logits, sample
+from bitnetlm.text import StreamDetokenizer, Tokenizer
 
 __all__ = [
     "GenerationChunk",

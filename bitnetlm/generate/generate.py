@@ -1,10 +1,9 @@
-"""Text generation: generate, stream_generate and batch_generate over one engine loop.
+"""Text generation: generate, stream_generate and batch_generate.
 
-Batching: prompts of different lengths are LEFT-padded to a common length Lmax. Every row writes prompt token
-t to cache slot t (padding slots are marked invalid through `input_mask`, so nothing ever attends to them), and
-gets RoPE positions that start at 0 at its first real token. Decode step s writes all rows to slot Lmax + s at
-position len(row) + s. A row therefore sees exactly the keys, at exactly the positions, that it would see
-alone; a single prompt is just a batch of one through the same code.
+Every call runs the engine core (`bitnetlm.engine.core`: the scheduler and worker the server uses too) over the
+model's runner for its device (`bitnetlm.runtime.runner_for`), stepped in the caller's thread. Each prompt holds
+a row of the runner's KV cache at its own positions, so a row computes what it would compute alone: a single
+prompt is a batch of one through the same code.
 """
 
 from __future__ import annotations
@@ -17,9 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from bitnetlm.generate.detok import StreamDetokenizer
-from bitnetlm.generate.sampling import RowRandom, SamplingParams, sample
+from bitnetlm.engine.sequence import GenerationRequest, Token
 from bitnetlm.kernels import torch_threads_beside_c
+from bitnetlm.runtime.config import RuntimeConfig
+from bitnetlm.sampling import SamplingParams
+
+PREFILL_CHUNK = 2048  # prompt tokens prefilled per step
 
 _ALIASES = {
     "temp": "temperature",
@@ -105,14 +107,6 @@ def prompt_to_ids(tok, prompt, system: str | None = None, chat: bool = False) ->
     )
 
 
-def _device(model) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    for b in model.buffers():
-        return b.device
-    return torch.device("cpu")
-
-
 def context_length(model, ctx_size: int | None = None) -> int:
     """Positions available: --ctx-size if given, else the model's max_position_embeddings."""
     cfg = getattr(model, "config", None)
@@ -124,73 +118,11 @@ def context_length(model, ctx_size: int | None = None) -> int:
     return int(n)
 
 
-class _Row:
-    def __init__(self, index, ids, params, tok, eos_ids, max_new, device):
-        self.index = index
-        self.ids = ids
-        self.params = params
-        self.generator = RowRandom(params.make_generator(device), device)  # the row's uniforms
-        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
-        self.max_new = max_new
-        self.out: list[int] = []
-        self.logprobs: list[float] = []
-        self.detok = StreamDetokenizer(tok, skip_special_tokens=params.skip_special_tokens)
-        self.held = ""  # text withheld because it may be the start of a stop string
-        self.text = ""  # visible output so far
-        self.finish_reason: str | None = None
-        self.t_first: float | None = None
-
-    def _scan(self, delta: str, final: bool) -> str:
-        """Add decoded text; return the part that is safe to show (stop strings are cut, never shown)."""
-        buf = self.held + delta
-        stops = self.params.stop
-        if stops:
-            hits = [(buf.find(s), s) for s in stops]
-            hits = [h for h in hits if h[0] >= 0]
-            if hits:
-                at = min(h[0] for h in hits)
-                self.held = ""
-                self.finish_reason = "stop"
-                return buf[:at]
-            if not final:
-                # hold back the longest tail of buf that could still grow into a stop string
-                keep = 0
-                for s in stops:
-                    for n in range(min(len(s) - 1, len(buf)), keep, -1):
-                        if buf.endswith(s[:n]):
-                            keep = n
-                            break
-                self.held = buf[len(buf) - keep :] if keep else ""
-                return buf[: len(buf) - keep]
-        self.held = ""
-        return buf
-
-    def push(self, token: int) -> str:
-        """Record a sampled token; return its visible text and set finish_reason when the row ends."""
-        self.out.append(token)
-        if token in self.stop_ids:
-            # the stop token itself is never shown; flush any incomplete character held by the detokenizer
-            self.finish_reason = "stop"
-            text = self._scan(self.detok.finalize(), final=True)
-        else:
-            text = self._scan(self.detok.add(token), final=False)
-            if self.finish_reason is None and len(self.out) >= self.max_new:
-                self.finish_reason = "length"
-                text += self._scan(self.detok.finalize(), final=True)
-        self.text += text
-        return text
-
-
-def _rows(model, tok, prompts, params, ctx_size) -> tuple[list[_Row], torch.device, int]:
-    """Validate the prompts against the context and build one _Row per prompt: (rows, device, context)."""
-    device = _device(model)
+def _budgets(model, prompts, params, ctx_size) -> list[int]:
+    """Each prompt's token budget: its max_tokens, cut at the end of the context (errors for empty prompts or
+    prompts that fill the context)."""
     ctx = context_length(model, ctx_size)
-    cfg = getattr(model, "config", None)
-    eos_ids = list(getattr(tok, "eos_token_ids", []) or [])
-    for i in getattr(cfg, "eos_token_ids", []) or []:
-        if i not in eos_ids:
-            eos_ids.append(i)
-    rows = []
+    out = []
     for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
         if not ids:
             raise ValueError(f"prompt {i} is empty (0 tokens); give some text or a tokenizer that adds BOS")
@@ -199,35 +131,35 @@ def _rows(model, tok, prompts, params, ctx_size) -> tuple[list[_Row], torch.devi
                 f"prompt {i} has {len(ids)} tokens but the context holds {ctx} positions "
                 f"(max_position_embeddings or --ctx-size); shorten the prompt or raise --ctx-size"
             )
-        rows.append(_Row(i, ids, p, tok, eos_ids, min(p.max_tokens, ctx - len(ids)), device))
-    return rows, device, ctx
+        out.append(min(p.max_tokens, ctx - len(ids)))
+    return out
 
 
-def _emit(active, out, toks, lps, now, t0, prompt_tps) -> Iterator[GenerationChunk]:
-    """Push one sampled token into each active row and yield its chunk (out: the SampleOutput, for top ids)."""
-    for j, r in enumerate(active):
-        if r.t_first is None:
-            r.t_first = now
-        text = r.push(toks[j])
-        r.logprobs.append(lps[j])
-        top = None
-        if r.params.top_logprobs and out.top_ids is not None:
-            k = r.params.top_logprobs
-            top = list(zip(out.top_ids[j, :k].tolist(), out.top_logprobs[j, :k].tolist(), strict=True))
-        n = len(r.out)
-        yield GenerationChunk(
-            text=text,
-            token=toks[j],
-            logprob=lps[j],
-            finish_reason=r.finish_reason,
-            index=r.index,
-            prompt_tokens=len(r.ids),
-            generation_tokens=n,
-            prompt_tps=prompt_tps,
-            generation_tps=(n - 1) / (now - r.t_first) if n > 1 and now > r.t_first else 0.0,
-            ttft_s=r.t_first - t0,
-            top_logprobs=top,
-        )
+def _eos_ids(model, tok) -> list[int]:
+    eos = list(getattr(tok, "eos_token_ids", []) or [])
+    for i in getattr(getattr(model, "config", None), "eos_token_ids", []) or []:
+        if i not in eos:
+            eos.append(i)
+    return eos
+
+
+def _chunk(ev: Token, index: int, t0: float, prompt_tps: float) -> GenerationChunk:
+    s = ev.seq
+    n = ev.count
+    first = s.group.first_token_at
+    return GenerationChunk(
+        text=ev.text,
+        token=ev.token,
+        logprob=ev.logprob,
+        finish_reason=ev.finish_reason,
+        index=index,
+        prompt_tokens=s.n_prompt,
+        generation_tokens=n,
+        prompt_tps=prompt_tps,
+        generation_tps=(n - 1) / (ev.time - first) if n > 1 and ev.time > first else 0.0,
+        ttft_s=first - t0,
+        top_logprobs=ev.top,
+    )
 
 
 def _engine(
@@ -236,90 +168,47 @@ def _engine(
     prompts: Sequence[list[int]],
     params: Sequence[SamplingParams],
     ctx_size: int | None = None,
-    prefill_chunk: int = 2048,
-    enforce_eager: bool = False,
+    runtime: RuntimeConfig | None = None,
+    prefill_chunk: int = PREFILL_CHUNK,
 ) -> Iterator[GenerationChunk]:
+    """The generation loop of every offline call: the engine core over the model's runner, stepped here."""
+    from bitnetlm.engine.core import EngineCore
+    from bitnetlm.runtime import runner_for
+
     t0 = time.perf_counter()
-    rows, device, ctx = _rows(model, tok, prompts, params, ctx_size)
-    rows_todo = [r for r in rows if r.max_new > 0]
-    if not rows_todo:
+    budgets = _budgets(model, prompts, params, ctx_size)
+    todo = [i for i, n in enumerate(budgets) if n > 0]
+    if not todo:
         return
-    for r in rows:
-        if r.max_new <= 0:
-            r.finish_reason = "length"
-    if device.type == "cuda" and not enforce_eager:
-        from bitnetlm.generate.graph import graph_engine, run_graph
+    need = max(len(prompts[i]) + budgets[i] for i in todo)
+    runner = runner_for(model, runtime, rows=len(todo), max_seq_len=need)
+    core = EngineCore(runner, tok, _eos_ids(model, tok), prefill_chunk=prefill_chunk)
+    events: list = []
+    index = {}  # request id -> its prompt's index
+    for i in todo:
+        index[core.add(GenerationRequest(list(prompts[i]), params[i]), events.append, budgets[i]).id] = i
+    n_prompt = sum(len(prompts[i]) for i in todo)
+    prompt_tps = 0.0
+    with torch_threads_beside_c(model):
+        try:
+            while core.has_work():
+                core.step()
+                if not prompt_tps and any(isinstance(e, Token) for e in events):
+                    prompt_tps = n_prompt / max(time.perf_counter() - t0, 1e-9)
+                for ev in events:
+                    if isinstance(ev, Token):
+                        yield _chunk(ev, index[ev.seq.group.id], t0, prompt_tps)
+                events.clear()
+        finally:
+            for g in {id(s.group): s.group for s in core.running()}.values():
+                core.abort(g)  # an abandoned stream frees its rows
+            core.drain()
 
-        eng = graph_engine(model, len(rows), max(len(r.ids) for r in rows) + max(r.max_new for r in rows))
-        if eng is not None:
-            yield from run_graph(eng, rows, t0)
-            return
-    b = len(rows)
-    lens = torch.tensor([len(r.ids) for r in rows], device=device)  # [B]
-    lmax = int(lens.max())
-    pad = tok.pad_token_id if getattr(tok, "pad_token_id", None) is not None else 0
-    input_ids = torch.full((b, lmax), int(pad), dtype=torch.long)
-    for r in rows:
-        input_ids[r.index, lmax - len(r.ids) :] = torch.tensor(r.ids, dtype=torch.long)
-    input_ids = input_ids.to(device)
-    slots = torch.arange(lmax, device=device)  # [Lmax]
-    offset = (lmax - lens)[:, None]  # [B, 1] left padding per row
-    input_mask = slots[None, :] >= offset  # [B, Lmax]
-    positions = (slots[None, :] - offset).clamp(min=0)  # [B, Lmax]
-    cache_pos = slots[None, :].expand(b, lmax)  # [B, Lmax]
-    max_new = max(r.max_new for r in rows)
-    cache = model.new_cache(b, lmax + max_new, device=device)
-    n_prompt = int(lens.sum())
-    top_n = max(r.params.top_logprobs for r in rows)
 
-    with torch.inference_mode(), torch_threads_beside_c(model):
-        for s in range(0, lmax, prefill_chunk):
-            e = min(s + prefill_chunk, lmax)
-            logits = model(
-                input_ids[:, s:e],
-                positions=positions[:, s:e],
-                cache=cache,
-                cache_pos=cache_pos[:, s:e],
-                input_mask=None if bool(input_mask[:, s:e].all()) else input_mask[:, s:e],
-                last_only=True,
-            )
-        t_prefill = time.perf_counter()
-        prompt_tps = n_prompt / max(t_prefill - t0, 1e-9)
-        step = 0
-        while True:
-            active = [r for r in rows if r.finish_reason is None]
-            idx = torch.tensor([r.index for r in active], device=device)
-            out = sample(
-                logits[:, -1][idx],
-                [r.params for r in active],
-                [r.generator for r in active],
-                prompt_tokens=[r.ids for r in active],
-                output_tokens=[r.out for r in active],
-                num_top_logprobs=top_n,
-            )
-            toks = out.tokens.tolist()
-            lps = out.logprobs.tolist()
-            yield from _emit(active, out, toks, lps, time.perf_counter(), t0, prompt_tps)
-            if all(r.finish_reason is not None for r in rows):
-                return
-            # feed the sampled tokens; finished rows feed padding that is never attended to
-            feed = torch.full((b, 1), int(pad), dtype=torch.long)
-            live = torch.zeros(b, 1, dtype=torch.bool)
-            for j, r in enumerate(active):
-                if r.finish_reason is None:
-                    feed[r.index, 0] = toks[j]
-                    live[r.index, 0] = True
-            pos = (lens + step)[:, None]  # [B, 1]
-            slot = torch.full((b, 1), lmax + step, dtype=torch.long, device=device)  # [B, 1]
-            logits = model(
-                feed.to(device),
-                positions=pos,
-                cache=cache,
-                cache_pos=slot,
-                input_mask=None if bool(live.all()) else live.to(device),
-                last_only=True,
-            )
-            step += 1
+def _runtime(runtime: RuntimeConfig | None, enforce_eager: bool) -> RuntimeConfig | None:
+    if not enforce_eager:
+        return runtime
+    return (runtime or RuntimeConfig()).replace(enforce_eager=True)
 
 
 def stream_generate(
@@ -331,7 +220,8 @@ def stream_generate(
     system: str | None = None,
     chat: bool = False,
     ctx_size: int | None = None,
-    prefill_chunk: int = 2048,
+    prefill_chunk: int = PREFILL_CHUNK,
+    runtime: RuntimeConfig | None = None,
     enforce_eager: bool = False,
     **kwargs,
 ) -> Iterator[GenerationChunk]:
@@ -339,14 +229,13 @@ def stream_generate(
 
     prompt: text (encoded with BOS), chat messages (rendered by the chat template) or token ids.
     kwargs: SamplingParams fields (max_tokens, temperature, top_k, top_p, min_p, seed, stop, ...).
-    On CUDA the decode steps replay a CUDA graph (bitnetlm.engine_cuda); enforce_eager=True runs the model's
-    own forward instead (as vLLM's enforce_eager).
+    runtime: how to run the model (default: what `bitnetlm.load` was given for it); on CUDA the decode steps
+    replay captured graphs, and enforce_eager=True runs the model's own forward instead (as vLLM's).
     """
     p = make_params(params, **kwargs)
     ids = prompt_to_ids(tok, prompt, system=system, chat=chat)
-    yield from _engine(
-        model, tok, [ids], [p], ctx_size=ctx_size, prefill_chunk=prefill_chunk, enforce_eager=enforce_eager
-    )
+    rt = _runtime(runtime, enforce_eager)
+    yield from _engine(model, tok, [ids], [p], ctx_size=ctx_size, runtime=rt, prefill_chunk=prefill_chunk)
 
 
 def _result(chunks: list[GenerationChunk], n_prompt: int, t0: float) -> GenerationResult:
@@ -376,6 +265,7 @@ def generate(
     chat: bool = False,
     ctx_size: int | None = None,
     verbose: bool = False,
+    runtime: RuntimeConfig | None = None,
     enforce_eager: bool = False,
     **kwargs,
 ) -> GenerationResult:
@@ -384,7 +274,7 @@ def generate(
     p = make_params(params, **kwargs)
     ids = prompt_to_ids(tok, prompt, system=system, chat=chat)
     chunks = []
-    for c in _engine(model, tok, [ids], [p], ctx_size=ctx_size, enforce_eager=enforce_eager):
+    for c in _engine(model, tok, [ids], [p], ctx_size=ctx_size, runtime=_runtime(runtime, enforce_eager)):
         chunks.append(c)
         if verbose:
             print(c.text, end="", flush=True)
@@ -404,10 +294,11 @@ def batch_generate(
     system: str | None = None,
     chat: bool = False,
     ctx_size: int | None = None,
+    runtime: RuntimeConfig | None = None,
     enforce_eager: bool = False,
     **kwargs,
 ) -> list[GenerationResult]:
-    """Generate for several prompts at once (left-padded batch); each result equals generating it alone."""
+    """Generate for several prompts at once (one KV row each); each result equals generating it alone."""
     t0 = time.perf_counter()
     prompts = list(prompts)
     if isinstance(params, (list, tuple)):
@@ -418,7 +309,8 @@ def batch_generate(
         plist = [make_params(params, **kwargs)] * len(prompts)
     ids = [prompt_to_ids(tok, p, system=system, chat=chat) for p in prompts]
     per_row: list[list[GenerationChunk]] = [[] for _ in prompts]
-    for c in _engine(model, tok, ids, plist, ctx_size=ctx_size, enforce_eager=enforce_eager):
+    rt = _runtime(runtime, enforce_eager)
+    for c in _engine(model, tok, ids, plist, ctx_size=ctx_size, runtime=rt):
         per_row[c.index].append(c)
     return [_result(ch, len(i), t0) for ch, i in zip(per_row, ids, strict=True)]
 

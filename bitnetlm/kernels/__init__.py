@@ -10,8 +10,8 @@ per-token int8 activation quantization of quant.ternary (integer part exact).
 
 Backends are imported lazily so `import bitnetlm` never imports Triton or initialises CUDA.
 Force one with the environment variable BITNETLM_BACKEND=reference|cpu|triton.
-A backend may also have `warm_up()`: its one-time host work before the first launch, which loaders run in a thread
-beside the weight load (`warm_up_async`; BITNETLM_WARM_UP=0 turns that off).
+A backend may also have `warm_up()`: its one-time host work before the first launch, which the CUDA runtime runs
+in a thread beside the weight load.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import threading
 from typing import Any
 
 import torch
@@ -77,74 +76,6 @@ def select_backend(device: torch.device | str = "cpu", name: str | None = None) 
     return get_backend(names[0] if names else "reference")
 
 
-_warm_threads: list[threading.Thread] = []
-_warmed: set[tuple] = set()
-
-
-def _warm_up_torch(dev: torch.device, dtype: torch.dtype | None, config) -> None:
-    """The CUDA context, then the torch kernels a decoder's first GPU forward launches (CUDA loads each kernel
-    at its first launch, tens of ms apiece for the embedding gather, cuBLAS and flash attention): run once on
-    small tensors of the model's dtype and row width. Touches no model state."""
-    torch.empty(1, device=dev)
-    if dtype is None or config is None:
-        return
-    import torch.nn.functional as F
-
-    c = config
-    h, nh, nkv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    x = F.embedding(
-        torch.zeros(16, dtype=torch.long, device=dev), torch.zeros(64, h, dtype=dtype, device=dev)
-    )
-    F.linear(x[:1], torch.zeros(256, h, dtype=dtype, device=dev))  # cuBLAS handle and its first GEMM
-    q = torch.zeros(1, nh, 128, hd, dtype=dtype, device=dev)  # the engine's first prefill length bucket
-    kv = torch.zeros(1, nkv, 128, hd, dtype=dtype, device=dev)
-    from bitnetlm.engine_cuda import prefill_attention
-
-    prefill_attention(q, kv, kv, gqa=nh != nkv)
-    logits = torch.zeros(1, c.vocab_size, dtype=torch.float32, device=dev)
-    vals, idx = logits.view(1, 64, -1).max(dim=-1)
-    idx.gather(1, vals.argmax(dim=-1, keepdim=True))
-    torch.cuda.synchronize(dev)
-
-
-def warm_up_async(
-    device: torch.device | str | None, name: str | None = None, dtype: torch.dtype | None = None, config=None
-) -> list[threading.Thread]:
-    """Start the GPU path's one-time work in daemon threads, so that it overlaps reading the weights: the CUDA
-    context and first torch kernels (`dtype`, shapes from the ModelConfig `config`), and the backend's
-    `warm_up()` (for Triton: its import and compiler keys). `prepare` joins them. Nothing starts for a CPU
-    device, another backend, a second call, or BITNETLM_WARM_UP=0. Best effort: a failure here is silent (the
-    same step then runs, and fails, where it always did)."""
-    dev = torch.device(device or "cpu")
-    name = name or os.environ.get("BITNETLM_BACKEND") or _PREFERENCE.get(dev.type, ["reference"])[0]
-    if dev.type != "cuda" or name != "triton" or os.environ.get("BITNETLM_WARM_UP", "1") == "0":
-        return []
-    if dev.index is None and torch.cuda.is_initialized():  # the caller's current device, not the thread's
-        dev = torch.device("cuda", torch.cuda.current_device())
-    shapes = None if config is None else (config.hidden_size, config.head_dim, config.vocab_size)
-    key = (str(dev), dtype, shapes)
-    if key in _warmed:
-        return []
-    _warmed.add(key)
-
-    def backend_work():
-        get_backend(name).warm_up()
-
-    threads = []
-    for fn in (backend_work, lambda: _warm_up_torch(dev, dtype, config)):
-
-        def run(fn=fn):
-            try:
-                fn()
-            except Exception:  # noqa: S110 - the first real use reports (or redoes) whatever failed here
-                pass
-
-        threads.append(threading.Thread(target=run, name="bitnetlm-warm-up", daemon=True))
-        threads[-1].start()
-    _warm_threads.extend(threads)
-    return threads
-
-
 def backend_for_layout(layout) -> Any:
     """The backend that owns packing layout `layout` (a PackingFormat)."""
     from bitnetlm.quant.packing import PackingFormat
@@ -161,20 +92,15 @@ def backend_for_layout(layout) -> Any:
 
 
 def prepare(model: torch.nn.Module, device: torch.device | str | None = None, backend: str | None = None):
-    """Move `model` to `device` and repack every inference-mode BitLinear for the chosen backend."""
+    """Move `model` to `device` and give every inference-mode BitLinear the chosen backend's kernels (repacked
+    once into that backend's layout)."""
     from bitnetlm.quant.bitlinear import BitLinear
 
     if device is not None:
         model.to(device)
     for m in model.modules():
         if isinstance(m, BitLinear) and not m.training_mode:
-            m.set_backend(backend)
-    if hasattr(model, "cpu_decode"):  # CausalLM on the C kernels: fused one-token decode steps
-        from bitnetlm.kernels.cpu.decode import attach
-
-        attach(model)
-    while _warm_threads:  # the loader's warm-up (warm_up_async): done before the model is used
-        _warm_threads.pop().join()
+            m.use_kernel(select_backend(m.packed.device, backend))
     return model
 
 
@@ -183,7 +109,7 @@ def uses_c_kernels(model: torch.nn.Module) -> bool:
     from bitnetlm.quant.bitlinear import BitLinear
 
     return any(
-        isinstance(m, BitLinear) and not m.training_mode and getattr(m._backend, "name", None) == "cpu"
+        isinstance(m, BitLinear) and not m.training_mode and getattr(m.kernel, "name", None) == "cpu"
         for m in model.modules()
     )
 
@@ -193,7 +119,7 @@ def torch_threads_beside_c(model: torch.nn.Module):
     """Inside: torch's own ops on one thread while `model`'s C kernels run on their pool (as `configure_threads`
     sets for good); the previous count is restored on exit. libgomp's workers spin for milliseconds after each
     parallel torch op and take the cores from the kernel threads (2-core EPYC, 2B4T: 11% more decode tokens/s
-    with it, benchmarks/cpu_generate.py; docs/PERF_LOG.md stop 27)."""
+    with it, benchmarks/cpu_generate.py)."""
     n = torch.get_num_threads()
     if n == 1 or not uses_c_kernels(model):
         yield

@@ -5,18 +5,6 @@ from __future__ import annotations
 import torch
 
 
-def parse_kv_cache_dtype(name: str | None) -> torch.dtype | None:
-    """A --kv-cache-dtype value -> a model's `kv_cache_dtype`: None (auto: the activations' dtype), bfloat16 or
-    float8_e4m3fn."""
-    if name in (None, "", "auto"):
-        return None
-    if name in ("bf16", "bfloat16"):
-        return torch.bfloat16
-    if name in ("fp8", "fp8_e4m3", "float8_e4m3fn"):
-        return torch.float8_e4m3fn
-    raise ValueError(f"--kv-cache-dtype {name!r}: expected auto, bf16 or fp8")
-
-
 class KVCache:
     """k[layer], v[layer]: [B, H_kv, S, D]; valid: [B, S] bool (slot holds a real, attendable token)."""
 
@@ -49,6 +37,24 @@ class KVCache:
             self.valid.zero_()
         else:
             self.valid[rows] = False
+
+    def mark(self, cache_pos: torch.Tensor, input_mask: torch.Tensor | None = None) -> None:
+        """Slots `cache_pos` [B, T] are about to be written: valid where `input_mask` (None: all) is set."""
+        # bounds check only where it costs no device sync (CPU, eager)
+        if cache_pos.device.type == "cpu" and not torch.compiler.is_compiling():
+            top = int(cache_pos.max())
+            if top >= self.max_seq_len:
+                raise ValueError(f"KV cache holds {self.max_seq_len} positions; asked to write position {top}")
+        real = torch.ones_like(cache_pos, dtype=torch.bool) if input_mask is None else input_mask
+        self.valid.scatter_(1, cache_pos, real)
+
+    def attention_mask(self, cache_pos: torch.Tensor) -> torch.Tensor:
+        """[B, 1, T, S]: key j is visible to query (b, t) if it holds a real token at or before the query's slot
+        (a padding query sees itself)."""
+        slots = torch.arange(self.max_seq_len, device=cache_pos.device)
+        mask = self.valid[:, None, :] & (slots[None, None, :] <= cache_pos[:, :, None])  # [B, T, S]
+        mask = mask | (slots[None, None, :] == cache_pos[:, :, None])
+        return mask[:, None]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

@@ -192,21 +192,9 @@ class CausalLM(nn.Module):
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        # optional compact (bf16 / int8) embedding and LM head for CPU decode: kernels.cpu.head.set_head_dtype
-        self.compact_embed = None
-        self.compact_head = None
-        # optional fused decode / prefill step on the C kernels: kernels.cpu.decode.attach
-        self.cpu_decode = None
-        # KV-cache element type of new_cache and of the CUDA-graph engine (generate/graph.py); None: the
-        # activations' dtype. torch.float8_e4m3fn halves the cache's memory and the reads of decode attention.
-        self.kv_cache_dtype: torch.dtype | None = None
-        # on CUDA, the graph engine's LM head: "int8" (per-row int8 weights) or None; set by load(head_dtype=)
-        self.head_dtype: str | None = None
 
     # ---- parts ----------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.compact_embed is not None:
-            return self.compact_embed.embed(input_ids)
         return self.embed_tokens(input_ids)
 
     def lm_head_weight(self) -> torch.Tensor:
@@ -215,8 +203,6 @@ class CausalLM(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head (tied to the embedding unless the config says otherwise)."""
         h = self.norm(h)
-        if self.compact_head is not None:
-            return self.compact_head(h)
         if self.lm_head is None:
             return F.linear(h, self.embed_tokens.weight)
         return self.lm_head(h)
@@ -227,6 +213,7 @@ class CausalLM(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def new_cache(self, batch_size: int, max_seq_len: int | None = None, device=None, dtype=None) -> KVCache:
+        """A cache for this model (dtype None: the activations' dtype)."""
         cfg = self.config
         p = self.embed_tokens.weight
         return KVCache(
@@ -236,7 +223,7 @@ class CausalLM(nn.Module):
             max_seq_len or cfg.max_position_embeddings,
             cfg.head_dim,
             device=device or p.device,
-            dtype=dtype or self.kv_cache_dtype or p.dtype,
+            dtype=dtype or p.dtype,
         )
 
     # ---- forward --------------------------------------------------------------------------
@@ -258,34 +245,15 @@ class CausalLM(nn.Module):
         mask = None
         if cache is not None:
             cache_pos = positions if cache_pos is None else cache_pos
-            # bounds check only where it costs no device sync (CPU, eager)
-            if (
-                cache_pos.device.type == "cpu"
-                and not torch.compiler.is_compiling()
-                and int(cache_pos.max()) >= cache.max_seq_len
-            ):
-                raise ValueError(
-                    f"KV cache holds {cache.max_seq_len} positions; asked to write position {int(cache_pos.max())}"
-                )
-            real = torch.ones_like(input_ids, dtype=torch.bool) if input_mask is None else input_mask
-            cache.valid.scatter_(1, cache_pos, real)
-        fused = self.cpu_decode
-        if fused is not None and fused.eligible(self, h, cos, cache, cache_pos):
-            h = fused(h, cos, sin, cache, cache_pos)  # masks by cache.valid itself
-        else:
-            if cache is not None:
-                slots = torch.arange(cache.max_seq_len, device=input_ids.device)
-                # key j is visible to query (b, t) if it holds a real token at or before the query's slot
-                mask = cache.valid[:, None, :] & (slots[None, None, :] <= cache_pos[:, :, None])  # [B, T, S]
-                mask = mask | (slots[None, None, :] == cache_pos[:, :, None])  # a padding query sees itself
-                mask = mask[:, None]  # [B, 1, T, S]
-            elif input_mask is not None:
-                causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
-                mask = causal[None] & input_mask[:, None, :]  # [B, T, T]
-                eye = torch.eye(t, dtype=torch.bool, device=input_ids.device)
-                mask = (mask | eye)[:, None]  # [B, 1, T, T]
-            for i, layer in enumerate(self.layers):
-                h = layer(h, cos, sin, i, cache, cache_pos, mask)
+            cache.mark(cache_pos, input_mask)
+            mask = cache.attention_mask(cache_pos)
+        elif input_mask is not None:
+            causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
+            mask = causal[None] & input_mask[:, None, :]  # [B, T, T]
+            eye = torch.eye(t, dtype=torch.bool, device=input_ids.device)
+            mask = (mask | eye)[:, None]  # [B, 1, T, T]
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, i, cache, cache_pos, mask)
         if last_only:
             h = h[:, -1:]
         out = self.logits(h)

@@ -3,8 +3,9 @@
 training mode: latent float weights; forward fake-quantizes weights (absmean ternary) and activations
   (per-token int8) with the straight-through estimator. `quant_lambda` in [0, 1] blends
   w + lambda*(quant(w) - w) for a gradual quantization warm-up (1 = fully ternary).
-inference mode: packed 2-bit weights + one float scale s (multiply convention: W ~= T*s), computed by
-  the kernel backend chosen in `bitnetlm.kernels`.
+inference mode: packed 2-bit weights + one float scale s (multiply convention: W ~= T*s), computed by its
+  `kernel` (a backend object that `bitnetlm.kernels.prepare` gives it, packed in that backend's layout), or
+  without one by the reference math over the checkpoint's HF 2-bit layout.
 """
 
 from __future__ import annotations
@@ -13,8 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bitnetlm.quant.packing import PackingFormat, pack, unpack
-from bitnetlm.quant.ternary import fake_quant_activations, fake_quant_weight, ste, ternarize
+from bitnetlm.quant.packing import PackingFormat, pack, unpack, unpack_hf
+from bitnetlm.quant.ternary import (
+    bitlinear_reference,
+    fake_quant_activations,
+    fake_quant_weight,
+    ste,
+    ternarize,
+)
+
+_OWN_LAYOUTS = (PackingFormat.HF_2BIT, PackingFormat.BASE3, PackingFormat.INT8)
 
 
 class BitLinear(nn.Module):
@@ -47,7 +56,7 @@ class BitLinear(nn.Module):
             self.register_buffer("packed", torch.zeros(rows, in_features, dtype=torch.uint8, device=device))
             self.register_buffer("weight_scale", torch.ones(1, dtype=torch.float32, device=device))
             self.layout = PackingFormat.HF_2BIT
-            self._backend = None
+            self.kernel = None  # the backend computing this layer (kernels.prepare); None: the reference math
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype or torch.float32))
         else:
@@ -90,7 +99,8 @@ class BitLinear(nn.Module):
             raise ValueError(
                 f"BitLinear.load_ternary: expected shape {(self.out_features, self.in_features)}, found {tuple(t.shape)}"
             )
-        self.packed = pack(t.to(torch.int8), self.layout)
+        t = t.to(torch.int8)
+        self.packed = pack(t, self.layout) if self.layout in _OWN_LAYOUTS else self.kernel.pack(t)
         self.weight_scale = torch.as_tensor(scale, dtype=torch.float32, device=t.device).reshape(1).clone()
 
     def to_inference(self) -> BitLinear:
@@ -107,27 +117,28 @@ class BitLinear(nn.Module):
         """Canonical int8 ternary T [N, K] (training mode: of the current latent weights)."""
         if self.training_mode:
             return ternarize(self.weight)[0]
-        return unpack(self.packed, self.layout, (self.out_features, self.in_features))
+        shape = (self.out_features, self.in_features)
+        if PackingFormat(self.layout) in _OWN_LAYOUTS:
+            return unpack(self.packed, self.layout, shape)
+        return self.kernel.unpack(self.packed, shape)
 
     def scale(self) -> torch.Tensor:
         if self.training_mode:
             return ternarize(self.weight)[1].reshape(1)
         return self.weight_scale
 
-    def set_backend(self, name: str | None = None) -> None:
-        """Choose the kernel backend for this layer's device and repack into its layout if needed."""
-        from bitnetlm.kernels import select_backend
-
-        backend = select_backend(self.packed.device, name)
-        if PackingFormat(backend.layout) is not PackingFormat(self.layout):
+    def use_kernel(self, kernel) -> None:
+        """Compute this layer with `kernel` (a backend object: `layout`, `pack`, `unpack`, `linear`, optionally
+        `repack`), repacking the weights into its layout if needed. `bitnetlm.kernels.prepare` chooses it."""
+        if PackingFormat(kernel.layout) is not PackingFormat(self.layout):
             shape = (self.out_features, self.in_features)
-            repack = getattr(backend, "repack", None)  # a direct layout-to-layout path, when it has one
+            repack = getattr(kernel, "repack", None)  # a direct layout-to-layout path, when it has one
             p = repack(self.packed, self.layout, shape) if repack is not None else None
             if p is None:
-                p = backend.pack(self.ternary_weight())
-            self.layout = PackingFormat(backend.layout)
+                p = kernel.pack(self.ternary_weight())
+            self.layout = PackingFormat(kernel.layout)
             self.packed = p
-        self._backend = backend
+        self.kernel = kernel
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -137,11 +148,16 @@ class BitLinear(nn.Module):
             if self.quantize_input:
                 x = ste(x, fake_quant_activations(x), self.quant_lambda)
             return F.linear(x, wq.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        backend = self._backend
-        if backend is None or not backend.is_available(self.packed.device):
-            self.set_backend()
-            backend = self._backend
-        y = backend.linear(x, self.packed, self.weight_scale, self.out_features)
+        kernel = self.kernel
+        if kernel is None:
+            y = bitlinear_reference(x, unpack_hf(self.packed, self.out_features), self.weight_scale)
+        elif kernel.is_available(self.packed.device):
+            y = kernel.linear(x, self.packed, self.weight_scale, self.out_features)
+        else:
+            raise RuntimeError(
+                f"BitLinear: packed for the {kernel.name!r} kernels, which cannot run on {self.packed.device}; "
+                "call bitnetlm.kernels.prepare(model, device) after moving the model"
+            )
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
@@ -153,11 +169,13 @@ class BitLinear(nn.Module):
             destination[prefix + "packed"] = pack(self.ternary_weight(), PackingFormat.HF_2BIT)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        if not self.training_mode and prefix + "packed" in state_dict:
+        loads = not self.training_mode and prefix + "packed" in state_dict
+        if loads:
             self.layout = PackingFormat.HF_2BIT
             self.packed = torch.empty_like(state_dict[prefix + "packed"])
-            self._backend = None
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if loads and self.kernel is not None:  # back into the kernel's layout
+            self.use_kernel(self.kernel)
 
     def extra_repr(self) -> str:
         mode = "train" if self.training_mode else f"infer, layout={PackingFormat(self.layout).value}"
@@ -182,12 +200,12 @@ def multi_linear(layers, x: torch.Tensor) -> list[torch.Tensor]:
     Inference BitLinears that share a backend offering `linear_multi` (the CPU kernels) are computed together:
     one activation quantization and one thread dispatch for q/k/v or gate/up. Results are identical.
     """
-    be = getattr(layers[0], "_backend", None)
+    be = getattr(layers[0], "kernel", None)
     if (
         be is not None
         and hasattr(be, "linear_multi")
         and all(
-            isinstance(m, BitLinear) and not m.training_mode and m.bias is None and m._backend is be
+            isinstance(m, BitLinear) and not m.training_mode and m.bias is None and m.kernel is be
             for m in layers
         )
         and be.is_available(x.device)

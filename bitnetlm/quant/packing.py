@@ -89,7 +89,7 @@ def unpack_base3(packed: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def pack(t: torch.Tensor, fmt: PackingFormat) -> torch.Tensor:
-    """Pack canonical int8 ternary T [N, K] into `fmt` (layouts of kernel backends live with the backend)."""
+    """Pack canonical int8 ternary T [N, K] into `fmt` (a kernel backend packs its own layouts)."""
     fmt = PackingFormat(fmt)
     if fmt is PackingFormat.INT8:
         _check_ternary(t, "pack")
@@ -98,9 +98,7 @@ def pack(t: torch.Tensor, fmt: PackingFormat) -> torch.Tensor:
         return pack_hf(t)
     if fmt is PackingFormat.BASE3:
         return pack_base3(t)
-    from bitnetlm.kernels import backend_for_layout
-
-    return backend_for_layout(fmt).pack(t)
+    raise ValueError(f"pack: layout {fmt.value!r} belongs to a kernel backend; pack with that backend")
 
 
 def unpack(p: torch.Tensor, fmt: PackingFormat, shape: tuple[int, int]) -> torch.Tensor:
@@ -112,6 +110,4 @@ def unpack(p: torch.Tensor, fmt: PackingFormat, shape: tuple[int, int]) -> torch
         return unpack_hf(p, shape[0])
     if fmt is PackingFormat.BASE3:
         return unpack_base3(p, tuple(shape))
-    from bitnetlm.kernels import backend_for_layout
-
-    return backend_for_layout(fmt).unpack(p, tuple(shape))
+    raise ValueError(f"unpack: layout {fmt.value!r} belongs to a kernel backend; unpack with that backend")

@@ -24,7 +24,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from bitnetlm.generate.sampling import SamplingParams
+from bitnetlm.runtime.config import RuntimeConfig
+from bitnetlm.sampling import SamplingParams
 from bitnetlm.serve import protocol as P
 from bitnetlm.serve.engine import Chunk, Engine, EngineConfig, Failed, Finished
 from bitnetlm.serve.relay import Run, sse, sse_json
@@ -43,6 +44,7 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20  # request bodies beyond this get 413
     max_prompts: int = 64  # prompts in one /v1/completions batch
     engine: EngineConfig = field(default_factory=EngineConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     graceful_timeout_s: float = 30.0  # on shutdown: how long running requests may take to finish
     log_level: str = "info"
 
@@ -112,7 +114,7 @@ def create_app(
         if tok is None:
             raise ValueError("serving needs a tokenizer (tokenizer.json next to the model)")
         st.tokenizer = tok
-        st.engine = Engine(m, tok, cfg.engine, model_name=cfg.model_name)
+        st.engine = Engine(m, tok, cfg.engine, model_name=cfg.model_name, runtime=cfg.runtime)
 
     def load_in_background():
         try:

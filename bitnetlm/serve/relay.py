@@ -5,11 +5,11 @@ step. Handing each one over with its own `call_soon_threadsafe` wakes the loop (
 and relaying each one as its own SSE write sends it through every ASGI middleware's `send` and a socket write.
 With tens of streams both hold the GIL that the engine thread needs for its next step. So:
 - a `Mailbox` per loop queues the events of every request and wakes the loop once for all that arrive before
-  it runs (COALESCE);
+  it runs;
 - `Run.batches` yields every event a request has waiting, and the streaming route writes them as one chunk of
   SSE frames (each frame unchanged, so clients see the same events).
-(On an H200 with 1-32 clients this measured a tie with one wake-up and one write per event: docs/PERF_LOG.md
-stop 54.)
+(On an H200 with 1-32 clients this measured a tie with one wake-up and one write per event, and costs no
+more at 32 streams: docs/PERF_LOG.md.)
 A client that disconnects is noticed by a watcher on the ASGI receive channel, which puts `GONE` in the queue.
 """
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import threading
 import weakref
 from collections.abc import AsyncIterator
@@ -34,9 +33,6 @@ from bitnetlm.serve.requests import (
     QueueFull,
 )
 
-# One wake-up of the loop for every event that arrives before it runs; BITNETLM_SERVE_COALESCE=0 (benchmarks'
-# A/B): one wake-up, and one SSE write, per event.
-COALESCE = os.environ.get("BITNETLM_SERVE_COALESCE", "1") != "0"
 GONE = object()  # queued by the disconnect watcher
 
 # Characters that str.splitlines (and so httpx's aiter_lines) breaks a line at, which JSON leaves raw outside ASCII:
@@ -65,9 +61,6 @@ class Mailbox:
 
     def put(self, queue: asyncio.Queue, item: Any) -> None:
         """Called from any thread: `item` into `queue` on the loop."""
-        if not COALESCE:
-            self.loop.call_soon_threadsafe(queue.put_nowait, item)
-            return
         with self.lock:
             self.items.append((queue, item))
             if self.scheduled:
@@ -152,7 +145,7 @@ class Run:
         try:
             while self.open:
                 got = [await self.queue.get()]
-                while COALESCE and not self.queue.empty():
+                while not self.queue.empty():
                     got.append(self.queue.get_nowait())
                 batch = []
                 for i, ev in got:

@@ -54,8 +54,8 @@ def assemble(name: str, parts: Path, out: Path, dtype: torch.dtype = torch.bfloa
     from safetensors.torch import load_file
 
     from bitnetlm import save
-    from bitnetlm.generate.tokenizer import Tokenizer
     from bitnetlm.models import ModelConfig, build_model
+    from bitnetlm.text.tokenizer import Tokenizer
 
     with open(parts / "config.json", encoding="utf-8") as f:
         cfg = ModelConfig.from_hf(json.load(f), source=str(parts / "config.json"))

@@ -2,9 +2,9 @@
 
 In a decode step the tied embedding / LM head of BitNet 2B4T (128256 x 2560) is read once per token:
 656 MB in bf16 against 520 MB for all ternary projections, so its storage type sets a large part of the
-decode speed. `set_head_dtype(model, "bf16" | "int8" | None)` swaps the model's embedding and head for a
-`CompactHead` that keeps one copy of the matrix (tied models share it for both uses) and computes the
-logits with the C kernels in float32 accumulation (a torch fallback runs anywhere else).
+decode speed. A `CompactHead` keeps one copy of the matrix and computes the logits with the C kernels in
+float32 accumulation (a torch fallback runs anywhere else); `CompactEmbedding` looks rows up in the same copy,
+so a tied model keeps one matrix for both uses (`bitnetlm.runtime.cpu.set_head_dtype` swaps them in).
 
 int8: q[v, :] = round(w[v, :] * 127 / max|w[v, :]|), scale[v] = max|w[v, :]| / 127 (symmetric, per row);
 the activations stay float32 (weights-only quantization).
@@ -80,22 +80,20 @@ class CompactHead(nn.Module):
         return torch.nn.functional.linear(h.float(), self.weight.float()) * self.scale
 
 
-def set_head_dtype(model, dtype: str | None) -> None:
-    """Give `model` (a bitnetlm CausalLM) a compact embedding + LM head ("bf16" or "int8"); None undoes nothing.
+class CompactEmbedding(nn.Module):
+    """The embedding lookup over a CompactHead's matrix (shared with the LM head of a tied model)."""
 
-    Tied models keep one matrix for both uses and drop the float embedding. Untied models get a compact head
-    and a compact embedding each. Inference only: a model converted this way is not meant to be trained or saved.
-    """
-    if dtype is None:
-        return
-    if dtype not in HEAD_DTYPES:
-        raise ValueError(f"--head-dtype must be one of {HEAD_DTYPES}, got {dtype!r}")
-    tied = model.lm_head is None
-    emb = CompactHead(model.embed_tokens.weight, dtype)
-    head = emb if tied else CompactHead(model.lm_head.weight, dtype)
-    # drop the float copies: an empty placeholder keeps the attribute for code that only reads shapes
-    model.embed_tokens.weight = nn.Parameter(torch.empty(0), requires_grad=False)
-    if not tied:
-        model.lm_head = None
-    model.compact_embed = emb
-    model.compact_head = head
+    def __init__(self, head: CompactHead):
+        super().__init__()
+        self.head = head
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head.weight
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.head.num_embeddings
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head.embed(ids)

@@ -19,6 +19,7 @@ attention output reaches o_proj without a transpose copy.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -27,8 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from bitnetlm import engine_weights
 from bitnetlm.models.config import ModelConfig
+from bitnetlm.runtime.cuda import weights as engine_weights
 
 PREFILL_ALIGN = 128  # prefill attention runs on lengths padded to a multiple of this (see prefill_attention)
 # ... or, for prompts this short, to the first of these that holds them: a 49-token prompt padded to 128 rows
@@ -516,11 +517,25 @@ class CudaEngine:
             pos.add_(1)
             return logits
 
-        graph, logits = capture(body, before_capture=pos.zero_)
+        with self.kept_slots(batch):
+            graph, logits = capture(body, before_capture=pos.zero_)
         # the body stays: graph_sampler captures it again, followed by a sampler, in one graph
         st = _DecodeState(graph, tok, pos, step, out, logits, extra={"body": body})
         self._graphs[key] = st
         return st
+
+    @contextlib.contextmanager
+    def kept_slots(self, batch: int):
+        """Inside, KV positions 0-2 of rows 0..batch-1 may be overwritten: the eager warm-up runs of a decode
+        step's capture (3 runs from position 0) write there. They are restored on exit, so that a step can be
+        captured while rows hold sequences."""
+        n = min(3, self.ecfg.max_seq_len)
+        kept = [c[:batch, :, :n].clone() for c in self.k_cache + self.v_cache]
+        try:
+            yield
+        finally:
+            for c, k in zip(self.k_cache + self.v_cache, kept, strict=True):
+                c[:batch, :, :n] = k
 
     def prefill(self, ids: list[int], row: int) -> torch.Tensor:
         """Prefill one prompt from position 0 into cache row `row` -> float32 logits [V] after its last token.
@@ -575,8 +590,7 @@ class CudaEngine:
 
     def logits_state(self, batch: int, max_keys: int = 0) -> _DecodeState:
         """A captured step without sampling: logits [B, V] of tok [B, 1] at pos [B], then pos += 1. The caller
-        samples (any sampler, on the host's schedule) and writes the next tokens into `tok`. Capture it before
-        prefilling: its eager warm-up runs write KV-cache slots 0-2, which the prefill then overwrites."""
+        samples (any sampler, on the host's schedule) and writes the next tokens into `tok`."""
         return self.decode_state(batch, sample=False, max_keys=max_keys)
 
     @torch.no_grad()

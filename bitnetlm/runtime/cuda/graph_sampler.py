@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from bitnetlm.generate.reductions import argmax_logsumexp, greedy_sample, wide
-from bitnetlm.generate.sampling import (
+from bitnetlm.sampling.reductions import argmax_logsumexp, greedy_sample, wide
+from bitnetlm.sampling.sampler import (
     RowRandom,
     RowTensors,
     SamplingParams,
@@ -110,7 +110,7 @@ class GraphSampler:
         # (a CPU has no graph to export from: `run` runs the ops)
         self.exports = export and dev.type == "cuda"
         if dev.type == "cuda":
-            from bitnetlm.engine_cuda import capture
+            from bitnetlm.runtime.cuda.engine import capture
 
             body = self._body
             if self.exports:
@@ -144,7 +144,7 @@ class GraphSampler:
         Captured on first use into st's memory pool (the two are replayed one at a time on one stream, and only
         st's logits outlive a replay); like st, capture it before prefilling."""
         if self._step_graph is None:
-            from bitnetlm.engine_cuda import capture
+            from bitnetlm.runtime.cuda.engine import capture
 
             if self.exports:
                 raise RuntimeError("GraphSampler.step_graph: this sampler's own graph exports already")
@@ -322,18 +322,17 @@ class ContinuousSampler:
         self.max_samplers = max_samplers
         self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
 
-    def sample(self, logits: torch.Tensor, rows: dict[int, tuple]) -> GraphSampler:
-        """One token for every row of `logits` [b, V]; rows maps a row to (occupant, SamplingParams, RowRandom,
-        draws it may still need), identified by the occupant (`is`): a new one is loaded, and a row missing
-        from `rows` samples as greedy. Returns the sampler whose tok / lp / top_v / top_i [b] hold the result
-        (device tensors, valid until the next call), and the number of the replay's export into the sampler's
-        HostRing (on CUDA; else None)."""
-        b = logits.shape[0]
+    def load(self, rows: dict[int, tuple]) -> bool:
+        """Rows' occupants: rows maps a row to (occupant, SamplingParams, RowRandom, draws it may still need),
+        identified by the occupant (`is`): a new one is loaded, and a row missing from `rows` samples as greedy.
+        Returns whether any row changed."""
+        changed = False
         for i in range(len(self.occupant)):
             occ = rows.get(i)
             who = None if occ is None else occ[0]
             if who is self.occupant[i]:
                 continue
+            changed = True
             self.occupant[i] = who
             self.params[i] = GREEDY if occ is None else occ[1]
             self._version += 1
@@ -341,6 +340,22 @@ class ContinuousSampler:
                 self.draws.bias[i].zero_()
             else:
                 self.draws.load_row(i, occ[1], occ[2], occ[3])
+        return changed
+
+    def kind(self, b: int) -> tuple[RowTensors, bool, int]:
+        """The first b rows' parameters as tensors, whether any has a logit_bias, and their top-logprobs count."""
+        params = self.params[:b]
+        t = row_tensors(params, self.v, self.device)
+        bias = any(p.logit_bias for p in params)
+        top_n = max((p.top_logprobs for p in params if p.logprobs or p.top_logprobs), default=0)
+        return t, bias, top_n
+
+    def sample(self, logits: torch.Tensor, rows: dict[int, tuple]) -> tuple[GraphSampler, int | None]:
+        """One token for every row of `logits` [b, V] (rows: as `load` takes them). Returns the sampler whose
+        tok / lp / top_v / top_i [b] hold the result (device tensors, valid until the next call), and the number
+        of the replay's export into the sampler's HostRing (on CUDA; else None)."""
+        b = logits.shape[0]
+        self.load(rows)
         gs = self._sampler(b)
         self.x[:b].copy_(logits)
         return gs, gs.run()
@@ -348,10 +363,7 @@ class ContinuousSampler:
     def _sampler(self, b: int) -> GraphSampler:
         if self._set is not None and self._set[:2] == (self._version, b):
             return self._set[2]
-        params = self.params[:b]
-        t = row_tensors(params, self.v, self.device)
-        bias = any(p.logit_bias for p in params)
-        top_n = max((p.top_logprobs for p in params if p.logprobs), default=0)
+        t, bias, top_n = self.kind(b)
         x, nt, d = self.x[:b], self.next_tok[:b], self.draws.rows(b)
         gs = _cached(
             self.samplers,

@@ -28,7 +28,7 @@ def tiny_tokenizer(vocab_size: int = 512):
     from tokenizers import Tokenizer as _Tok
     from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-    from bitnetlm.generate.tokenizer import Tokenizer
+    from bitnetlm.text.tokenizer import Tokenizer
 
     tok = _Tok(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -56,6 +56,7 @@ def tiny_model(
     backend: str | None = "reference",
 ):
     """A random BitNet-architecture model (packed ternary projections) small enough for CPU tests."""
+    from bitnetlm.kernels import prepare
     from bitnetlm.models import ModelConfig, build_model
     from bitnetlm.quant.bitlinear import BitLinear
 
@@ -83,8 +84,7 @@ def tiny_model(
             if isinstance(m, BitLinear):
                 t = torch.randint(-1, 2, (m.out_features, m.in_features), generator=g, dtype=torch.int8)
                 m.load_ternary(t, 0.5 / m.in_features**0.5)
-                m.set_backend(backend)
-    return model.eval()
+    return prepare(model, "cpu", backend).eval()
 
 
 def tiny_model_and_tokenizer(max_len: int = 256, seed: int = 0, **kw):

@@ -1,6 +1,6 @@
 """The CUDA half of `bitnet bench`: prefill and CUDA-graph decode of the Triton engine vs our own bf16 engine.
 
-Both engines are `bitnetlm.engine_cuda.CudaEngine` over the same model shape with random weights (ternary in
+Both engines are `bitnetlm.runtime.cuda.engine.CudaEngine` over the same model shape with random weights (ternary in
 the real packed layout vs unquantized bf16 matrices), with the same CUDA-graph treatment, timed with CUDA
 events. Reported per batch size and depth (tokens already in each row's KV cache when a test starts, as
 llama-bench's --n-depth; 0: an empty cache): prefill ms and tokens/s, decode ms/step, tokens/s and the GB/s of
@@ -41,7 +41,7 @@ def bench_engine(
     """Rows of prefill/decode timings of one engine, per batch size and depth (graphs captured for each). At
     depth d each row's cache first holds d random tokens (run untimed); the prefill then starts at position d
     (a chunk continuing the prompt) and the decode steps at d, captured for d + n_gen keys."""
-    from bitnetlm.engine_cuda import capture
+    from bitnetlm.runtime.cuda.engine import capture
 
     vocab = eng.cfg.vocab_size
     rows = []
@@ -87,8 +87,8 @@ def bench_engine(
 
 
 def _engine_config(max_batch: int, max_seq_len: int, head: str, kv_cache_dtype: str, weights: str):
-    from bitnetlm.engine_cuda import EngineConfig
-    from bitnetlm.models.cache import parse_kv_cache_dtype
+    from bitnetlm.runtime.config import kv_cache_dtype as parse_kv_cache_dtype
+    from bitnetlm.runtime.cuda.engine import EngineConfig
 
     kv = parse_kv_cache_dtype(kv_cache_dtype)
     return EngineConfig(max_batch=max_batch, max_seq_len=max_seq_len, weights=weights, head=head, kv_dtype=kv)
@@ -105,8 +105,8 @@ def random_engine(
     """A `CudaEngine` of random weights in the real packed layout, of the 2B4T shape (`ModelConfig`'s defaults,
     or those `shape` overrides): what `bitnet bench` and the GPU scripts in benchmarks/ time. kv_cache_dtype:
     "auto" (the activations' bf16) or "fp8"."""
-    from bitnetlm.engine_cuda import CudaEngine
     from bitnetlm.models import ModelConfig
+    from bitnetlm.runtime.cuda.engine import CudaEngine
 
     ecfg = _engine_config(max_batch, max_seq_len, head, kv_cache_dtype, weights)
     return CudaEngine.random(ModelConfig(**(shape or {})), ecfg)
@@ -130,7 +130,7 @@ def bench_cuda(
     shape, at each depth (`bench_engine`); returns rows + ratios. model: a loaded bitnetlm CausalLM to build the
     engines from (the baseline from its ternary weights times their scales, in bf16) instead of random weights of
     `shape`; label names it."""
-    from bitnetlm.engine_cuda import CudaEngine
+    from bitnetlm.runtime.cuda.engine import CudaEngine
 
     need = max(depths) + n_prompt + n_gen + 1
     seq = max_seq_len or need  # KV-cache positions (a server allocates its whole context)
@@ -207,8 +207,8 @@ def markdown(res: dict) -> str:
 def run_cuda(args) -> int:
     """`bitnet bench --device cuda`: the hook called by bitnetlm.bench.run. -m: the engines are built from that
     model (its own weights; the bf16 baseline from them); --shape (default 2b4t): random weights of the shape."""
-    from bitnetlm.bench import SHAPES
-    from bitnetlm.models.cache import parse_kv_cache_dtype
+    from bitnetlm.models.shapes import SHAPES
+    from bitnetlm.runtime.config import kv_cache_dtype as parse_kv_cache_dtype
 
     kv = tuple(args.kv_cache_dtype or ("auto",))
     try:

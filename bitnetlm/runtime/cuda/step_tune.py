@@ -197,7 +197,7 @@ def tune_shape(
     """Step-tune a model shape (`ModelConfig`, random weights) at each batch size on this GPU and write the
     choices into the table `out` (default: the user's table of this GPU model). One dict a batch: keys, changed
     keys, and ms/step before / after for `rounds` alternating rounds."""
-    from bitnetlm.engine_cuda import CudaEngine, EngineConfig
+    from bitnetlm.runtime.cuda.engine import CudaEngine, EngineConfig
 
     if out is None and not tune.USER_TABLE_DIR:
         raise ValueError("tune_shape: no table to write (BITNETLM_TRITON_STEP_TABLES is empty): pass out=")

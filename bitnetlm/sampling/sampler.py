@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bitnetlm.generate import reductions
+from bitnetlm.sampling import reductions
 
 
 @dataclass

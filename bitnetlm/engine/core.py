@@ -1,0 +1,84 @@
+"""The engine core: one generation loop (a scheduler and a worker over a runner), driven one step at a time.
+
+Offline generation (`bitnetlm.generate`) steps it in the caller's thread until its requests end; the server
+(`bitnetlm.serve.engine.Engine`) steps it on a thread of its own while requests come and go. Every request is a
+`Group` of choices; its events (`Token`, `Finished`, `Failed`) go to its sink on the stepping thread.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bitnetlm.engine.metrics import Metrics
+from bitnetlm.engine.scheduler import Scheduler, SchedulerConfig
+from bitnetlm.engine.sequence import GenerationRequest, Group, Sequence
+from bitnetlm.engine.worker import Worker
+from bitnetlm.sampling import RowRandom
+from bitnetlm.text.detok import StreamDetokenizer
+
+
+class EngineCore:
+    def __init__(
+        self, runner, tokenizer, eos_ids=(), prefill_chunk: int = 512, metrics: Metrics | None = None
+    ):
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, found {prefill_chunk}")
+        self.runner, self.tokenizer = runner, tokenizer
+        self.eos_ids = {int(i) for i in eos_ids if i is not None}
+        batched = runner.batched_prefill
+        self.scheduler = Scheduler(SchedulerConfig(runner.rows, prefill_chunk, batched, not batched))
+        self.worker = Worker(runner, self.scheduler, metrics)
+        self.inflight = None  # the decode step whose tokens are still on their way to the host
+        self.steps = 0
+
+    def add(self, req: GenerationRequest, sink, max_tokens: int | None = None) -> Group:
+        """Queue `req` (its `n` choices); `sink(event)` gets its events. Choice i of a seeded request draws from
+        seed + i (choice 0 is what offline `generate` samples with that seed)."""
+        g = Group(req, sink, max_tokens)
+        p = req.params
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
+        dev = self.runner.device
+        for i in range(req.n):
+            gen = None if p.seed is None else torch.Generator(device=dev).manual_seed(int(p.seed) + i)
+            detok = StreamDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens)
+            s = Sequence(g, i, detok, stop_ids, RowRandom(gen, dev))
+            g.seqs.append(s)
+            self.scheduler.add(s)
+        return g
+
+    def abort(self, g: Group) -> None:
+        """End request `g` now: its queued choices leave the queue, running ones give their row back."""
+        g.cancelled = True
+        for s in g.seqs:
+            self.scheduler.finish(s)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or self.inflight is not None
+
+    def step(self) -> None:
+        """Plan and run one step. A pipelined step queues its decode before it reads the last step's tokens."""
+        self.steps += 1
+        w = self.worker
+        plan = self.scheduler.schedule()
+        pipelined = self.runner.pipelined and not any(
+            s.params.needs_penalties for s in self.scheduler.running.values()
+        )
+        if self.inflight is not None and not pipelined:  # this step's decode needs the tokens on the host
+            old, self.inflight = self.inflight, None
+            w.collect(old)
+        with torch.inference_mode():
+            first, step = w.execute(plan, pipelined)
+        old, self.inflight = self.inflight, step
+        if old is not None:
+            w.collect(old)
+        if first is not None:
+            w.collect(first)
+
+    def drain(self) -> None:
+        """Read the step still in flight (its tokens reach their sequences, or are dropped for ended ones)."""
+        if self.inflight is not None:
+            old, self.inflight = self.inflight, None
+            self.worker.collect(old)
+
+    def running(self) -> list[Sequence]:
+        return list(self.scheduler.running.values())

@@ -1,0 +1,149 @@
+"""The scheduler: which sequences get a KV row, which prompt tokens prefill this step, which rows decode.
+
+Pure bookkeeping over plain sequence records (no tensors, no model): `schedule()` returns a `Plan` and advances
+each planned sequence's `n_cached` as if the plan ran, so the next plan builds on it. The worker executes plans
+on a runner and reports back only what the scheduler cannot know: a sequence that finished (`finish`).
+
+Each step:
+  1. admits waiting sequences into free rows, lowest row first, in arrival order;
+  2. prefills prompts FIFO, `prefill_chunk` tokens per step in total (bounding the stall of the decoding rows);
+     whole prompts that fit together run as one forward where the runner can batch them, and the other choices
+     of a request (n > 1) wait for the first's prefill, then copy it (a copy gives bit-identical keys and values);
+  3. decodes every sequence that has a next token: its last sampled token, known on the host or still on its way
+     there (a pipelined step), or its first token, sampled in this same step from its prompt's last logits.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from bitnetlm.engine.sequence import Sequence
+
+
+@dataclass
+class SchedulerConfig:
+    rows: int
+    prefill_chunk: int = 512  # prompt tokens prefilled per step
+    batched_prefill: bool = True  # whole prompts may share one forward (else one prompt per forward)
+    split_first_only: bool = (
+        False  # only a step's first prompt may be split into chunks (fewer prefill shapes)
+    )
+
+
+@dataclass
+class Chunk:
+    """Prompt tokens [start, end) of `seq` into its row."""
+
+    seq: Sequence
+    start: int
+    end: int
+
+
+@dataclass
+class Plan:
+    admitted: list[Sequence] = field(default_factory=list)  # got a row this step (the worker resets it)
+    prefills: list[list[Chunk]] = field(default_factory=list)  # each inner list: one forward
+    copies: list[tuple[Sequence, Sequence]] = field(
+        default_factory=list
+    )  # (prefilled, sibling): share its prompt
+    decode: list[Sequence] = field(default_factory=list)  # candidates: the worker drops those that have ended
+
+    def __bool__(self) -> bool:
+        return bool(self.admitted or self.prefills or self.copies or self.decode)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: dict[int, Sequence] = {}  # row -> sequence
+        self.free_rows = list(range(config.rows))  # kept sorted: lowest row first
+
+    # ---- state --------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """`seq` ended (stopped, or cancelled): its row is free again, or it leaves the queue."""
+        seq.done = True
+        if seq.row is not None and self.running.get(seq.row) is seq:
+            del self.running[seq.row]
+            self.free_rows.append(seq.row)
+            self.free_rows.sort()
+            seq.row = None
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- planning -----------------------------------------------------------------------------------
+    def schedule(self) -> Plan:
+        plan = Plan()
+        while self.waiting and self.free_rows:
+            s = self.waiting.popleft()
+            s.row = self.free_rows.pop(0)
+            self.running[s.row] = s
+            plan.admitted.append(s)
+        completing = self._plan_prefill(plan)
+        for s in self.running.values():
+            if s.done:
+                continue
+            if s in completing or (s.n_cached >= s.n_prompt and len(s.tokens) + s.pending == s.n_cached + 1):
+                if s.budget > 0 or s in completing:
+                    plan.decode.append(s)
+                    s.n_cached += 1
+        plan.decode.sort(key=lambda s: s.row)
+        return plan
+
+    def _plan_prefill(self, plan: Plan) -> set:
+        """Prompt chunks for this step (FIFO); returns the sequences whose prompt becomes complete."""
+        cfg = self.config
+        budget = cfg.prefill_chunk
+        chunks: list[Chunk] = []
+        for s in sorted(self.running.values(), key=lambda s: (s.group.arrival, s.group.id, s.index)):
+            if budget <= 0:
+                break
+            todo = s.n_prompt - s.n_cached
+            if s.done or todo <= 0 or (s.n_cached == 0 and self._sibling_prefilling(s, chunks)):
+                continue  # done, or a sibling's prefill will be copied into this row
+            c = min(todo, budget)
+            if cfg.split_first_only and c < todo and chunks:
+                break
+            budget -= c
+            chunks.append(Chunk(s, s.n_cached, s.n_cached + c))
+        completing = set()
+        whole = [c for c in chunks if c.start == 0 and c.end == c.seq.n_prompt] if cfg.batched_prefill else []
+        batch: list[Chunk] = []
+        for c in whole:  # fresh prompts that fit whole go through one forward (left-padded)
+            if (len(batch) + 1) * max([b.end for b in batch] + [c.end]) <= cfg.prefill_chunk:
+                batch.append(c)
+        if len(batch) > 1:
+            plan.prefills.append(batch)
+        in_batch = {id(c) for c in batch} if len(batch) > 1 else set()
+        plan.prefills += [[c] for c in chunks if id(c) not in in_batch]
+        for c in chunks:
+            c.seq.n_cached = c.end
+            if c.end == c.seq.n_prompt:
+                completing.add(c.seq)
+                for t in self._siblings_waiting(c.seq):
+                    plan.copies.append((c.seq, t))
+                    t.n_cached = t.n_prompt
+                    completing.add(t)
+        return completing
+
+    @staticmethod
+    def _sibling_prefilling(s: Sequence, chunks: list[Chunk]) -> bool:
+        planned = {id(c.seq) for c in chunks}
+        return any(
+            t is not s and not t.done and t.row is not None and (t.n_cached > 0 or id(t) in planned)
+            for t in s.group.seqs
+        )
+
+    @staticmethod
+    def _siblings_waiting(s: Sequence) -> list[Sequence]:
+        """The other choices of s's request that hold a row and have not started: they copy s's prompt."""
+        return [
+            t for t in s.group.seqs if t is not s and t.row is not None and t.n_cached == 0 and not t.done
+        ]

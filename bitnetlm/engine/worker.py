@@ -1,0 +1,143 @@
+"""The worker: executes the scheduler's plans on a runner and turns sampled tokens into text.
+
+One step: reset the rows admitted, prefill the planned prompt chunks (whole prompts that arrived together in one
+forward where the runner batches), copy a prefilled prompt into the rows of its request's other choices, sample
+the first token of every prompt that completed, then decode every sequence that has a next token and sample.
+
+Pipelined (a runner that samples on the device, no row with penalties): the sampled tokens stay on the device as
+the next step's input and reach the host later (`collect`), so the host's work on one step's tokens overlaps the
+device's next step. A sequence that those tokens end has decoded one token too many, which nobody reads.
+Otherwise every step's tokens are read before the next is planned.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from bitnetlm.engine.metrics import Metrics
+from bitnetlm.engine.scheduler import Plan, Scheduler
+from bitnetlm.engine.sequence import Finished, Sequence, Token
+from bitnetlm.runtime.base import Pending, SampleSpec
+
+Queued = tuple[Pending, list[Sequence]]
+
+
+def spec(s: Sequence) -> SampleSpec:
+    """What the runner needs to sample `s`'s next token."""
+    p = s.params
+    pen = p.needs_penalties
+    return SampleSpec(
+        s.row,
+        p,
+        s.random,
+        s.group.max_tokens - len(s.generated),
+        owner=s,
+        prompt=s.tokens[: s.n_prompt] if pen else (),
+        output=s.generated if pen else (),
+    )
+
+
+class Worker:
+    def __init__(self, runner, scheduler: Scheduler, metrics: Metrics | None = None):
+        self.runner, self.scheduler, self.metrics = runner, scheduler, metrics
+        self.batched_prefills = 0  # forwards that prefilled several prompts at once
+
+    def execute(self, plan: Plan, pipelined: bool) -> tuple[Queued | None, Queued | None]:
+        """Run `plan`. Pipelined, returns the sampling of the prompts' first tokens and the decode step's, each
+        (pending, its sequences) still on its way to the host; otherwise both are read already (None, None)."""
+        r = self.runner
+        for s in plan.admitted:
+            r.reset(s.row)
+        ready = self._prefill(plan)
+        first = step = None
+        if ready:
+            seqs = [s for s, _ in ready]
+            pend = r.sample([spec(s) for s in seqs], torch.stack([lg for _, lg in ready]), carry=pipelined)
+            first = self._queued(pend, seqs, pipelined)
+        dec = [s for s in plan.decode if not s.done and s.budget > 0]
+        if dec:
+            tokens = [None if s.pending else s.tokens[-1] for s in dec]
+            positions = [s.n_cached - 1 for s in dec]
+            specs = [spec(s) for s in dec]
+            pend = r.decode_sample([s.row for s in dec], tokens, positions, specs, carry=pipelined)
+            step = self._queued(pend, dec, pipelined)
+        return first, step
+
+    def _prefill(self, plan: Plan) -> list[tuple[Sequence, torch.Tensor]]:
+        """The plan's prompt chunks and copies -> (sequence, its prompt's last logits [V]) of completed prompts."""
+        r, ready = self.runner, []
+        for group in plan.prefills:
+            if len(group) > 1:
+                self.batched_prefills += 1
+                logits = r.prefill_many([c.seq.row for c in group], [c.seq.tokens[: c.end] for c in group])
+                ready += [(c.seq, logits[i]) for i, c in enumerate(group)]
+            else:
+                c = group[0]
+                lg = r.prefill(c.seq.row, c.seq.tokens[c.start : c.end], c.start)
+                if c.end == c.seq.n_prompt:
+                    ready.append((c.seq, lg))
+            if self.metrics is not None:
+                self.metrics.inc("prompt_tokens_total", sum(c.end - c.start for c in group))
+        last = {id(s): lg for s, lg in ready}
+        for src, dst in plan.copies:
+            r.copy_prefix(src.row, dst.row, src.n_prompt)
+            ready.append((dst, last[id(src)]))
+        return ready
+
+    def _queued(self, pending: Pending, seqs: list[Sequence], pipelined: bool) -> Queued | None:
+        for s in seqs:
+            s.pending += 1
+        if pipelined:
+            return pending, seqs
+        self.collect((pending, seqs))
+        return None
+
+    def collect(self, queued: Queued) -> None:
+        """A sampling step's tokens into their sequences (but for those that have ended since it was queued)."""
+        pending, seqs = queued
+        got = self.runner.collect(pending)
+        now = time.perf_counter()
+        for i, s in enumerate(seqs):
+            s.pending -= 1
+            if s.done:
+                continue
+            top = None
+            if got.top_ids is not None and s.params.top_logprobs:
+                k = s.params.top_logprobs
+                top = list(zip(got.top_ids[i][:k], got.top_logprobs[i][:k], strict=True))
+            self._advance(s, got.tokens[i], got.logprobs[i], top, now)
+
+    def _advance(self, s: Sequence, token: int, logprob: float, top, now: float) -> None:
+        g, m = s.group, self.metrics
+        text = s.push(token)
+        g.completion_tokens += 1
+        if m is not None:
+            m.inc("generation_tokens_total")
+            if g.first_token_at is None:
+                m.observe("time_to_first_token_seconds", now - g.arrival)
+            if s.last_token_at is not None:
+                m.observe("inter_token_latency_seconds", now - s.last_token_at)
+        if g.first_token_at is None:
+            g.first_token_at = now
+        s.last_token_at = now
+        emit(g, Token(s, len(s.generated), token, text, logprob, top, s.finish_reason, now))
+        if s.finish_reason is not None:
+            self.scheduler.finish(s)
+            g.remaining -= 1
+            if g.remaining == 0 and not g.cancelled:
+                if m is not None:
+                    m.observe("e2e_request_latency_seconds", now - g.arrival)
+                    m.finished(g.seqs[0].finish_reason or "stop")
+                emit(g, Finished(len(g.req.prompt_ids), g.completion_tokens))
+
+
+def emit(g, ev) -> None:
+    """An event to its request's sink; a sink that raises does not stop the engine."""
+    try:
+        g.sink(ev)
+    except Exception:  # noqa: BLE001 - a broken client callback must not kill the engine
+        import logging
+
+        logging.getLogger("bitnetlm.engine").exception("event sink failed for request %d", g.id)

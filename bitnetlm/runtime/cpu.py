@@ -1,0 +1,137 @@
+"""The CPU runner: the eager runner with every layer of a step in one C call (`kernels.cpu.decode.FusedStep`),
+and the CPU-side model options: the compact embedding + LM head (bf16 / int8) and the threads.
+
+A model runs fused when its projections are inference BitLinears on the "cpu" backend without biases, its
+norms fp32 RMSNorms, its activation relu2 or silu; otherwise (and for a step the C code does not take) the
+model's own layers run, through the same C projections.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bitnetlm.kernels import configure_threads
+from bitnetlm.kernels.cpu.decode import PROJ, FusedStep, LayerTensors, StepShape, accepts
+from bitnetlm.kernels.cpu.decode import why_not as _kernel_why_not
+from bitnetlm.kernels.cpu.head import HEAD_DTYPES, CompactEmbedding, CompactHead
+from bitnetlm.models.transformer import MLP, Attention, Block, RMSNorm
+from bitnetlm.quant.bitlinear import BitLinear
+from bitnetlm.runtime.config import RuntimeConfig
+from bitnetlm.runtime.eager import EagerRunner
+
+
+def _layer(blk, eps: float) -> LayerTensors | str:
+    """One block's tensors for the fused step, or why it cannot run there."""
+    if (type(blk), type(blk.self_attn), type(blk.mlp)) != (Block, Attention, MLP):
+        return f"layer type {type(blk).__name__}"
+    a, f = blk.self_attn, blk.mlp
+    lins = [getattr(a, p) for p in PROJ[:4]] + [getattr(f, p) for p in PROJ[4:]]
+    for lin in lins:
+        if not isinstance(lin, BitLinear) or lin.training_mode or lin.bias is not None:
+            return f"projection {type(lin).__name__} (needs inference BitLinear without bias)"
+        if getattr(lin.kernel, "name", None) != "cpu" or lin.packed.device.type != "cpu":
+            return f"projection backend {getattr(lin.kernel, 'name', None)!r}"
+    norms = (blk.input_layernorm, blk.post_attention_layernorm, a.attn_sub_norm, f.ffn_sub_norm)
+    for n in norms:
+        if n is not None and (type(n) is not RMSNorm or n.eps != eps):
+            return f"norm {type(n).__name__} (eps {getattr(n, 'eps', None)})"
+    w = [None if n is None else n.weight.data for n in norms]
+    return LayerTensors(
+        w[0], w[1], w[2], w[3], tuple(m.packed for m in lins), tuple(m.weight_scale for m in lins)
+    )
+
+
+def why_not(model) -> str | None:
+    """None if `model`'s layers can run in the fused C step, else the reason they cannot."""
+    built = fused_step(model)
+    return built if isinstance(built, str) else None
+
+
+def fused_step(model) -> FusedStep | str:
+    """The fused C step over `model`'s layers, or the reason there is none."""
+    cfg = model.config
+    layers = []
+    for blk in model.layers:
+        got = _layer(blk, cfg.rms_norm_eps)
+        if isinstance(got, str):
+            return got
+        layers.append(got)
+    shape = StepShape(
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.rms_norm_eps,
+        cfg.hidden_act,
+    )
+    reason = _kernel_why_not(shape, layers)
+    return reason if reason is not None else FusedStep(shape, layers)
+
+
+def fused_forward(
+    model,
+    step: FusedStep,
+    ids,
+    positions=None,
+    cache=None,
+    cache_pos=None,
+    input_mask=None,
+    last_only: bool = False,
+    return_hidden: bool = False,
+):
+    """`model(ids, positions, cache, ...)` with its layers in one C call (the same arguments and results); the
+    model's own layers run where the step does not qualify (no cache the C code takes, autograd on)."""
+    b, t = ids.shape
+    if positions is None:
+        positions = torch.arange(t, device=ids.device).expand(b, t)
+    cache_pos = positions if cache_pos is None else cache_pos
+    ok = cache is not None and not torch.is_grad_enabled()
+    h = model.embed(ids) if ok else None
+    ok = ok and h.dtype == torch.float32
+    if not (ok and accepts(step.shape, step.n_layers, cache.k, cache.v, cache.valid, b, t, cache_pos)):
+        return model(ids, positions, cache, cache_pos, input_mask, last_only, return_hidden)
+    cos, sin = model.rope(positions, h.dtype)
+    cache.mark(cache_pos, input_mask)
+    h = step(h, cos, sin, cache.k, cache.v, cache.valid, cache_pos)
+    if last_only:
+        h = h[:, -1:]
+    out = model.logits(h)
+    return (out, h) if return_hidden else out
+
+
+class CpuRunner(EagerRunner):
+    """EagerRunner whose steps run the fused C layers (see the module docstring)."""
+
+    def __init__(self, model, config: RuntimeConfig, rows: int, max_seq_len: int):
+        super().__init__(model, config, rows, max_seq_len)
+        built = fused_step(model) if not model.training else "the model is in training mode"
+        self.fused = None if isinstance(built, str) else built
+        self.why_not = built if isinstance(built, str) else None
+
+    def forward(self, ids, positions, cache, cache_pos=None, input_mask=None) -> torch.Tensor:
+        if self.fused is None:
+            return super().forward(ids, positions, cache, cache_pos, input_mask)
+        out = fused_forward(self.model, self.fused, ids, positions, cache, cache_pos, input_mask, last_only=True)
+        return out[:, -1]
+
+
+def set_head_dtype(model, dtype: str | None) -> None:
+    """Give `model` a compact embedding + LM head ("bf16" or "int8", CPU decode); None changes nothing.
+
+    Tied models keep one matrix for both uses and drop the float embedding; untied ones get a compact head and a
+    compact embedding each. Inference only: a model converted this way is not meant to be trained or saved."""
+    if dtype is None:
+        return
+    if dtype not in HEAD_DTYPES:
+        raise ValueError(f"head_dtype: expected one of {', '.join(HEAD_DTYPES)}, found {dtype!r}")
+    emb = CompactHead(model.embed_tokens.weight, dtype)
+    head = emb if model.lm_head is None else CompactHead(model.lm_head.weight, dtype)
+    model.embed_tokens = CompactEmbedding(emb)
+    model.lm_head = head
+
+
+def apply(model, config: RuntimeConfig) -> None:
+    """The CPU options of `config` on a loaded model: its head storage and the kernel threads."""
+    set_head_dtype(model, config.head_dtype)
+    configure_threads(model, config.threads)

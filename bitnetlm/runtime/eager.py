@@ -1,0 +1,157 @@
+"""The eager runner: the model's own forward over a static KV cache, on any device (the reference runner).
+
+Rows that are not decoding in a step (free, or still prefilling) sit inside the batch [0, hi) as masked padding
+tokens at their next free slot, which their own next token or prefill chunk overwrites. Whole prompts that
+arrive together prefill in one left-padded forward in a cache of their own, then move into their rows at the
+slots of their positions. Sampling runs on the host sampler (`sampling.sample`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from bitnetlm.models import KVCache
+from bitnetlm.runtime.base import Pending, Sampled, SampleSpec, host_sample
+from bitnetlm.runtime.config import RuntimeConfig
+
+
+def model_device(model) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+class EagerRunner:
+    pipelined = False
+    batched_prefill = True
+
+    def __init__(self, model, config: RuntimeConfig, rows: int, max_seq_len: int):
+        self.model, self.config = model, config
+        self.device = model_device(model)
+        self.rows, self.max_seq_len = rows, max_seq_len
+        self.vocab_size = model.config.vocab_size
+        act = model.embed_tokens.weight.dtype
+        self.cache = model.new_cache(rows, max_seq_len, device=self.device, dtype=config.kv_dtype(act))
+        self.lengths = [0] * rows  # positions each row holds
+        self.carry: dict[int, int] = {}  # row -> its last sample(carry=True) token
+        self._last: tuple[torch.Tensor, dict[int, int]] | None = None  # the last decode's logits and rows
+
+    # ---- the model's forward (the CPU runner replaces its layers) -------------------------------------
+    def forward(self, ids, positions, cache: KVCache, cache_pos=None, input_mask=None) -> torch.Tensor:
+        """Logits [B, V] after the last token of each row of ids [B, T]."""
+        out = self.model(
+            ids, positions=positions, cache=cache, cache_pos=cache_pos, input_mask=input_mask, last_only=True
+        )
+        return out[:, -1]
+
+    def _view(self, lo: int, hi: int) -> KVCache:
+        """The cache's rows [lo, hi): slices share storage, so writes land in the runner's cache."""
+        c = self.cache
+        v = object.__new__(KVCache)
+        v.k, v.v, v.valid = [t[lo:hi] for t in c.k], [t[lo:hi] for t in c.v], c.valid[lo:hi]
+        return v
+
+    def _check(self, row: int, end: int) -> None:
+        if not 0 <= row < self.rows:
+            raise ValueError(f"row {row} outside the runner's {self.rows} rows")
+        if end > self.max_seq_len:
+            raise ValueError(f"{end} positions exceed the runner's context of {self.max_seq_len}")
+
+    # ---- Runner -------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, row: int, tokens: Sequence[int], start: int = 0) -> torch.Tensor:
+        t = len(tokens)
+        self._check(row, start + t)
+        ids = torch.tensor([list(tokens)], device=self.device)
+        pos = torch.arange(start, start + t, device=self.device)[None]
+        logits = self.forward(ids, pos, self._view(row, row + 1))[0]
+        self.lengths[row] = start + t
+        return logits.float()
+
+    @torch.inference_mode()
+    def prefill_many(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        k, big = len(rows), max(len(p) for p in prompts)
+        for r, p in zip(rows, prompts, strict=True):
+            self._check(r, len(p))
+        ids = torch.zeros(k, big, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, big - len(p) :] = torch.tensor(list(p))
+        lens = torch.tensor([len(p) for p in prompts])
+        slots = torch.arange(big)
+        offset = (big - lens)[:, None]
+        mask = slots[None, :] >= offset  # [k, L]
+        positions = (slots[None, :] - offset).clamp(min=0)
+        tmp = self.model.new_cache(k, big, device=self.device, dtype=self.cache.k[0].dtype)
+        dev = self.device
+        logits = self.forward(
+            ids.to(dev),
+            positions.to(dev),
+            tmp,
+            cache_pos=slots[None, :].expand(k, big).to(dev),
+            input_mask=None if bool(mask.all()) else mask.to(dev),
+        )
+        for i, (r, p) in enumerate(zip(rows, prompts, strict=True)):
+            n = len(p)
+            for main, t in zip(self.cache.k + self.cache.v, tmp.k + tmp.v, strict=True):
+                main[r, :, :n] = t[i, :, big - n :]
+            self.cache.valid[r, :n] = True
+            self.lengths[r] = n
+        return logits.float()
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        c = self.cache
+        for t in c.k + c.v:
+            t[dst, :, :n] = t[src, :, :n]
+        c.valid[dst, :n] = c.valid[src, :n]
+        self.lengths[dst] = n
+
+    def reset(self, row: int) -> None:
+        self.cache.reset([row])
+        self.lengths[row] = 0
+        self.carry.pop(row, None)
+
+    @torch.inference_mode()
+    def decode(
+        self, rows: Sequence[int], tokens: Sequence[int | None], positions: Sequence[int]
+    ) -> torch.Tensor:
+        hi = max(rows) + 1
+        for r, p in zip(rows, positions, strict=True):
+            self._check(r, p + 1)
+        ids = torch.zeros(hi, 1, dtype=torch.long)
+        pos = torch.tensor([min(n, self.max_seq_len - 1) for n in self.lengths[:hi]])[:, None]
+        live = torch.zeros(hi, 1, dtype=torch.bool)
+        for r, t, p in zip(rows, tokens, positions, strict=True):
+            ids[r, 0] = self.carry[r] if t is None else t
+            pos[r, 0] = p
+            live[r, 0] = True
+        dev = self.device
+        logits = self.forward(
+            ids.to(dev), pos.to(dev), self._view(0, hi), input_mask=None if bool(live.all()) else live.to(dev)
+        )  # [hi, V]
+        for r, p in zip(rows, positions, strict=True):
+            self.lengths[r] = p + 1
+        self._last = (logits, {r: r for r in rows})
+        return logits[list(rows)].float()
+
+    def decode_sample(self, rows, tokens, positions, specs: Sequence[SampleSpec], carry: bool = False) -> Pending:
+        self.decode(rows, tokens, positions)
+        return self.sample(specs, carry=carry)
+
+    def sample(
+        self, specs: Sequence[SampleSpec], logits: torch.Tensor | None = None, carry: bool = False
+    ) -> Pending:
+        if logits is None:
+            last, at = self._last
+            logits = last[[at[s.row] for s in specs]]
+        out = host_sample(logits, specs)
+        if carry:
+            for s, t in zip(specs, out.tokens, strict=True):
+                self.carry[s.row] = t
+        return Pending(list(specs), out)
+
+    def collect(self, pending: Pending) -> Sampled:
+        return pending.result
