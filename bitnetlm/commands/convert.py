@@ -1,4 +1,4 @@
-"""bitnet convert IN OUT --to {hf,gguf,onnx} [--type tq1_0|tq2_0|i2_s] [--force]"""
+"""bitnet convert IN OUT [--to {hf,gguf,onnx}] [--type auto|tq1_0|tq2_0|i2_s] [--force]"""
 
 from __future__ import annotations
 
@@ -6,13 +6,20 @@ from __future__ import annotations
 def add_arguments(p) -> None:
     p.add_argument("input", help="source model: HF directory or .gguf file")
     p.add_argument("output", help="output path (directory for hf, file for gguf/onnx)")
-    p.add_argument("--to", required=True, choices=["hf", "gguf", "onnx"], help="target format")
+    p.add_argument(
+        "--to",
+        default=None,
+        choices=["hf", "gguf", "onnx"],
+        help="target format (default: from OUTPUT's extension, .gguf -> gguf, .onnx -> onnx, else hf)",
+    )
     p.add_argument(
         "--type",
         default=None,
-        choices=["tq1_0", "tq2_0", "i2_s"],
+        choices=["auto", "tq1_0", "tq2_0", "i2_s"],
         help="GGUF type of the ternary projections (tq1_0 1.69 bpw, tq2_0 2.06 bpw, i2_s 2 bpw + "
-        "exact float32 scale; TQ types round each scale to fp16). Default: tq2_0 for ternary models",
+        "exact float32 scale; TQ types round each scale to fp16; a projection a type cannot hold is stored as "
+        "F16 with exact ternary values). Default for ternary models: auto = tq2_0 if every projection's rows "
+        "are multiples of 256, else i2_s",
     )
     p.add_argument(
         "--storage",

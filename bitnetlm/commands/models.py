@@ -32,9 +32,7 @@ def models_table() -> list[dict]:
     for e in zoo.list_models():
         d = e.to_dict()
         d["default"] = e.name == zoo.DEFAULT_MODEL
-        d["available_offline"] = e.kind == "bundled" or (
-            e.kind == "assembled" and (zoo.models_dir() / e.name).is_dir()
-        )
+        d["available_offline"] = zoo.works_offline(e.name)
         rows.append(d)
     return rows
 

@@ -1,4 +1,5 @@
-"""bitnet quantize IN OUT [--to hf|gguf] [--type ...] [--force]: post-training absmean ternarization."""
+"""bitnet quantize IN OUT [--to hf|gguf] [--type auto|tq1_0|tq2_0|i2_s] [--force]: post-training absmean
+ternarization."""
 
 from __future__ import annotations
 
@@ -8,12 +9,18 @@ def add_arguments(p) -> None:
         "input", help="full-precision model: LLaMA-family HF directory or GGUF (F16, Q8_0, Q4_K, ...)"
     )
     p.add_argument("output", help="output path (directory for hf, file for gguf)")
-    p.add_argument("--to", default="hf", choices=["hf", "gguf"], help="output format (default hf)")
+    p.add_argument(
+        "--to",
+        default=None,
+        choices=["hf", "gguf"],
+        help="output format (default: from OUTPUT's extension, .gguf -> gguf, else an hf directory)",
+    )
     p.add_argument(
         "--type",
-        default="tq2_0",
-        choices=["tq1_0", "tq2_0", "i2_s"],
-        help="GGUF type of the ternary projections (with --to gguf)",
+        default="auto",
+        choices=["auto", "tq1_0", "tq2_0", "i2_s"],
+        help="GGUF type of the ternary projections (auto: tq2_0 if every projection's rows are multiples of "
+        "256, else i2_s; a projection a type cannot hold is stored as F16 with exact ternary values)",
     )
     p.add_argument("-f", "--force", action="store_true", help="overwrite OUTPUT if it exists")
     p.add_argument("-q", "--quiet", action="store_true", help="do not print the quality warning")

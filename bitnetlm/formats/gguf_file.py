@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import struct
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from bitnetlm.formats import atomic
 from bitnetlm.formats import gguf_codecs as codecs
 
 MAGIC = b"GGUF"
@@ -315,13 +315,6 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
 # ---- writing -----------------------------------------------------------------------------------
 
 
-def default_permissions(path: str | os.PathLike) -> None:
-    """Give a temp file/dir (mkstemp: 0600, mkdtemp: 0700) the mode a normally created one gets (umask)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~mask)
-
-
 @dataclass
 class TensorToWrite:
     name: str
@@ -368,9 +361,7 @@ def write_gguf(
     path = Path(path)
     value_types = value_types or {}
     tensors = list(tensors)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic.temp_file(path) as tmp:
         w = gguf.GGUFWriter(tmp, arch)
         if alignment != 32:
             w.data_alignment = alignment
@@ -397,9 +388,4 @@ def write_gguf(
         for t in tensors:
             w.write_tensor_data(np.ascontiguousarray(t.data))
         w.close()
-        default_permissions(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        atomic.commit(tmp, path)

@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from bitnetlm.formats import atomic
 from bitnetlm.formats.names import IGNORED_SUFFIXES, hf_name, layer_modules
 from bitnetlm.models import CausalLM, ModelConfig, build_empty_model
 from bitnetlm.models.transformer import rope_inv_freq
@@ -204,10 +204,19 @@ def state_dict_hf(model: CausalLM, dtype: torch.dtype | None = None) -> dict[str
     return out
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Rename the finished `tmp` onto `out`; an existing `out` is swapped out under a temporary name first."""
+    if not out.exists():
+        atomic.commit(tmp, out)
+        return
+    backup = out.with_name(f".{out.name}{atomic.TAG}old-{os.getpid()}")
+    out.rename(backup)
+    try:
+        atomic.commit(tmp, out)
+    except BaseException:
+        backup.rename(out)
+        raise
+    shutil.rmtree(backup, ignore_errors=True)
 
 
 def save_hf(
@@ -231,9 +240,7 @@ def save_hf(
     sd = state_dict_hf(model, dtype)
     hf_cfg["torch_dtype"] = str(sd["model.embed_tokens.weight"].dtype).removeprefix("torch.")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    tmp.chmod(0o777 & ~_umask())  # mkdtemp makes 0700; the output dir gets the usual permissions
-    try:
+    with atomic.temp_dir(out) as tmp:
         meta = {
             "format": "pt",
             "bitnetlm_format_version": FORMAT_VERSION,
@@ -247,14 +254,5 @@ def save_hf(
             tokenizer.save(tmp)
         for fname, text in (extra_files or {}).items():
             (tmp / fname).write_text(text)
-        if out.exists():
-            backup = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(backup)
-            tmp.rename(out)
-            shutil.rmtree(backup, ignore_errors=True)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        _replace_dir(tmp, out)
     return out

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bitnetlm.formats import atomic
 from bitnetlm.quant.packing import PackingFormat, pack_base3, pack_hf, unpack_base3
 
 LAYOUT_KEY = "bitnetlm_layout"
@@ -123,8 +124,7 @@ def save_native(
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out}: exists; pass overwrite=True (CLI: --force) to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic.temp_dir(out) as tmp:
         save_hf(model, tmp / "d", dtype=dtype, extra_files=tok_files or {})
         from safetensors.torch import load_file, save_file
 
@@ -140,14 +140,9 @@ def save_native(
                 sd[key] = pack_base3(unpack_hf(sd[key], n_out))
         meta = {"format": "pt", VERSION_KEY: "1", LAYOUT_KEY: PackingFormat.BASE3.value}
         save_file(sd, str(st), metadata=meta)
-        from bitnetlm.formats.gguf_file import default_permissions
-
-        default_permissions(tmp / "d")
         if out.exists():
             shutil.rmtree(out)
-        (tmp / "d").rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        atomic.commit(tmp / "d", out)
     return out
 
 

@@ -14,11 +14,12 @@ Token t of the call sits at cache slot P+t and attends to slots <= P+t (no paddi
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from bitnetlm.formats import atomic
 
 OPSET = 25
 
@@ -267,24 +268,14 @@ def export_onnx(model, out: str | os.PathLike) -> Path:
     out = Path(out)
     mp = build_onnx(model)
     big = sum(len(t.raw_data) for t in mp.graph.initializer) > 1_800_000_000
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    try:
+    with atomic.temp_file(out) as tmp:
         if big:
             onnx.save_model(
                 mp, tmp, save_as_external_data=True, all_tensors_to_one_file=True, location=out.name + ".data"
             )
-            os.replace(Path(out.parent, out.name + ".data"), out.with_name(out.name + ".data"))
         else:
             onnx.save_model(mp, tmp)
-        from bitnetlm.formats.gguf_file import default_permissions
-
-        default_permissions(tmp)
-        os.replace(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        atomic.commit(tmp, out)
     return out
 
 

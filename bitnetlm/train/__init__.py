@@ -4,8 +4,9 @@
     prepare_data(["corpus/"], "tokenizer.json", "data/corpus")            # -> memmap token shards
     train(TrainConfig(data="data/corpus", model_config={...}, out_dir="runs/x"))   # or `bitnet train x.yaml`
 
-Modules: data (shards, batches), qat (quantize_/convert_), config (TrainConfig), schedule, distill,
-checkpoint, distributed, loop (Trainer/train), export (packed inference format), eval (perplexity, MC).
+Modules: data (shards, batches), qat (quantize_/convert_), config (TrainConfig), schedule, optim (Lion and
+the optimizers the config names), distill, checkpoint, distributed, loop (Trainer/train), export (packed
+inference format), eval (perplexity, MC).
 """
 
 from bitnetlm.train.qat import QuantizeConfig, convert_, quantize_, set_quant_lambda
@@ -21,6 +22,7 @@ _LAZY = {
     "TokenShards": "bitnetlm.train.data",
     "PackedBatches": "bitnetlm.train.data",
     "export_model": "bitnetlm.train.export",
+    "Lion": "bitnetlm.train.optim",
     "perplexity": "bitnetlm.train.eval",
     "multiple_choice": "bitnetlm.train.eval",
     "evaluate": "bitnetlm.train.eval",

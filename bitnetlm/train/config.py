@@ -44,10 +44,12 @@ class TrainConfig:
         None, "sequences per forward pass per process (default: batch_size / world size; rest is accumulated)"
     )
     # ---- optimization ----------------------------------------------------------------------------
-    optimizer: str = _f("adamw", "adamw | sgd (torch.optim)")
+    optimizer: str = _f(
+        "adamw", "adamw | adam | lion | sgd (Lion: ~3-10x smaller lr and larger weight_decay than AdamW)"
+    )
     lr: float = _f(1.5e-3, "peak learning rate (BitNet b1.58 uses ~6x the usual fp16 rate)")
     min_lr_ratio: float = _f(0.0, "final learning rate as a fraction of the peak (cosine/linear decays)")
-    betas: list[float] = _f(None, "Adam betas", default_factory=lambda: [0.9, 0.95])
+    betas: list[float] = _f(None, "Adam / AdamW / Lion betas", default_factory=lambda: [0.9, 0.95])
     eps: float = _f(1e-8, "Adam epsilon")
     momentum: float = _f(0.9, "SGD momentum")
     weight_decay: float = _f(0.1, "weight decay (matrices only; norms, biases and embeddings get none)")
@@ -101,8 +103,12 @@ class TrainConfig:
         for name in ("seq_len", "batch_size", "max_steps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"train config: {name!r} must be positive, found {getattr(self, name)}")
-        if self.optimizer not in ("adamw", "sgd"):
-            raise ValueError(f"train config: optimizer must be 'adamw' or 'sgd', found {self.optimizer!r}")
+        from bitnetlm.train.optim import OPTIMIZERS
+
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"train config: optimizer must be one of {', '.join(OPTIMIZERS)}, found {self.optimizer!r}"
+            )
         if self.schedule not in ("two_stage", "cosine", "linear", "constant"):
             raise ValueError(
                 f"train config: schedule must be two_stage|cosine|linear|constant, found {self.schedule!r}"
@@ -134,8 +140,9 @@ class TrainConfig:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, **overrides) -> TrainConfig:
-        import yaml
+        from bitnetlm.deps import require
 
+        yaml = require("yaml", "a YAML training config")
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"train config {p} not found")

