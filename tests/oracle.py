@@ -258,10 +258,11 @@ def random_model(arch: str = "bitnet", seed: int = 0, hidden: int = 256, inter: 
     return m
 
 
-def greedy_with_cache(model, prompt: torch.Tensor, n: int) -> torch.Tensor:
-    """Greedy decoding with the model's own KV cache: prompt [B, T] -> the next n tokens [B, n]."""
+def greedy_with_cache(model, prompt: torch.Tensor, n: int, cache_dtype=None) -> torch.Tensor:
+    """Greedy decoding with the model's own KV cache (of `cache_dtype`, default the model's): prompt [B, T] -> the
+    next n tokens [B, n]."""
     b, t0 = prompt.shape
-    cache = model.new_cache(b, t0 + n)
+    cache = model.new_cache(b, t0 + n, dtype=cache_dtype)
     with torch.inference_mode():
         logits = model(prompt, cache=cache, last_only=True)[:, -1]
         out = [logits.argmax(-1)]

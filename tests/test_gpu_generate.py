@@ -33,11 +33,11 @@ def test_greedy_64_tokens_equal_cpu_reference(oracle_dirs, variant, keys, monkey
     assert torch.equal(got, ref), (got != ref).nonzero()[:5]
 
 
-# ---- generate / batch_generate on CUDA through the CUDA-graph engine (bitnetlm/generate/graph.py) -----------
+# ---- generate / batch_generate on CUDA through the CUDA runner (bitnetlm/runtime/cuda/runner.py) ------------
 def _graph_engine_of(model):
-    from bitnetlm.generate.graph import _ATTR
+    from bitnetlm.runtime import kept_runner
 
-    return model.__dict__.get(_ATTR, (None, None))[0]
+    return getattr(kept_runner(model), "eng", None)
 
 
 @pytest.mark.parametrize("variant", ["packed-autobitlinear", "online", "1bitllm", "llama"])
@@ -161,61 +161,100 @@ def test_graph_generate_sampling_is_seeded():
     )
 
 
+def _runner_steps(model, prompts, params, steps: int, steady: bool):
+    """Drive a CudaRunner by hand: prefill each prompt into its row, sample the first tokens, then `steps` decode
+    steps with carried tokens, through the captured sampler; beside it the host sampler over the same logits with
+    its own copy of every row's stream. steady: decode_sample (step and sampler in one replay when steady) or
+    decode then sample (the step's logits intact for the host sampler). Returns (captured, host) per step:
+    (tokens, logprobs, top ids) each."""
+    from bitnetlm.runtime.base import SampleSpec, host_sample
+    from bitnetlm.runtime.config import RuntimeConfig
+    from bitnetlm.runtime.cuda.runner import CudaRunner
+    from bitnetlm.sampling import RowRandom
+
+    runner = CudaRunner(model, RuntimeConfig(), len(prompts), 256)
+
+    def specs():
+        return [
+            SampleSpec(i, p, RowRandom(p.make_generator("cuda"), "cuda"), p.max_tokens, owner=object())
+            for i, p in enumerate(params)
+        ]
+
+    cap, host = specs(), specs()
+    rows = list(range(len(prompts)))
+    with torch.inference_mode():
+        logits = torch.stack([runner.prefill(i, p) for i, p in enumerate(prompts)])
+        want = host_sample(logits, host)
+        got = runner.collect(runner.sample(cap, logits, carry=True))
+        out = [((got.tokens, got.logprobs, got.top_ids), (want.tokens, want.logprobs, want.top_ids))]
+        pos = [len(p) for p in prompts]
+        for _ in range(steps):
+            if steady:
+                pend = runner.decode_sample(rows, [None] * len(rows), pos, cap, carry=True)
+            else:
+                runner.decode(rows, [None] * len(rows), pos)
+                want = host_sample(runner.logits[rows], host)
+                pend = runner.sample(cap, carry=True)
+            got = runner.collect(pend)
+            out.append(
+                (
+                    (got.tokens, got.logprobs, got.top_ids),
+                    None if steady else (want.tokens, want.logprobs, want.top_ids),
+                )
+            )
+            pos = [p + 1 for p in pos]
+    return out
+
+
 def test_graph_sampler_equals_the_host_sampler(monkeypatch):
-    """The captured sampler (generate/graph_sampler.py) against the host sampler on the same engine: a batch
-    mixing llama.cpp's sampler, top-p alone (the full sort) and a biased greedy row, rows of different lengths,
-    and a batch of greedy rows (one fused launch) give the same tokens and log-probabilities, and a stream with
-    top log-probabilities the same top lists. (The graph path's steps after the first replay the step and the
-    sampler as one graph.)"""
+    """The captured samplers (runtime/cuda/graph_sampler.py) against the host sampler over the same logits: rows
+    mixing llama.cpp's sampler, top-p alone (the full sort), a biased greedy row and top log-probabilities give
+    the same tokens and log-probabilities, step after step; steady decoding (the step and its sampler in one
+    replay) the same tokens as the two replays; all-greedy rows take the one-launch greedy sampler; and through
+    generate, a batch and a stream with top log-probabilities equal the rows decoded alone."""
     from serve_parts import tiny_model_and_tokenizer
 
-    from bitnetlm.generate import SamplingParams, batch_generate, stream_generate
-    from bitnetlm.generate import graph as graph_mod
+    from bitnetlm.generate import SamplingParams, batch_generate, generate, stream_generate
     from bitnetlm.runtime.cuda import graph_sampler as graph_sampler_mod
 
     model, tok = tiny_model_and_tokenizer(max_len=256, layers=2, hidden=64)
     model = model.to("cuda")
-    prompts = ["Hello", "It is a truth universally acknowledged", "the quick brown"]
+    prompts = [tok.encode(t) for t in ("Hello", "It is a truth universally acknowledged", "the quick brown")]
     params = [
         SamplingParams(
             max_tokens=40, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=1, ignore_eos=True
         ),
-        SamplingParams(max_tokens=25, temperature=0.7, top_p=0.9, seed=2, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0.7, top_p=0.9, seed=2, ignore_eos=True, top_logprobs=3),
         SamplingParams(max_tokens=40, temperature=0, logit_bias={7: 3.0}, ignore_eos=True),
     ]
-    top = SamplingParams(max_tokens=20, temperature=1.1, top_k=50, seed=4, ignore_eos=True, top_logprobs=3)
-    greedy = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (30, 12, 30)]
+    two = _runner_steps(model, prompts, params, 20, steady=False)
+    for (gt, glp, gtop), (ht, hlp, htop) in two:
+        assert gt == ht and glp == pytest.approx(hlp, abs=1e-5)
+        assert [r[:3] for r in gtop] == [r[:3] for r in htop]
+    one = _runner_steps(model, prompts, params, 20, steady=True)
+    assert [g[0] for g, _ in one] == [g[0] for g, _ in two]
+    assert len({t[0] for (t, _, _), _ in two}) > 5  # row 0 samples varied tokens
+
     fused, real = [], graph_sampler_mod.greedy_sample
 
-    # the all-greedy rows' sampler, one launch (reductions.greedy_sample), seen at its capture
-    def spy(*args):
+    def spy(
+        *args,
+    ):  # the all-greedy rows' sampler, one launch (reductions.greedy_sample), seen at its capture
         fused.append(real(*args))
         return fused[-1]
 
     monkeypatch.setattr(graph_sampler_mod, "greedy_sample", spy)
-
-    def run():
-        rows = batch_generate(model, tok, prompts, params) + batch_generate(model, tok, prompts, greedy)
-        chunks = list(stream_generate(model, tok, prompts[1], top))
-        return [(r.tokens, r.logprobs) for r in rows], [(c.token, c.logprob, c.top_logprobs) for c in chunks]
-
-    graph_rows, graph_stream = run()
-    samplers = [gs for k, gs in _graph_engine_of(model)._graphs.items() if k[0] == "sampler"]
-    assert samplers and True in fused
-    # every step after the first ran as one graph of the step and the sampler (GraphSampler.step_graph)
-    assert all(gs._step_graph is not None for gs in samplers)
-    monkeypatch.setattr(graph_mod, "GRAPH_SAMPLER", False)
-    host_rows, host_stream = run()
-    assert [len(t) for t, _ in graph_rows] == [40, 25, 40, 30, 12, 30]
-    # the tokens exactly; log-probabilities to float32 rounding: once a row has finished, the host sampler
-    # reduces over fewer rows than the graph's, and a reduction's order may follow the rows' count
-    for (gt, glp), (ht, hlp) in zip(graph_rows, host_rows, strict=True):
-        assert gt == ht and glp == pytest.approx(hlp, abs=1e-5)
-    assert [c[0] for c in graph_stream] == [c[0] for c in host_stream]
-    for (_, glp, gtop), (_, hlp, htop) in zip(graph_stream, host_stream, strict=True):
-        assert glp == pytest.approx(hlp, abs=1e-5) and [i for i, _ in gtop] == [i for i, _ in htop]
-        assert [q for _, q in gtop] == pytest.approx([q for _, q in htop], abs=1e-5)
-    assert len(set(graph_rows[0][0])) > 5 and len(graph_stream[0][2]) == 3
+    greedy = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (30, 12, 30)]
+    texts = ["Hello", "It is a truth universally acknowledged", "the quick brown"]
+    rows = batch_generate(model, tok, texts, greedy)
+    assert True in fused and [len(r.tokens) for r in rows] == [30, 12, 30]
+    assert [r.tokens for r in rows] == [generate(model, tok, t, p).tokens for t, p in zip(texts, greedy)]
+    sampled = batch_generate(model, tok, texts, params)
+    for t, p, r in zip(texts, params, sampled, strict=True):
+        alone = generate(model, tok, t, p)
+        assert r.tokens == alone.tokens and r.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+    chunks = list(stream_generate(model, tok, texts[1], params[1]))
+    assert [c.token for c in chunks] == sampled[1].tokens and len(chunks[0].top_logprobs) == 3
 
 
 def test_row_random_on_cuda_is_one_stream():

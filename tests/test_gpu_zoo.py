@@ -35,21 +35,17 @@ def test_bitnet_tiny_greedy_on_cuda_equals_the_cpu_reference(zoo_dirs):
     """float32 activations: `generate` and `batch_generate` on CUDA (the CUDA-graph engine) give the CPU
     reference path's 64 greedy tokens for each prompt, alone and as one batch of different lengths. (A trained
     model: its top logits stand apart, unlike smollm2's with a random embedding, below.)"""
-    from bitnetlm.generate.graph import _ATTR
-
-    from bitnetlm.commands.generate import load_model_and_tokenizer
     from bitnetlm.generate import SamplingParams, batch_generate, generate
-    from bitnetlm.loading import load_model
+    from bitnetlm.loading import load_for_generation, load_model
+    from bitnetlm.runtime import kept_runner
 
     cpu = load_model(zoo_dirs["bitnet-tiny"], device="cpu", backend="reference").eval()
-    model, tok = load_model_and_tokenizer(zoo_dirs["bitnet-tiny"], device="cuda", dtype="float32")
+    model, tok = load_for_generation(zoo_dirs["bitnet-tiny"], device="cuda", dtype="float32")
     prompts = _prompts(tok)
     ref = [greedy_with_cache(cpu, torch.tensor([p]), 64)[0].tolist() for p in prompts]
     sp = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     assert [generate(model, tok, p, sp).tokens for p in prompts] == ref
-    assert model.__dict__.get(_ATTR, (None,))[0] is not None, (
-        "generate on CUDA did not take the CUDA-graph path"
-    )
+    assert getattr(kept_runner(model), "eng", None) is not None, "generate on CUDA did not take the graph path"
     assert [r.tokens for r in batch_generate(model, tok, prompts, sp)] == ref
 
 
@@ -74,14 +70,13 @@ def test_zoo_model_on_cuda_follows_the_cpu_reference(zoo_dirs, name, run):
     run's worst rank and first at its share of positions (bf16 activations, an int8 head and a float8 cache round
     more, so their bounds are looser). A wrong kernel (a
     scale, a head, a position) gives tokens that the reference ranks thousands deep."""
-    from bitnetlm.commands.generate import load_model_and_tokenizer
     from bitnetlm.generate import SamplingParams, batch_generate
-    from bitnetlm.loading import load_model
+    from bitnetlm.loading import load_for_generation, load_model
 
     dtype, head, kv, worst, share = RUNS[run]
     cpu = load_model(zoo_dirs[name], device="cpu", backend="reference").eval()
-    model, tok = load_model_and_tokenizer(
-        zoo_dirs[name], device="cuda", dtype=dtype, head_dtype=head, kv_cache_dtype=kv
+    model, tok = load_for_generation(
+        zoo_dirs[name], device="cuda", dtype=dtype, head_dtype=head, kv_cache_dtype=kv or "auto"
     )
     assert model.embed_tokens.weight.dtype == getattr(torch, dtype)
     prompts = _prompts(tok)

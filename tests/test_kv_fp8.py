@@ -69,8 +69,7 @@ def test_engine_float8_cache_equals_reference_bytes(tiny_model):
     for a, b in ((f8.k_cache[0], f32.k_cache[0]), (f8.v_cache[0], f32.v_cache[0])):
         assert torch.equal(a[:1, :, :7].view(torch.uint8), b[:1, :, :7].to(FP8).view(torch.uint8))
     ref = copy.deepcopy(tiny_model)
-    ref.kv_cache_dtype = FP8
-    cache = ref.new_cache(1, 16)
+    cache = ref.new_cache(1, 16, dtype=FP8)
     with torch.no_grad():
         ref(tok.cpu(), positions=torch.arange(6)[None], cache=cache)
         ref_last = ref(nxt.cpu(), positions=torch.tensor([[6]]), cache=cache)[:, -1]
@@ -82,29 +81,27 @@ def test_engine_float8_cache_equals_reference_bytes(tiny_model):
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["packed-autobitlinear", "1bitllm"])
 def test_graph_generate_float8_cache_equals_reference(oracle_dirs, variant):
-    """generate / batch_generate on CUDA with model.kv_cache_dtype = float8 (the CUDA-graph engine, captured
-    prefill) give the greedy tokens of the CPU reference forward over a float8 KVCache."""
-    from bitnetlm.generate.graph import _ATTR
+    """generate / batch_generate on CUDA with kv_cache_dtype="fp8" (the CUDA-graph engine, captured prefill) give
+    the greedy tokens of the CPU reference forward over a float8 KVCache."""
     from oracle import greedy_with_cache
     from serve_parts import tiny_tokenizer
 
     from bitnetlm.generate import SamplingParams, batch_generate, generate
     from bitnetlm.loading import load_model
+    from bitnetlm.runtime import config_for, kept_runner
 
     ours, _ = oracle_dirs[variant]
     cpu = load_model(ours, device="cpu", backend="reference").eval()
-    cpu.kv_cache_dtype = FP8
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 11, 8)]
-    ref = [greedy_with_cache(cpu, torch.tensor([p]), 24)[0].tolist() for p in prompts]
-    model = load_model(ours, device="cuda", dtype=torch.float32).eval()
-    model.kv_cache_dtype = FP8
+    ref = [greedy_with_cache(cpu, torch.tensor([p]), 24, cache_dtype=FP8)[0].tolist() for p in prompts]
+    model = load_model(ours, device="cuda", dtype=torch.float32, kv_cache_dtype="fp8").eval()
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     tok = tiny_tokenizer()
     assert [generate(model, tok, p, sp).tokens for p in prompts] == ref
-    eng = model.__dict__[_ATTR][0]
+    eng = kept_runner(model).eng
     assert eng is not None and eng.k_cache[0].dtype == FP8
     assert [r.tokens for r in batch_generate(model, tok, prompts, sp)] == ref
-    model.kv_cache_dtype = None  # a different cache type rebuilds the engine
-    generate(model, tok, prompts[0], sp)
-    assert model.__dict__[_ATTR][0].k_cache[0].dtype == torch.float32
+    auto = config_for(model).replace(kv_cache_dtype="auto")  # a different cache type rebuilds the engine
+    generate(model, tok, prompts[0], sp, runtime=auto)
+    assert kept_runner(model).eng.k_cache[0].dtype == torch.float32

@@ -19,23 +19,22 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("path", ["cuda-graph", "pipelined", "no-pipeline", "host-sampler", "eager"])
-def test_engine_on_cuda_matches_offline_generate(path, monkeypatch):
-    """The server on its CUDA-graph rows (default; prompts prefilled in 16-token chunks, so most continue at
-    a position > 0), the same rows with the host sampler (as before the captured one) and on the eager
-    forward, each against offline generate on the same path. The requests mix greedy rows, seeded sampled rows
-    with and without a top-k (and log-probabilities), and rows with a repetition penalty (the host sampler's
-    beside the captured one's, in the same steps: those steps are not pipelined). "pipelined" / "no-pipeline":
-    no penalties, so every decode step is queued before the last one's tokens are read (or, for the A/B, not),
-    a third of the requests end at a stop token, one step after their last step was queued, a sixth at their
-    first token (sampled on the device and decoded before it is read) and one wants a single token."""
+@pytest.mark.parametrize("path", ["cuda-graph", "pipelined", "eager"])
+def test_engine_on_cuda_matches_offline_generate(path):
+    """The server on its CUDA runner (default; prompts prefilled in 16-token chunks, so most continue at a
+    position > 0) and on the eager forward, each against offline generate on the same path. The requests mix
+    greedy rows, seeded sampled rows with and without a top-k (and log-probabilities), and rows with a repetition
+    penalty (the host sampler's beside the captured one's, in the same steps: those steps are not pipelined).
+    "pipelined": no penalties, so every decode step is queued before the last one's tokens are read, a third of
+    the requests end at a stop token, one step after their last step was queued, a sixth at their first token
+    (sampled on the device and decoded before it is read) and one wants a single token."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")  # deselected in CI by -m "not gpu"
     from serve_parts import tiny_model_and_tokenizer
 
     from bitnetlm.generate import SamplingParams, generate
-    from bitnetlm.generate import graph as graph_mod
-    from bitnetlm.serve import graph_rows
+    from bitnetlm.runtime.config import RuntimeConfig
+    from bitnetlm.runtime.cuda.runner import CudaRunner
     from bitnetlm.serve.engine import Chunk, Engine, EngineConfig, Finished, GenerationRequest
 
     model, tok = tiny_model_and_tokenizer(max_len=256, layers=4, hidden=256)
@@ -51,7 +50,7 @@ def test_engine_on_cuda_matches_offline_generate(path, monkeypatch):
         dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, logprobs=True, top_logprobs=2),
         dict(temperature=0.7, repetition_penalty=1.3),
     ]
-    stops = path in ("pipelined", "no-pipeline")
+    stops = path == "pipelined"
     if stops:
         kinds = kinds[:3]
     params = [
@@ -59,8 +58,6 @@ def test_engine_on_cuda_matches_offline_generate(path, monkeypatch):
         for i in range(32)
     ]
     eager = path == "eager"
-    monkeypatch.setattr(graph_mod, "GRAPH_SAMPLER", path != "host-sampler")
-    monkeypatch.setattr(graph_rows, "PIPELINE", path != "no-pipeline")
     res = [generate(model, tok, p, sp, enforce_eager=eager) for p, sp in zip(prompts, params)]
     refs = [r.tokens for r in res]
     if stops:  # every third request stops at the token it samples halfway, every sixth at its first token
@@ -75,7 +72,7 @@ def test_engine_on_cuda_matches_offline_generate(path, monkeypatch):
     eng = Engine(
         model, tok, EngineConfig(prefill_chunk=16), runtime=RuntimeConfig(max_batch=16, enforce_eager=eager)
     )
-    assert (eng.graph is None) == eager
+    assert isinstance(eng.runner, CudaRunner) != eager
     out, lps = {i: [] for i in range(32)}, {i: [] for i in range(32)}
     done = threading.Semaphore(0)
     for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -91,17 +88,11 @@ def test_engine_on_cuda_matches_offline_generate(path, monkeypatch):
     for _ in range(32):
         assert done.acquire(timeout=300)
     eng.shutdown()
-    if path in (
-        "cuda-graph",
-        "pipelined",
-        "no-pipeline",
-    ):  # the captured sampler ran, for several kinds of rows, each storing its outputs into its pinned ring
-        assert eng.graph.sampler is not None and len(eng.graph.sampler.samplers) > 1
-        assert all(gs.exports for gs in eng.graph.sampler.samplers.values())
-    elif path == "host-sampler":
-        assert eng.graph.sampler is None
-    if stops:  # steps queued before the last one's tokens were read: only when pipelining
-        assert (eng.graph.overlapped > 0) == (path == "pipelined"), eng.graph.overlapped
+    if not eager:  # the captured sampler ran, for several kinds of rows, each storing its outputs into its ring
+        assert eng.runner.sampler is not None and len(eng.runner.sampler.samplers) > 1
+        assert all(gs.exports for gs in eng.runner.sampler.samplers.values())
+    if stops:  # steps queued before the last one's tokens were read
+        assert eng.core.overlapped > 0
     if stops:
         assert sum(len(refs[i]) < params[i].max_tokens for i in range(0, 32, 3)) >= 8
     bad = [i for i in range(32) if out[i] != refs[i]]
@@ -137,6 +128,8 @@ def test_graph_rows_share_a_prompt_between_choices():
     from serve_parts import tiny_model_and_tokenizer
 
     from bitnetlm.generate import SamplingParams, generate
+    from bitnetlm.runtime.config import RuntimeConfig
+    from bitnetlm.runtime.cuda.runner import CudaRunner
     from bitnetlm.serve.engine import Chunk, Engine, EngineConfig, Finished, GenerationRequest
 
     model, tok = tiny_model_and_tokenizer(max_len=256, layers=2, hidden=64)
@@ -145,7 +138,7 @@ def test_graph_rows_share_a_prompt_between_choices():
     sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     ref = generate(model, tok, prompt, sp).tokens
     eng = Engine(model, tok, EngineConfig(prefill_chunk=8), runtime=RuntimeConfig(max_batch=4))
-    assert eng.graph is not None
+    assert isinstance(eng.runner, CudaRunner)
     out, done = {0: [], 1: []}, threading.Event()
 
     def sink(e):

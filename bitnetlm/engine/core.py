@@ -30,6 +30,7 @@ class EngineCore:
         self.worker = Worker(runner, self.scheduler, metrics)
         self.inflight = None  # the decode step whose tokens are still on their way to the host
         self.steps = 0
+        self.overlapped = 0  # steps queued before the last step's tokens (or a prompt's first) were read
 
     def add(self, req: GenerationRequest, sink, max_tokens: int | None = None) -> Group:
         """Queue `req` (its `n` choices); `sink(event)` gets its events. Choice i of a seeded request draws from
@@ -69,6 +70,8 @@ class EngineCore:
         with torch.inference_mode():
             first, step = w.execute(plan, pipelined)
         old, self.inflight = self.inflight, step
+        if pipelined and step is not None and (old is not None or first is not None):
+            self.overlapped += 1
         if old is not None:
             w.collect(old)
         if first is not None:

@@ -104,4 +104,9 @@ def runner_for(model, config: RuntimeConfig | None, rows: int, max_seq_len: int)
     return new
 
 
-__all__ = ["RuntimeConfig", "config_for", "configure", "make_runner", "runner_for"]
+def kept_runner(model):
+    """The runner `runner_for` keeps for `model` (its CUDA runner), or None."""
+    return _runners.get(model, (None,))[0]
+
+
+__all__ = ["RuntimeConfig", "config_for", "configure", "kept_runner", "make_runner", "runner_for"]

@@ -26,7 +26,12 @@ parse_bool.__name__ = "bool"
 # (flags, RuntimeConfig field, type, help); defaults come from RuntimeConfig
 RUNTIME_FLAGS = [
     (("--device",), "device", str, "cpu, cuda, cuda:N or auto (a GPU when there is one)"),
-    (("--dtype",), "dtype", str, f"activation dtype: {', '.join(DTYPES)} (default: float32 on CPU, bfloat16 on CUDA)"),
+    (
+        ("--dtype",),
+        "dtype",
+        str,
+        f"activation dtype: {', '.join(DTYPES)} (default: float32 on CPU, bfloat16 on CUDA)",
+    ),
     (("--backend",), "backend", str, f"ternary kernels: {', '.join(BACKENDS)} (default: the best available)"),
     (
         ("--kv-cache-dtype",),
@@ -110,7 +115,11 @@ def runtime_values(args: argparse.Namespace, fields=ALL) -> dict:
     out = {}
     for flags, dest, typ, _ in RUNTIME_FLAGS:
         if dest in fields:
-            out[dest] = getattr(args, dest) if hasattr(args, dest) else env_default(flags, typ, getattr(defaults, dest))
+            out[dest] = (
+                getattr(args, dest)
+                if hasattr(args, dest)
+                else env_default(flags, typ, getattr(defaults, dest))
+            )
     return out
 
 

@@ -89,7 +89,9 @@ class Runner(Protocol):
         """One token per spec from `logits` [R, V] (None: the last decode's, by row). carry: keep each token as
         its row's next decode input (and let the step run ahead of the host)."""
 
-    def decode_sample(self, rows, tokens, positions, specs: Sequence[SampleSpec], carry: bool = False) -> Pending:
+    def decode_sample(
+        self, rows, tokens, positions, specs: Sequence[SampleSpec], carry: bool = False
+    ) -> Pending:
         """decode, then sample its logits (a device runner may run the two as one)."""
 
     def collect(self, pending: Pending) -> Sampled:

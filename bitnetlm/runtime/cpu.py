@@ -112,7 +112,9 @@ class CpuRunner(EagerRunner):
     def forward(self, ids, positions, cache, cache_pos=None, input_mask=None) -> torch.Tensor:
         if self.fused is None:
             return super().forward(ids, positions, cache, cache_pos, input_mask)
-        out = fused_forward(self.model, self.fused, ids, positions, cache, cache_pos, input_mask, last_only=True)
+        out = fused_forward(
+            self.model, self.fused, ids, positions, cache, cache_pos, input_mask, last_only=True
+        )
         return out[:, -1]
 
 

@@ -135,9 +135,12 @@ class EagerRunner:
         for r, p in zip(rows, positions, strict=True):
             self.lengths[r] = p + 1
         self._last = (logits, {r: r for r in rows})
-        return logits[list(rows)].float()
+        out = logits if len(rows) == hi and list(rows) == list(range(hi)) else logits[list(rows)]
+        return out.float()
 
-    def decode_sample(self, rows, tokens, positions, specs: Sequence[SampleSpec], carry: bool = False) -> Pending:
+    def decode_sample(
+        self, rows, tokens, positions, specs: Sequence[SampleSpec], carry: bool = False
+    ) -> Pending:
         self.decode(rows, tokens, positions)
         return self.sample(specs, carry=carry)
 

@@ -342,6 +342,11 @@ class ContinuousSampler:
                 self.draws.load_row(i, occ[1], occ[2], occ[3])
         return changed
 
+    @property
+    def version(self) -> int:
+        """Bumped whenever a row's occupant changes."""
+        return self._version
+
     def kind(self, b: int) -> tuple[RowTensors, bool, int]:
         """The first b rows' parameters as tensors, whether any has a logit_bias, and their top-logprobs count."""
         params = self.params[:b]

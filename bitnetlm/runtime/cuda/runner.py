@@ -104,8 +104,11 @@ class CudaRunner:
         self.logits = None  # the last decode's logits [size, V]
         self.sampler = None  # graph_sampler.ContinuousSampler over every row, made on first use
         self.staging = _Staging(max(self.sizes))
-        self._steady: tuple | None = None  # (graph key, rows, positions after it) of the last steady replay
+        self._steady: tuple | None = (
+            None  # (graph key, positions after it, step state, b) of the last steady replay
+        )
         self._fused: dict = {}  # steady graphs: (size, keys, sampler kind) -> GraphSampler with step_graph
+        self._kind: tuple | None = None  # (sampler version, b, its kind) for the steady graphs' key
 
     def warm(self) -> None:
         """Capture every batch size and short key range now, while no row is in use (a capture's eager warm-up
@@ -147,10 +150,14 @@ class CudaRunner:
         self.lengths[row] = 0  # the row attends to positions 0..pos only: nothing to clear
 
     # ---- decode ---------------------------------------------------------------------------------------
-    @torch.no_grad()
     def decode(
         self, rows: Sequence[int], tokens: Sequence[int | None], positions: Sequence[int]
     ) -> torch.Tensor:
+        self._decode(rows, tokens, positions)
+        return self.logits[list(rows)]
+
+    @torch.no_grad()
+    def _decode(self, rows: Sequence[int], tokens: Sequence[int | None], positions: Sequence[int]) -> None:
         self._unsteady()
         hi = max(rows) + 1
         size = next(s for s in self.sizes if s >= hi)
@@ -173,13 +180,12 @@ class CudaRunner:
         for r, p in zip(rows, positions, strict=True):
             self.lengths[r] = p + 1
         self.logits = st.logits
-        return st.logits[list(rows)]
 
     def decode_sample(self, rows, tokens, positions, specs: Sequence[SampleSpec], carry: bool) -> Pending:
         """decode, then sample its logits; a steady step (see the module docstring) is one replay."""
         if carry and self._steady_ok(rows, tokens, specs):
             return self._steady_step(rows, positions, specs)
-        self.decode(rows, tokens, positions)
+        self._decode(rows, tokens, positions)
         return self.sample(specs, carry=carry)
 
     # ---- sampling -------------------------------------------------------------------------------------
@@ -277,7 +283,9 @@ class CudaRunner:
         b, positions = len(rows), list(positions)
         cs = self._make_sampler()
         changed = cs.load({s.row: (s.owner, s.params, s.random, s.budget) for s in specs})
-        t, bias, top_n = cs.kind(b)
+        if changed or self._kind is None or self._kind[:2] != (cs.version, b):
+            self._kind = (cs.version, b, *cs.kind(b))  # (row_tensors: uploads, so only when rows change)
+        t, bias, top_n = self._kind[2:]
         keys = self._key_range(b, max(p + s.budget + 1 for p, s in zip(positions, specs, strict=True)))
         key = (b, keys, t.key(), bias, top_n)
         if self._steady is not None and self._steady[:2] != (key, positions):
