@@ -56,6 +56,14 @@ def main(argv: list[str] | None = None) -> int:
         except (FileNotFoundError, ValueError, FileExistsError) as e:
             print(f"bitnet {argv[0]}: error: {e}", file=sys.stderr)
             return 2
+        except ImportError as e:  # a missing optional package: one line naming what installs it
+            from bitnetlm.deps import describe
+
+            text = describe(e, f"bitnet {argv[0]}")
+            if text is None:
+                raise
+            print(f"bitnet {argv[0]}: error: {text}", file=sys.stderr)
+            return 2
         except KeyboardInterrupt:
             return 130
     args = parser.parse_args(argv)

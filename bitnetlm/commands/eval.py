@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from bitnetlm.runtime.args import add_runtime_arguments, runtime_from_args
+
 
 def add_arguments(p) -> None:
     p.add_argument("-m", "--model", required=True, help="model directory, .gguf file or zoo name")
@@ -14,9 +16,6 @@ def add_arguments(p) -> None:
         dest="mc",
         help="multiple-choice JSONL in MMLU format: accuracy (letter scoring, see --shots)",
     )
-    p.add_argument(
-        "-c", "--ctx", type=int, help="context length for perplexity windows (default: the model's)"
-    )
     p.add_argument("--stride", type=int, help="window stride in tokens (default: ctx / 2)")
     p.add_argument(
         "-b", "--batch-size", type=int, default=4, help="windows / questions per forward (default: 4)"
@@ -26,8 +25,7 @@ def add_arguments(p) -> None:
         "--shots", type=int, default=0, help="few-shot examples per question, same topic (default: 0)"
     )
     p.add_argument("--subjects", nargs="+", help="only these MMLU topics")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default: cpu)")
-    p.add_argument("--backend", help="kernel backend for ternary layers (reference | cpu | triton)")
+    add_runtime_arguments(p, ("device", "dtype", "backend", "threads", "head_dtype", "max_seq_len"))
     p.add_argument(
         "--json", action="store_true", help="print machine-readable JSON (key 'perplexity', 'accuracy')"
     )
@@ -41,14 +39,14 @@ def run(args) -> int:
         args.model,
         text=args.text,
         mc=args.mc,
-        device=args.device,
-        ctx=args.ctx,
+        runtime=runtime_from_args(
+            args, ("device", "dtype", "backend", "threads", "head_dtype", "max_seq_len")
+        ),
         stride=args.stride,
         batch_size=args.batch_size,
         limit=args.limit,
         shots=args.shots,
         subjects=args.subjects,
-        backend=args.backend,
         progress=not args.no_progress and not args.json,
     )
     if args.json:

@@ -249,22 +249,28 @@ def evaluate(
     model_path: str | os.PathLike,
     text: str | os.PathLike | None = None,
     mc: str | os.PathLike | None = None,
-    device: str = "cpu",
-    ctx: int | None = None,
+    runtime=None,
     stride: int | None = None,
     batch_size: int = 4,
     limit: int | None = None,
     shots: int = 0,
     subjects=None,
-    backend: str | None = None,
     progress: bool = False,
+    **options,
 ) -> dict:
-    """`bitnet eval` as a function: load a model with bitnetlm.load, then perplexity and/or MC accuracy."""
+    """`bitnet eval` as a function: load a model with bitnetlm.load (a RuntimeConfig `runtime` or its fields in
+    `options`: device, dtype, backend, threads, ...; its context, max_seq_len, is the perplexity window), then
+    perplexity and/or MC accuracy."""
     from bitnetlm.loading import load
+    from bitnetlm.runtime.config import RuntimeConfig
 
     if text is None and mc is None:
         raise ValueError("nothing to evaluate: give a text file (perplexity) and/or a multiple-choice JSONL")
-    model, tok = load(model_path, device=device, backend=backend)
+    if "ctx" in options:  # the window's old name
+        options["max_seq_len"] = options.pop("ctx")
+    runtime = (runtime or RuntimeConfig()).replace(**options)
+    ctx = runtime.max_seq_len
+    model, tok = load(model_path, runtime)
     if tok is None:
         raise ValueError(f"{model_path}: no tokenizer.json next to the model; evaluation needs one")
     out: dict = {"model": str(model_path)}
