@@ -6,36 +6,27 @@ import json
 import os
 from pathlib import Path
 
-from safetensors import safe_open
-
-from bitnetlm.formats.hf import read_config, safetensors_files
+from bitnetlm.formats.hf import check_layer_count, read_config, safetensors_files
+from bitnetlm.formats.safetensors_header import read_header
 
 
 def inspect_hf(path: Path) -> dict:
     cfg = read_config(path)
     files = safetensors_files(path)
+    headers = [read_header(f) for f in files]  # validated: a corrupt file is a one-line error naming it
+    src = str(files[0] if len(files) == 1 else path)
+    check_layer_count(cfg, [k for h in headers for k in h.tensors], src)
     tensors = []
     ternary_params = 0
     ternary_bytes = 0
-    other_params = 0
     layout = None
-    for f in files:
-        with safe_open(str(f), framework="pt") as h:
-            meta = h.metadata() or {}
-            layout = layout or meta.get("bitnetlm_layout")
-            for k in h.keys():
-                sl = h.get_slice(k)
-                shape = list(sl.get_shape())
-                dtype = sl.get_dtype()
-                n = 1
-                for d in shape:
-                    n *= d
-                tensors.append({"name": k, "dtype": dtype, "shape": shape, "file": f.name})
-                if dtype == "U8" and k.endswith(".weight"):
-                    ternary_params += n * (5 if layout == "base3-5" else 4)  # trits per byte
-                    ternary_bytes += n
-                elif not k.endswith("weight_scale"):
-                    other_params += n
+    for f, h in zip(files, headers):
+        layout = layout or h.metadata.get("bitnetlm_layout")
+        for k, e in sorted(h.tensors.items()):
+            tensors.append({"name": k, "dtype": e.dtype, "shape": list(e.shape), "file": f.name})
+            if e.dtype == "U8" and k.endswith(".weight"):
+                ternary_params += e.numel * (5 if layout == "base3-5" else 4)  # trits per byte
+                ternary_bytes += e.numel
     total_bytes = sum(f.stat().st_size for f in files)
     n_params = cfg.num_parameters()
     return {

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-bench (CPU only) from the llama.cpp tree vendored in the llama-cpp-python sdist on PyPI,
-# the one route to llama.cpp's source from machines that reach PyPI but not GitHub. benchmarks/cpu_peer.py runs it.
+# Build llama.cpp's llama-bench, llama-tokenize and llama-simple (CPU only) from the llama.cpp tree vendored in the
+# llama-cpp-python sdist on PyPI, the one route to llama.cpp's source from machines that reach PyPI but not GitHub.
+# benchmarks/cpu_peer.py runs llama-bench; tests/test_gguf_llamacpp.py (pytest marker `llamacpp`) loads the GGUF
+# files we write with llama-tokenize (the tokenizer) and llama-simple (greedy generation).
 #
 #   scripts/build_llama_bench.sh [DEST]     (default DEST: .assets/llama.cpp, git-ignored)
 #
-# Result: DEST/bin/llama-bench, statically linked against llama/ggml (only libc, libstdc++ and libgomp stay shared).
+# Result: DEST/bin/{llama-bench,llama-tokenize,llama-simple}, statically linked against llama/ggml (only libc,
+# libstdc++ and libgomp stay shared), and DEST/COMMIT, the llama.cpp commit they were built from.
 # Idempotent: the sdist is downloaded once (DEST/src, or LCP_SDIST_DIR if it already holds the tarball), unpacked
 # once, and the cmake build is incremental. Environment: LCP_VERSION (default 0.3.36), JOBS (default 2).
 set -euo pipefail
@@ -70,8 +73,9 @@ configure() {
     # LLAMA_BUILD_COMMIT/NUMBER are passed because git-vars would otherwise ask git, and under a checkout (DEST
     # inside this repository) git answers with this repository's commit. The build number is not recoverable
     # without llama.cpp's history: 0.
-    # Tools on (llama-bench lives there, and only the llama-bench target is built); tests, examples, server and
-    # the unified app off; no OpenSSL (llama-common's downloader is not used); static so the binary stands alone.
+    # Tools on (llama-bench and llama-tokenize live there) and examples on (llama-simple); only those three targets
+    # are built. Tests, server and the unified app off; no OpenSSL (llama-common's downloader is not used); static
+    # so the binaries stand alone.
     local generator=()
     if command -v ninja >/dev/null; then
         generator=(-G Ninja)
@@ -86,7 +90,7 @@ configure() {
         -DLLAMA_BUILD_COMMON=ON \
         -DLLAMA_BUILD_TOOLS=ON \
         -DLLAMA_BUILD_TESTS=OFF \
-        -DLLAMA_BUILD_EXAMPLES=OFF \
+        -DLLAMA_BUILD_EXAMPLES=ON \
         -DLLAMA_BUILD_SERVER=OFF \
         -DLLAMA_BUILD_APP=OFF \
         -DLLAMA_OPENSSL=OFF \
@@ -94,20 +98,27 @@ configure() {
         -DLLAMA_BUILD_NUMBER=0
 }
 
+TARGETS=(llama-bench llama-tokenize llama-simple)
+
 build() {
     local start end
     start="$(date +%s)"
-    cmake --build "$BUILD" --target llama-bench -j "$JOBS"
+    cmake --build "$BUILD" --target "${TARGETS[@]}" -j "$JOBS"
     end="$(date +%s)"
     echo "build: $((end - start)) s"
 }
 
-install_binary() {
+install_binaries() {
     mkdir -p "$DEST/bin"
     # Copy to a temporary name and rename, so a reader never sees a half-written binary.
-    cp "$BUILD/bin/llama-bench" "$DEST/bin/.llama-bench.tmp"
-    mv "$DEST/bin/.llama-bench.tmp" "$DEST/bin/llama-bench"
-    echo "binary: $DEST/bin/llama-bench"
+    local t
+    for t in "${TARGETS[@]}"; do
+        cp "$BUILD/bin/$t" "$DEST/bin/.$t.tmp"
+        mv "$DEST/bin/.$t.tmp" "$DEST/bin/$t"
+        echo "binary: $DEST/bin/$t"
+    done
+    echo "$(vendored_commit)" > "$DEST/.COMMIT.tmp"
+    mv "$DEST/.COMMIT.tmp" "$DEST/COMMIT"
 }
 
 command -v cmake >/dev/null || { echo "cmake not found (scripts/install_system_deps.sh)" >&2; exit 1; }
@@ -115,5 +126,5 @@ fetch_sdist
 unpack_sdist
 configure
 build
-install_binary
+install_binaries
 ldd "$DEST/bin/llama-bench" || true

@@ -50,11 +50,11 @@ def _reinit(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))
 
 
-def _build_fp(path: Path, variant: str, seed: int, rope_theta: float = 10000.0):
+def _build_fp(path: Path, variant: str, seed: int, rope_theta: float = 10000.0, **overrides):
     from transformers import BitNetConfig, BitNetForCausalLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    kw = tiny_config_kwargs(variant)
+    kw = {**tiny_config_kwargs(variant), **overrides}
     if variant == "llama":
         cfg = LlamaConfig(**kw, rope_theta=rope_theta)
         model = LlamaForCausalLM(cfg)
@@ -66,8 +66,10 @@ def _build_fp(path: Path, variant: str, seed: int, rope_theta: float = 10000.0):
     return model
 
 
-def make_checkpoint(path: Path, variant: str, seed: int = 0) -> Path:
+def make_checkpoint(path: Path, variant: str, seed: int = 0, **overrides) -> Path:
     """Write checkpoint `variant` into `path` using transformers; returns the directory to load in transformers.
+
+    `overrides`: config fields that replace `tiny_config_kwargs` (e.g. sizes whose rows fit GGUF's TQ types).
 
     For '1bitllm' the returned oracle dir is a BitNet online checkpoint with the same weights; `path` itself gets
     the 1bitLLM spelling (BitnetForCausalLM, model_type llama, renamed sub-norms, weight_bits/input_bits).
@@ -76,12 +78,12 @@ def make_checkpoint(path: Path, variant: str, seed: int = 0) -> Path:
     if variant not in VARIANTS:
         raise ValueError(variant)
     if variant in ("fp", "llama"):
-        _build_fp(path, variant, seed)
+        _build_fp(path, variant, seed, **overrides)
         return path
     from transformers.integrations.bitnet import pack_weights
 
     oracle = path if variant != "1bitllm" else path.with_name(path.name + "-oracle")
-    _build_fp(oracle, variant, seed)
+    _build_fp(oracle, variant, seed, **overrides)
     cfg = json.loads((oracle / "config.json").read_text())
     if variant in ("online", "1bitllm"):
         _clear_weight_ties(oracle / "model.safetensors")
@@ -156,6 +158,32 @@ def _write_1bitllm(path: Path, oracle: Path, cfg: dict) -> None:
     c = {k: v for k, v in cfg.items() if k not in ("quantization_config", "model_type", "architectures")}
     c.update(architectures=["BitnetForCausalLM"], model_type="llama", weight_bits=1, input_bits=8)
     (path / "config.json").write_text(json.dumps(c, indent=2))
+
+
+BPE_TEXT = (
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in "
+    "want of a wife. However little known the feelings or views of such a man may be on his first entering "
+    "a neighbourhood, this truth is so well fixed in the minds of the surrounding families, that he is "
+    "considered the rightful property of some one or other of their daughters. 0123456789"
+)
+
+
+def byte_level_bpe(vocab_size: int = 400):
+    """A GPT-2-style byte-level BPE trained by `tokenizers` itself, small enough for the tiny checkpoints' vocab."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([BPE_TEXT] * 4, trainer)
+    return tok
 
 
 def oracle_model(oracle_dir: Path):

@@ -38,8 +38,9 @@ def add_arguments(p) -> None:
         "--gguf-arch",
         default=None,
         choices=["bitnet", "bitnet-b1.58", "bitnet-25", "llama"],
-        help="gguf only: general.architecture to write (default: bitnet-b1.58 for BitNet 2B4T-style, "
-        "bitnet for 1bitLLM, llama for LLaMA)",
+        help="gguf only: general.architecture to write, which also fixes the MLP activation llama.cpp runs "
+        "(default from the model: bitnet-b1.58 for ReLU^2 BitNet, bitnet for SiLU BitNet / 1bitLLM, llama for "
+        "LLaMA)",
     )
     p.add_argument("-f", "--force", action="store_true", help="overwrite OUTPUT if it exists")
 

@@ -3,10 +3,9 @@
 Ternary projections are TQ1_0 / TQ2_0 / I2_S (multiply convention, W = T*s); everything else F32/F16/BF16
 (any type `gguf.quants` dequantizes on read: Q8_0 embeddings, Q4_0/Q4_1/Q4_K/Q6_K llama files, ...).
 
-Architectures: llama.cpp's `bitnet` is the 1bitLLM model (SiLU MLP); microsoft/BitNet's `bitnet-b1.58` and
-`bitnet-25` are BitNet b1.58 2B4T (ReLU^2). BitNet archs use NEOX (rotate-half) RoPE, so their q/k rows are
-stored as in HF; `llama` files store q/k rows permuted for GGML's interleaved RoPE and are un-permuted here.
-Tokenizer and chat template: `bitnetlm.formats.gguf_tokenizer`.
+Architectures and the activation each implies: `bitnetlm.formats.gguf_arch`. `llama` files store q/k rows
+permuted for GGML's interleaved RoPE and are un-permuted here. Tokenizer and chat template:
+`bitnetlm.formats.gguf_tokenizer`.
 """
 
 from __future__ import annotations
@@ -18,18 +17,18 @@ import numpy as np
 import torch
 
 from bitnetlm.formats import gguf_codecs as codecs
+from bitnetlm.formats.gguf_arch import config_from_gguf, gguf_arch_name
 from bitnetlm.formats.gguf_file import GGUFError, GGUFFile, TensorToWrite, read_gguf, write_gguf
 from bitnetlm.formats.gguf_tokenizer import load_gguf_tokenizer  # noqa: F401  (bitnetlm.load uses it from here)
-from bitnetlm.formats.names import PROJECTIONS, layer_modules
-from bitnetlm.models import CausalLM, ModelConfig, build_empty_model
+from bitnetlm.formats.names import layer_modules
+from bitnetlm.models import CausalLM, build_empty_model
 from bitnetlm.models.transformer import rope_inv_freq
 from bitnetlm.quant.bitlinear import BitLinear
 from bitnetlm.quant.packing import PackingFormat, pack_hf
 from bitnetlm.quant.ternary import ternarize
 
 GGUF_FORMAT_VERSION = 1  # bitnetlm.format_version written to files we produce
-BITNET_ARCHS = {"bitnet": "1bitllm", "bitnet-b1.58": "bitnet", "bitnet-25": "bitnet"}
-SUPPORTED_ARCHS = (*BITNET_ARCHS, "llama")
+GGML_QUANT_VERSION = 2  # general.quantization_version, as llama.cpp's converter writes it
 
 # our module name (inside layers.N) <-> GGUF tensor name (inside blk.N)
 LAYER_NAMES = {
@@ -84,78 +83,6 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 # ---- reading --------------------------------------------------------------------------------------
-
-
-def _meta(f: GGUFFile, key: str, default=None, required: bool = False, kind=int):
-    arch = f.metadata.get("general.architecture")
-    full = f"{arch}.{key}"
-    if full not in f.metadata:
-        if required:
-            raise GGUFError(f"{f.path}: metadata {full!r} is missing (needed to build the model)")
-        return default
-    v = f.metadata[full]
-    if kind is int and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-        raise GGUFError(f"{f.path}: metadata {full!r} must be a non-negative integer, found {v!r}")
-    if kind is float and not isinstance(v, (int, float)):
-        raise GGUFError(f"{f.path}: metadata {full!r} must be a number, found {v!r}")
-    return v
-
-
-def config_from_gguf(f: GGUFFile) -> ModelConfig:
-    """ModelConfig from a GGUF file's metadata (and tensor shapes where metadata is silent)."""
-    arch = f.metadata.get("general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise GGUFError(
-            f"{f.path}: general.architecture is {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}"
-        )
-    hidden = _meta(f, "embedding_length", required=True)
-    n_layers = _meta(f, "block_count", required=True)
-    n_heads = _meta(f, "attention.head_count", required=True)
-    if not hidden or not n_layers or not n_heads:
-        raise GGUFError(f"{f.path}: embedding_length, block_count and head_count must be positive")
-    n_kv = _meta(f, "attention.head_count_kv", n_heads)
-    if "token_embd.weight" not in f.tensors:
-        raise GGUFError(f"{f.path}: tensor 'token_embd.weight' is missing")
-    emb_shape = f.tensors["token_embd.weight"].shape
-    if len(emb_shape) != 2 or emb_shape[1] != hidden:
-        raise GGUFError(f"{f.path}: token_embd.weight has shape {emb_shape}, expected [vocab, {hidden}]")
-    vocab = _meta(f, "vocab_size", emb_shape[0])
-    ffn = _meta(f, "feed_forward_length")
-    if ffn is None:
-        up = f.tensors.get("blk.0.ffn_up.weight")
-        if up is None:
-            raise GGUFError(f"{f.path}: feed_forward_length missing and no blk.0.ffn_up.weight to infer it")
-        ffn = up.shape[0]
-    head_dim = _meta(f, "attention.key_length", _meta(f, "rope.dimension_count", hidden // n_heads))
-    ours = BITNET_ARCHS.get(arch, "llama")
-    meta = f.metadata
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    ternary = any(
-        f.tensors.get(f"blk.0.{LAYER_NAMES[p]}.weight") is not None
-        and f.tensors[f"blk.0.{LAYER_NAMES[p]}.weight"].type_id in codecs.TYPE_NAMES
-        for p in PROJECTIONS
-    )
-    act = {"bitnet": "relu2", "1bitllm": "silu", "llama": "silu"}[ours]
-    return ModelConfig(
-        arch=ours,
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=ffn,
-        num_hidden_layers=n_layers,
-        num_attention_heads=n_heads,
-        num_key_value_heads=n_kv or n_heads,
-        head_dim=head_dim,
-        max_position_embeddings=_meta(f, "context_length", 4096),
-        rope_theta=float(_meta(f, "rope.freq_base", 10000.0, kind=float)),
-        rms_norm_eps=float(_meta(f, "attention.layer_norm_rms_epsilon", 1e-5, kind=float)),
-        hidden_act=act,
-        tie_word_embeddings="output.weight" not in f.tensors,
-        bos_token_id=bos,
-        eos_token_id=eos,
-        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
-        quant="ternary" if (ours != "llama" or ternary) else "none",
-    )
 
 
 def _float_tensor(f: GGUFFile, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -297,16 +224,6 @@ def _ternary_of(module) -> tuple[torch.Tensor, float]:
     raise TypeError("not a ternary projection")
 
 
-def gguf_arch_name(cfg: ModelConfig, arch_name: str | None = None) -> str:
-    if arch_name:
-        if arch_name not in SUPPORTED_ARCHS:
-            raise ValueError(f"unsupported GGUF architecture {arch_name!r}; choose from {SUPPORTED_ARCHS}")
-        if BITNET_ARCHS.get(arch_name, "llama") != cfg.arch:
-            raise ValueError(f"GGUF architecture {arch_name!r} does not describe a {cfg.arch} model")
-        return arch_name
-    return {"bitnet": "bitnet-b1.58", "1bitllm": "bitnet", "llama": "llama"}[cfg.arch]
-
-
 def save_gguf(
     model: CausalLM,
     path: str | os.PathLike,
@@ -396,6 +313,7 @@ def save_gguf(
         f"{p}.rope.freq_base": float(cfg.rope_theta),
         f"{p}.rope.dimension_count": cfg.head_dim,
         "bitnetlm.format_version": GGUF_FORMAT_VERSION,
+        "general.quantization_version": GGML_QUANT_VERSION,
     }
     if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
         meta[f"{p}.attention.key_length"] = cfg.head_dim
@@ -414,6 +332,7 @@ def save_gguf(
         f"{p}.attention.key_length": (4, None),
         f"{p}.attention.value_length": (4, None),
         "bitnetlm.format_version": (4, None),
+        "general.quantization_version": (4, None),
     }
     if ternary:
         meta["general.file_type"] = {"tq1_0": 36, "tq2_0": 37, "i2_s": 40}[qkey]  # llama_ftype MOSTLY_*

@@ -190,6 +190,27 @@ class GGUFFile:
         self.close()
 
 
+def decode_utf8_lossy(raw: bytes) -> str:
+    """Text of bytes that are not valid UTF-8, as llama.cpp reads them (unicode_cpts_from_utf8): a byte that does
+    not start a complete sequence becomes U+FFFD and decoding resumes at the next byte. Code points Python cannot
+    hold in a str (surrogates, beyond U+10FFFF) become U+FFFD too, so no lone surrogate reaches tokenizers or print.
+    """
+    out, i, n = [], 0, len(raw)
+    while i < n:
+        b = raw[i]
+        size = 1 if b < 0x80 else 2 if b >> 5 == 6 else 3 if b >> 4 == 14 else 4 if b >> 3 == 30 else 0
+        if size and i + size <= n and all(raw[j] >> 6 == 2 for j in range(i + 1, i + size)):
+            cpt = b & (0x7F, 0x1F, 0x0F, 0x07)[size - 1]
+            for j in range(i + 1, i + size):
+                cpt = cpt << 6 | raw[j] & 0x3F
+            out.append("\ufffd" if 0xD800 <= cpt <= 0xDFFF or cpt > 0x10FFFF else chr(cpt))
+            i += size
+        else:
+            out.append("\ufffd")
+            i += 1
+    return "".join(out)
+
+
 class _Cursor:
     def __init__(self, buf: memoryview, path: Path):
         self.buf, self.pos, self.path = buf, 0, path
@@ -216,7 +237,7 @@ class _Cursor:
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError:
-            return raw.decode("utf-8", errors="surrogateescape")
+            return decode_utf8_lossy(raw)
 
     def value(self, vtype: int, what: str, depth: int = 0):
         if vtype in _SCALAR:
@@ -294,11 +315,10 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
             nbytes = tensor_nbytes(type_id, shape)
         except GGUFError as e:
             raise GGUFError(f"{path}: tensor {name!r}: {e}") from None
-        if offset % alignment:
-            raise GGUFError(f"{path}: tensor {name!r} offset {offset} is not aligned to {alignment}")
         infos.append((name, shape, type_id, offset, nbytes))
     data_offset = -(-cur.pos // alignment) * alignment
     tensors: dict[str, TensorInfo] = {}
+    expected = 0
     for name, shape, type_id, offset, nbytes in infos:
         if name in tensors:
             raise GGUFError(f"{path}: duplicate tensor name {name!r}")
@@ -308,6 +328,12 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
                 f"{path}: tensor {name!r} data ({nbytes} bytes at offset {start}) runs past the end of the "
                 f"file ({size} bytes); the file is truncated"
             )
+        if offset != expected:  # llama.cpp's rule: each tensor's data follows the previous one's, padded
+            raise GGUFError(
+                f"{path}: tensor {name!r} data offset {offset}, expected {expected}: tensor data must follow "
+                f"the tensor table's order with no overlap or gap (aligned to {alignment})"
+            )
+        expected += -(-nbytes // alignment) * alignment
         tensors[name] = TensorInfo(name, shape, type_id, start, nbytes)
     return GGUFFile(path, version, metadata, vtypes, tensors, alignment, data_offset, mm)
 

@@ -14,6 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bitnetlm.formats.gguf_pretok import pre_tokenizer_name
+
 # llama.cpp token types
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -223,17 +225,6 @@ def _token_str(v) -> str | None:
     return v
 
 
-def _pre_name(pre: dict | None) -> str:
-    if not pre:
-        return "default"
-    s = json.dumps(pre)
-    if "Split" in s and "p{N}{1,3}" in s and "(?i:'s|'t|'re|'ve|'m|'ll|'d)" in s:
-        return "llama-bpe"
-    if '"Digits"' in s and '"individual_digits": true' in s and "ByteLevel" in s:
-        return "smollm"
-    return "gpt2" if "ByteLevel" in s else "default"
-
-
 def tokenizer_metadata(tok, cfg=None) -> tuple[dict[str, Any], dict[str, tuple[int, int | None]]]:
     """GGUF tokenizer metadata (and value types) for a tokenizer directory or bitnetlm Tokenizer."""
     from bitnetlm.formats.gguf_file import ARRAY, BOOL, FLOAT32, INT32, STRING, UINT32
@@ -271,7 +262,10 @@ def tokenizer_metadata(tok, cfg=None) -> tuple[dict[str, Any], dict[str, tuple[i
         meta["tokenizer.ggml.merges"] = merges
         vtypes["tokenizer.ggml.merges"] = (ARRAY, STRING)
     if kind == "gpt2":
-        meta["tokenizer.ggml.pre"] = _pre_name(tj.get("pre_tokenizer"))
+        source = (
+            str(Path(tok) / "tokenizer.json") if isinstance(tok, (str, os.PathLike)) else "tokenizer.json"
+        )
+        meta["tokenizer.ggml.pre"] = pre_tokenizer_name(tj, source)
     else:
         rank = {}
         for r, m in enumerate(merges):

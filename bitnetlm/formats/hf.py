@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from bitnetlm.quant.packing import PackingFormat, pack_hf, unpack_hf
 from bitnetlm.quant.ternary import ternarize
 
 FORMAT_VERSION = "1"
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -34,9 +36,9 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{cfg_file}: no config.json in the model directory {path}")
     try:
-        raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_file}: not valid JSON ({e})") from e
+        raw = json.loads(cfg_file.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{cfg_file}: not valid JSON ({str(e).splitlines()[0]})") from None
     return ModelConfig.from_hf(raw, source=str(cfg_file))
 
 
@@ -45,11 +47,13 @@ def safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
+            weight_map = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, KeyError, TypeError) as e:
             raise ValueError(
-                f"{index}: not a valid safetensors index (expected a 'weight_map' object): {e}"
-            ) from e
+                f"{index}: not a valid safetensors index (expected a 'weight_map' object): {e!r:.120}"
+            ) from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index}: 'weight_map' must map tensor names to file names")
         files = [path / f for f in sorted(set(weight_map.values()))]
         for f in files:
             if not f.is_file():
@@ -101,6 +105,18 @@ class _Tensors:
             raise ValueError(f"{f}: cannot read tensor {name!r} (file truncated or corrupt?): {e}") from e
 
 
+def check_layer_count(cfg: ModelConfig, names, src: str) -> None:
+    """config.json's num_hidden_layers against the `model.layers.N.` tensors the checkpoint holds, before any model
+    is built: a corrupt count (1e9) must fail here, not allocate a billion layers first."""
+    present = {int(m.group(1)) for n in names if (m := _LAYER.match(n))}
+    found = max(present) + 1 if present else 0
+    if found != cfg.num_hidden_layers:
+        raise ValueError(
+            f"{src}: config.json declares num_hidden_layers = {cfg.num_hidden_layers}, "
+            f"the checkpoint holds tensors for {found} layers"
+        )
+
+
 def _expect(name: str, t: torch.Tensor, shape: tuple[int, ...], file: str, dtypes=None) -> None:
     if tuple(t.shape) != tuple(shape):
         raise ValueError(
@@ -121,6 +137,7 @@ def load_hf(path: str | os.PathLike, mode: str = "infer", dtype: torch.dtype = t
     files = safetensors_files(path)
     ts = _Tensors(files)
     src = str(files[0] if len(files) == 1 else path)
+    check_layer_count(cfg, ts.where, src)
     model = build_empty_model(cfg, mode)
     sd: dict[str, torch.Tensor] = {}
     for name, kind in layer_modules(cfg.num_hidden_layers, cfg.has_sub_norms):

@@ -10,7 +10,6 @@ Loading maps the safetensors files into memory: packed ternary tensors are views
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -20,6 +19,7 @@ import numpy as np
 import torch
 
 from bitnetlm.formats import atomic
+from bitnetlm.formats.safetensors_header import read_header
 from bitnetlm.quant.packing import PackingFormat, pack_base3, pack_hf, unpack_base3
 
 LAYOUT_KEY = "bitnetlm_layout"
@@ -44,50 +44,26 @@ def mmap_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
     """All tensors of a safetensors file as zero-copy views of a copy-on-write memory map, and its metadata.
 
     Pages are read from disk only when touched and shared with the page cache; writing to a tensor never
-    modifies the file (copy-on-write).
+    modifies the file (copy-on-write). The header is validated first (`safetensors_header.read_header`). A
+    tensor whose data does not start at a multiple of its element size (legal in safetensors) is copied.
     """
-    path = Path(path)
-    size = path.stat().st_size
-    mm = np.memmap(path, dtype=np.uint8, mode="c")
-    if size < 8:
-        raise ValueError(f"{path}: not a safetensors file ({size} bytes)")
-    n = int(mm[:8].view("<u8")[0])
-    if n > size - 8 or n > 100_000_000:
-        raise ValueError(f"{path}: safetensors header length {n} exceeds the file size {size} (truncated?)")
-    try:
-        header = json.loads(bytes(mm[8 : 8 + n]))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: corrupt safetensors header: {e}") from e
-    if not isinstance(header, dict):
-        raise ValueError(f"{path}: corrupt safetensors header: expected a JSON object")
-    meta = header.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict):
-        raise ValueError(f"{path}: corrupt safetensors header: __metadata__ is not an object")
-    meta = {str(k): str(v) for k, v in meta.items()}
-    base = 8 + n
+    header = read_header(path)
+    mm = np.memmap(header.path, dtype=np.uint8, mode="c")
     out = {}
-    for name, info in header.items():
-        try:
-            dtype = _ST_DTYPES[info["dtype"]]
-            shape = [int(d) for d in info["shape"]]
-            start, end = (int(o) for o in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{path}: tensor {name!r}: corrupt header entry {info!r} ({e!r})") from None
-        count = 1
-        for d in shape:
-            if d < 0:
-                raise ValueError(f"{path}: tensor {name!r} has a negative dimension in {shape}")
-            count *= d
-        if not (0 <= start <= end <= size - base):
-            raise ValueError(f"{path}: tensor {name!r} data [{start}, {end}) runs past the end of the file")
-        if end - start != count * dtype.itemsize:
+    for name, e in header.tensors.items():
+        dtype = _ST_DTYPES.get(e.dtype)
+        if dtype is None:
             raise ValueError(
-                f"{path}: tensor {name!r} shape {shape} needs {count * dtype.itemsize} bytes, "
-                f"the header gives {end - start}"
+                f"{header.path}: tensor {name!r} has dtype {e.dtype}; supported: {', '.join(_ST_DTYPES)}"
             )
-        buf = torch.from_numpy(mm[base + start : base + end])
-        out[name] = buf.view(dtype).reshape(shape)
-    meta["_mmap_region"] = f"{mm.ctypes.data}:{size}"  # address range, so callers can verify zero-copy
+        a, b = header.data_start + e.start, header.data_start + e.end
+        buf = torch.from_numpy(mm[a:b])
+        if a % dtype.itemsize:  # no kernel gets an unaligned pointer
+            buf = buf.clone()
+        out[name] = buf.view(dtype).reshape(e.shape)
+    meta = dict(header.metadata)
+    # the map's address range, so callers can verify zero-copy
+    meta["_mmap_region"] = f"{mm.ctypes.data}:{header.file_size}"
     return out, meta
 
 
@@ -96,10 +72,7 @@ def file_layout(model_dir: str | os.PathLike) -> tuple[str, str | None]:
     from bitnetlm.formats.hf import safetensors_files
 
     files = safetensors_files(Path(model_dir))
-    n = int(np.fromfile(files[0], dtype="<u8", count=1)[0])
-    with open(files[0], "rb") as fh:
-        fh.seek(8)
-        meta = json.loads(fh.read(min(n, 100_000_000))).get("__metadata__") or {}
+    meta = read_header(files[0]).metadata
     return meta.get(LAYOUT_KEY, PackingFormat.HF_2BIT.value), meta.get(VERSION_KEY)
 
 
@@ -230,7 +203,13 @@ def load_mmap(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
     memory maps of the safetensors files: nothing is read until used, and the page cache is shared between
     processes serving the same model. Tensors that need a dtype conversion are converted (copied).
     """
-    from bitnetlm.formats.hf import IGNORED_SUFFIXES, _expect, read_config, safetensors_files
+    from bitnetlm.formats.hf import (
+        IGNORED_SUFFIXES,
+        _expect,
+        check_layer_count,
+        read_config,
+        safetensors_files,
+    )
     from bitnetlm.formats.names import hf_name, layer_modules
     from bitnetlm.models import build_empty_model
     from bitnetlm.models.transformer import rope_inv_freq
@@ -250,6 +229,7 @@ def load_mmap(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
         tensors.update(t)
         meta.update(m)
     src = str(path)
+    check_layer_count(cfg, tensors, src)
     model = build_empty_model(cfg, "infer")
     sd: dict[str, torch.Tensor] = {}
     floats = (torch.float32, torch.float16, torch.bfloat16)

@@ -3,10 +3,38 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 ARCHS = ("bitnet", "1bitllm", "llama")
+_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "max_position_embeddings",
+)
+
+
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _positive_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def _get(d: dict, key: str, default):
+    """d[key], or `default` where the key is absent or null (transformers writes null for unset fields)."""
+    v = d.get(key)
+    return default if v is None else v
+
+
+def _require(ok: bool, name: str, expected: str, found) -> None:
+    if not ok:
+        raise ValueError(f"field {name!r} must be {expected}, found {found!r:.80}")
 
 
 @dataclass
@@ -44,10 +72,35 @@ class ModelConfig:
     def __post_init__(self):
         if self.arch not in ARCHS:
             raise ValueError(f"ModelConfig.arch: expected one of {ARCHS}, found {self.arch!r}")
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
+        for name in _SIZES:
+            _require(_positive_int(getattr(self, name)), name, "a positive integer", getattr(self, name))
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
+        _require(
+            _positive_int(self.num_key_value_heads),
+            "num_key_value_heads",
+            "a positive integer",
+            self.num_key_value_heads,
+        )
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        _require(
+            _positive_int(self.head_dim) and self.head_dim % 2 == 0,
+            "head_dim",
+            "a positive even integer (RoPE rotates pairs)",
+            self.head_dim,
+        )
+        for name in ("rope_theta", "rms_norm_eps"):
+            v = getattr(self, name)
+            _require(_positive_number(v), name, "a positive finite number", v)
+            setattr(self, name, float(v))
+        _require(
+            self.rope_scaling is None or isinstance(self.rope_scaling, dict),
+            "rope_scaling",
+            "an object or null",
+            self.rope_scaling,
+        )
+        _require(isinstance(self.hidden_act, str), "hidden_act", "a string", self.hidden_act)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"ModelConfig: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -81,7 +134,23 @@ class ModelConfig:
     # ---- HF config.json -------------------------------------------------------------------
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
-        """Build from a transformers config.json dict (BitNet, 1bitLLM and LLaMA families)."""
+        """Build from a transformers config.json dict (BitNet, 1bitLLM and LLaMA families).
+
+        Every field is checked here, before any model is built: a bad value is a one-line ValueError naming
+        `source` and the field."""
+        try:
+            return cls._from_hf(cfg)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+
+    @classmethod
+    def _from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        if not isinstance(cfg, dict):
+            raise ValueError(f"expected a JSON object, found {type(cfg).__name__}")
+        for key, kind in (("architectures", list), ("quantization_config", dict), ("rope_parameters", dict)):
+            _require(
+                cfg.get(key) is None or isinstance(cfg[key], kind), key, f"a {kind.__name__}", cfg.get(key)
+            )
         archs = cfg.get("architectures") or []
         model_type = cfg.get("model_type")
         qc = cfg.get("quantization_config") or {}
@@ -99,7 +168,7 @@ class ModelConfig:
                 quant = "ternary"
         else:
             raise ValueError(
-                f"{source}: unknown architecture (model_type={model_type!r}, architectures={archs}); "
+                f"unknown architecture (model_type={model_type!r}, architectures={archs}); "
                 "supported: BitNetForCausalLM, BitnetForCausalLM (1bitLLM), LlamaForCausalLM"
             )
         for key in (
@@ -109,14 +178,15 @@ class ModelConfig:
             "num_hidden_layers",
             "num_attention_heads",
         ):
-            v = cfg.get(key)
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{source}: field {key!r} must be a positive integer, found {v!r}")
+            _require(_positive_int(cfg.get(key)), key, "a positive integer", cfg.get(key))
         rope = cfg.get("rope_parameters") or {}
-        rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope_theta = _get(cfg, "rope_theta", _get(rope, "rope_theta", 10000.0))
         rope_scaling = cfg.get("rope_scaling")
         if rope_scaling is None and rope.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        tie = cfg.get("tie_word_embeddings")
+        tie = arch == "bitnet" if tie is None else tie
+        _require(isinstance(tie, bool), "tie_word_embeddings", "true or false", tie)
         default_act = {"bitnet": "relu2", "1bitllm": "silu", "llama": "silu"}[arch]
         return cls(
             arch=arch,
@@ -125,14 +195,14 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"],
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=cfg["num_attention_heads"],
-            num_key_value_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+            num_key_value_heads=cfg.get("num_key_value_heads"),
             head_dim=cfg.get("head_dim"),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            rope_theta=float(rope_theta),
+            max_position_embeddings=_get(cfg, "max_position_embeddings", 2048),
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            hidden_act=cfg.get("hidden_act", default_act),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "bitnet")),
+            rms_norm_eps=_get(cfg, "rms_norm_eps", 1e-6),
+            hidden_act=_get(cfg, "hidden_act", default_act),
+            tie_word_embeddings=tie,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),
