@@ -340,7 +340,8 @@ def test_health_is_503_while_loading(mt):
         gate.wait(60)
         return model, tok
 
-    from bitnetlm.serve.app import ServerConfig, start_server
+    from bitnetlm.serve.app import ServerConfig
+    from bitnetlm.serve.server import start_server
 
     h = start_server(ServerConfig(port=0, log_level="warning"), loader=loader)
     try:

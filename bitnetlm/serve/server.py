@@ -1,17 +1,106 @@
-"""`serve()`: the library form of `bitnet serve` (load a model, build the engine, run the HTTP server)."""
+"""Running the HTTP server: `serve()` (the library form of `bitnet serve`) in the foreground, `start()` on a
+background thread (tests, notebooks)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import sys
+import threading
+import time
 
 from bitnetlm.runtime import config_for
 from bitnetlm.runtime.config import RuntimeConfig
-from bitnetlm.serve.app import ServerConfig, ServerHandle, run_server, start_server
-from bitnetlm.serve.engine import EngineConfig
+from bitnetlm.serve.app import ServerConfig, create_app
+from bitnetlm.serve.engine import Engine, EngineConfig
 
 _RUNTIME = {f.name for f in dataclasses.fields(RuntimeConfig)}
 _ENGINE = {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+class ServerHandle:
+    """A server running on a background thread (tests, notebooks): .url, .stop()."""
+
+    def __init__(self, server, thread, sock):
+        self.server, self.thread = server, thread
+        host, port = sock.getsockname()[:2]
+        self.host, self.port = host, port
+        self.url = f"http://{host}:{port}"
+
+    @property
+    def engine(self) -> Engine | None:
+        return self.server.config.app.state.bitnet.engine
+
+    def stop(self, timeout: float = 60) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def _uvicorn_server(app, cfg: ServerConfig):
+    import uvicorn
+
+    ucfg = uvicorn.Config(
+        app,
+        log_level=cfg.log_level,
+        timeout_graceful_shutdown=cfg.graceful_timeout_s,
+        limit_concurrency=None,
+        h11_max_incomplete_event_size=64 * 1024,  # header size limit
+        access_log=cfg.log_level == "debug",
+    )
+    return uvicorn.Server(ucfg)
+
+
+def _bind(host: str, port: int):
+    import socket
+
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(fam, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def start_server(
+    cfg: ServerConfig, model=None, tokenizer=None, loader=None, wait: bool = True
+) -> ServerHandle:
+    """Start a server on a background thread (port 0 = any free port); returns once it accepts connections."""
+    app = create_app(cfg, model, tokenizer, loader)
+    server = _uvicorn_server(app, cfg)
+    sock = _bind(cfg.host, cfg.port)
+    server.install_signal_handlers = lambda: None  # not on the main thread
+    t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="bitnet-http", daemon=True)
+    t.start()
+    deadline = time.monotonic() + 60
+    while wait and not server.started and t.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return ServerHandle(server, t, sock)
+
+
+def run_server(cfg: ServerConfig, model=None, tokenizer=None, loader=None) -> None:
+    """Serve in the foreground until SIGINT/SIGTERM, then drain running requests and exit."""
+    app = create_app(cfg, model, tokenizer, loader)
+    server = _uvicorn_server(app, cfg)
+    sock = _bind(cfg.host, cfg.port)
+    host, port = sock.getsockname()[:2]
+    print(
+        f"bitnet serve: listening on http://{host}:{port} (model {cfg.model_name})",
+        file=sys.stderr,
+        flush=True,
+    )
+    if cfg.api_key is None and cfg.host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"bitnet serve: WARNING: bound to {host} without --api-key: anyone who can reach it can use it",
+            file=sys.stderr,
+            flush=True,
+        )
+    server.run(sockets=[sock])
 
 
 def _split(kw: dict) -> tuple[dict, dict, dict]:

@@ -1,0 +1,126 @@
+"""A generation's events as the OpenAI API returns them: one JSON body, or a stream of server-sent events."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+from fastapi.responses import Response, StreamingResponse
+
+from bitnetlm.serve import protocol as P
+from bitnetlm.serve.relay import Run, sse, sse_json
+from bitnetlm.serve.requests import Chunk, Failed, Finished
+
+
+async def respond(request, run: Run, model_name: str, req, n_prompt: int, want_lp: bool, chat: bool):
+    """The HTTP response for a submitted `run`: a stream of events, or the whole body once every choice ends."""
+    rid = P.new_id("chatcmpl" if chat else "cmpl")
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        gen = stream(request, run, rid, model_name, req.n, n_prompt, chat, include_usage)
+        return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    texts: dict[int, str] = {}
+    lps: dict[int, list] = {}
+    finish: dict[int, str] = {}
+    completion = 0
+    async for batch in run.batches(request):
+        for i, ev in batch:
+            if isinstance(ev, Chunk):
+                idx = i * req.n + ev.index
+                texts[idx] = texts.get(idx, "") + ev.text
+                lps.setdefault(idx, []).extend(ev.logprobs or [])
+                if ev.finish_reason:
+                    finish[idx] = ev.finish_reason
+            elif isinstance(ev, Finished):
+                completion += ev.completion_tokens
+            elif isinstance(ev, Failed):
+                run.cancel()
+                raise P.APIError(ev.status, ev.message, type="server_error")
+    if run.open:  # the client went away; nobody reads this
+        return Response(status_code=499)
+    choices = [
+        _choice(idx, texts[idx], lps[idx] if want_lp else None, finish.get(idx), chat)
+        for idx in sorted(texts)
+    ]
+    build = P.chat_response if chat else P.completion_response
+    return build(rid, model_name, choices, P.usage(n_prompt, completion))
+
+
+def _choice(idx: int, text: str, lps: list | None, finish: str | None, chat: bool) -> dict:
+    if chat:
+        lp = P.chat_logprobs(lps) if lps is not None else None
+        return {
+            "index": idx,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": lp,
+            "finish_reason": finish,
+        }
+    lp = P.completion_logprobs(lps) if lps is not None else None
+    return {"index": idx, "text": text, "logprobs": lp, "finish_reason": finish}
+
+
+async def stream(request, run: Run, rid, model_name, n, n_prompt, chat, include_usage) -> AsyncIterator[str]:
+    """Server-sent events: a chunk per visible text delta (and finish), then usage if asked for, then [DONE]."""
+    created = int(time.time())
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    completion = 0
+    offsets: dict[int, int] = {}
+    # every frame's JSON up to its choices, encoded once (the same text json.dumps gives the whole dict)
+    head = json.dumps({"id": rid, "object": obj, "created": created, "model": model_name}, ensure_ascii=False)
+    head = head[:-1] + ', "choices": '
+
+    def frame(choices, usage=None):
+        tail = f', "usage": {json.dumps(usage)}}}' if include_usage else "}"
+        return sse_json(head + json.dumps(choices, ensure_ascii=False) + tail)
+
+    if chat:
+        role = {"role": "assistant", "content": ""}
+        yield frame(
+            [
+                {"index": i, "delta": role, "logprobs": None, "finish_reason": None}
+                for i in range(len(run.gids) * n)
+            ]
+        )
+    async for batch in run.batches(request):
+        out = []  # the batch's frames, sent in one write
+        for i, ev in batch:
+            if isinstance(ev, Chunk):
+                c = _delta(ev, i * n + ev.index, chat, offsets)
+                if c is not None:
+                    out.append(frame([c]))
+            elif isinstance(ev, Finished):
+                completion += ev.completion_tokens
+            elif isinstance(ev, Failed):
+                err = {"message": ev.message, "type": "server_error", "param": None, "code": None}
+                yield "".join(out) + sse({"error": err})
+                return
+        if out:
+            yield "".join(out)
+    if run.open:
+        return  # client disconnected
+    if include_usage:
+        yield frame([], P.usage(n_prompt, completion))
+    yield "data: [DONE]\n\n"
+
+
+def _delta(ev: Chunk, idx: int, chat: bool, offsets: dict[int, int]) -> dict | None:
+    """One choice's streamed delta, or None while nothing is visible yet (an incomplete character or the start
+    of a possible stop string is held back)."""
+    if not ev.text and not ev.finish_reason and not ev.logprobs:
+        return None
+    if chat:
+        return {
+            "index": idx,
+            "delta": {"content": ev.text} if ev.text or not ev.finish_reason else {},
+            "logprobs": P.chat_logprobs(ev.logprobs) if ev.logprobs else None,
+            "finish_reason": ev.finish_reason,
+        }
+    off = offsets.get(idx, 0)
+    offsets[idx] = off + len(ev.text)
+    return {
+        "index": idx,
+        "text": ev.text,
+        "logprobs": P.completion_logprobs(ev.logprobs, off) if ev.logprobs else None,
+        "finish_reason": ev.finish_reason,
+    }

@@ -1,0 +1,191 @@
+"""The HTTP routes: OpenAI's completions, chat completions and models, tokenize / detokenize, health, metrics and
+the web chat page. Each turns a request into token ids + SamplingParams for the engine (app.state.bitnet)."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+
+from bitnetlm.sampling import SamplingParams
+from bitnetlm.serve import protocol as P
+from bitnetlm.serve.engine import Engine
+from bitnetlm.serve.relay import Run
+from bitnetlm.serve.responses import respond
+
+router = APIRouter()
+
+
+# ---- helpers ------------------------------------------------------------------------------------------
+def _state(request: Request):
+    return request.app.state.bitnet
+
+
+def _engine(request: Request) -> Engine:
+    st = _state(request)
+    if st.engine is None:
+        msg = f"model failed to load: {st.error}" if st.error else "model is loading"
+        raise P.APIError(503, msg, type="server_error", code="model_loading", headers={"Retry-After": "5"})
+    if not st.engine.accepting:
+        raise P.APIError(503, "server is shutting down", type="server_error", code="shutting_down")
+    return st.engine
+
+
+def _check_model(request: Request, name: str | None) -> None:
+    served = _state(request).cfg.model_name
+    if name not in (None, "", served):
+        raise P.APIError(
+            404, f"The model {name!r} does not exist; this server serves {served!r}.",
+            type="not_found_error", param="model", code="model_not_found",
+        )  # fmt: skip
+
+
+async def _read_json(request: Request) -> Any:
+    limit = _state(request).cfg.max_body_bytes
+    cl = request.headers.get("content-length")
+    if cl is not None and cl.isdigit() and int(cl) > limit:
+        raise P.APIError(413, f"request body is {cl} bytes; the limit is {limit}", code="request_too_large")
+    buf = bytearray()
+    async for part in request.stream():
+        buf += part
+        if len(buf) > limit:
+            raise P.APIError(
+                413, f"request body exceeds the limit of {limit} bytes", code="request_too_large"
+            )
+    try:
+        return json.loads(buf)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise P.APIError(400, f"request body is not valid JSON: {e}") from None
+
+
+def _params(req: P._Sampling, max_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_k=max(req.top_k, 0),
+        top_p=req.top_p,
+        min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        seed=req.seed,
+        logit_bias=req.logit_bias,
+        stop=list(req.stop or []),
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+
+
+def _chat_ids(tokenizer, messages: list[P.ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    msgs = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+    try:
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=True)
+    except Exception as ex:  # template errors (raise_exception) are the caller's fault
+        raise P.APIError(400, f"chat template: {ex}", param="messages") from None
+
+
+async def _generate(request: Request, e: Engine, ids, params: SamplingParams, req, chat: bool):
+    run = Run(e)
+    run.submit(ids, params, req.n, param="messages" if chat else "prompt")
+    n_prompt = sum(len(x) for x in ids)
+    return await respond(request, run, _state(request).cfg.model_name, req, n_prompt, params.logprobs, chat)
+
+
+# ---- routes -------------------------------------------------------------------------------------------
+@router.get("/health")
+async def health(request: Request):
+    st = _state(request)
+    if st.engine is None:
+        status = "error" if st.error else "loading"
+        return JSONResponse({"status": status, "error": st.error}, status_code=503)
+    if not st.engine.accepting:
+        return JSONResponse({"status": "draining"}, status_code=503)
+    return {"status": "ok"}
+
+
+@router.get("/", response_class=HTMLResponse)
+@router.get("/index.html", response_class=HTMLResponse)
+async def index():
+    page = resources.files("bitnetlm.serve").joinpath("static/index.html").read_text(encoding="utf-8")
+    return HTMLResponse(page, headers={"Cache-Control": "no-store"})
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    st = _state(request)
+    if st.engine is None:
+        return PlainTextResponse("", status_code=503)
+    return PlainTextResponse(st.engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    e, st = _engine(request), _state(request)
+    card = {
+        "id": st.cfg.model_name,
+        "object": "model",
+        "created": st.started,
+        "owned_by": "bitnet-lm",
+        "max_model_len": e.max_model_len,
+    }
+    return {"object": "list", "data": [card]}
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request):
+    e, tok = _engine(request), _state(request).tokenizer
+    req = P.parse_simple(P.TokenizeRequest, await _read_json(request))
+    _check_model(request, req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise P.APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
+    if req.prompt is not None:
+        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    else:
+        ids = _chat_ids(tok, req.messages, req.add_generation_prompt)
+    return {"tokens": ids, "count": len(ids), "max_model_len": e.max_model_len}
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request):
+    e = _engine(request)
+    req = P.parse_simple(P.DetokenizeRequest, await _read_json(request))
+    _check_model(request, req.model)
+    bad = [t for t in req.tokens if not 0 <= t < e.vocab_size]
+    if bad:
+        raise P.APIError(400, f"token ids outside [0, {e.vocab_size}): {bad[:8]}", param="tokens")
+    return {"prompt": _state(request).tokenizer.decode(req.tokens)}
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    e, st = _engine(request), _state(request)
+    req = P.parse_request(P.CompletionRequest, await _read_json(request))
+    _check_model(request, req.model)
+    prompts = req.prompts()
+    if len(prompts) > st.cfg.max_prompts:
+        raise P.APIError(400, f"at most {st.cfg.max_prompts} prompts per request", param="prompt")
+    ids = [st.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    k = req.logprobs
+    return await _generate(
+        request, e, ids, _params(req, req.max_tokens, k is not None, k or 0), req, chat=False
+    )
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    e, st = _engine(request), _state(request)
+    req = P.parse_request(P.ChatCompletionRequest, await _read_json(request))
+    _check_model(request, req.model)
+    if req.top_logprobs and not req.logprobs:
+        raise P.APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    ids = _chat_ids(st.tokenizer, req.messages, req.add_generation_prompt)
+    max_tokens = req.effective_max_tokens()
+    if max_tokens is None:
+        max_tokens = max(1, e.max_model_len - len(ids))
+    params = _params(req, max_tokens, req.logprobs, req.top_logprobs or 0)
+    return await _generate(request, e, [ids], params, req, chat=True)
