@@ -21,6 +21,10 @@ def __getattr__(name):
         from bitnetlm.train import qat
 
         return getattr(qat, name)
+    if name == "RuntimeConfig":
+        from bitnetlm.runtime.config import RuntimeConfig
+
+        return RuntimeConfig
     if name in ("BitLinear", "PackingFormat"):
         from bitnetlm import quant
 
@@ -38,4 +42,5 @@ __all__ = [
     "convert_",
     "BitLinear",
     "PackingFormat",
+    "RuntimeConfig",
 ]
