@@ -124,8 +124,12 @@ def test_gpu_wide_sampler_reductions_equal_torch(b, monkeypatch):
     p = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=3)
     logits = torch.zeros(b, v, device="cuda")
     runs = []
-    for wide in (False, True):
-        monkeypatch.setattr(reductions, "WIDE", wide)
+    from bitnetlm.runtime.cuda import graph_sampler as gsm
+
+    on = reductions.wide
+    for wide in (False, True):  # PyTorch's own ops, then the wide reductions
+        for mod in (reductions, gsm):
+            monkeypatch.setattr(mod, "wide", on if wide else (lambda x: False))
         t = row_tensors([p] * b, v, "cuda")
         gs = GraphSampler(logits, torch.zeros(b, 1, dtype=torch.long, device="cuda"), t, 2, 64, False)
         gs.load(t, [p] * b, [RowRandom(p.make_generator("cuda"), "cuda") for _ in range(b)], [32] * b)

@@ -13,18 +13,14 @@ last bits.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-# False (or the environment's BITNETLM_WIDE_SAMPLER=0, for benchmarks' A/B): PyTorch's own ops on CUDA too.
-WIDE = os.environ.get("BITNETLM_WIDE_SAMPLER", "1") != "0"
 _triton: list[bool] = []
 
 
 def wide(x: torch.Tensor) -> bool:
-    """Whether x's reductions take the wide CUDA path (WIDE, a CUDA tensor and a working Triton)."""
-    if not (WIDE and x.is_cuda):
+    """Whether x's reductions take the wide CUDA path (a CUDA tensor and a working Triton)."""
+    if not x.is_cuda:
         return False
     if not _triton:
         try:
