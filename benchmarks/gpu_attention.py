@@ -1,4 +1,4 @@
-"""Decode attention alone (device machine): our split-KV Triton kernel against PyTorch SDPA, in GB/s of K/V.
+"""Decode attention alone (GPU): our split-KV Triton kernel against PyTorch SDPA, in GB/s of K/V.
 
     python benchmarks/gpu_attention.py [--batches 1,8,64] [--contexts 512,2048] [--kv bf16,fp8] [--layers 30]
         [--attn 0,8/32]
@@ -26,8 +26,8 @@ H, HKV, D = 20, 5, 128
 
 def _graph_us(fn, steps: int, calls: int) -> float:
     """Microseconds a call of fn (which makes `calls` calls), captured once and replayed `steps` times."""
-    from bitnetlm.runtime.cuda.engine import capture
     from bitnetlm.runtime.cuda.bench import _events_ms
+    from bitnetlm.runtime.cuda.engine import capture
 
     g, _ = capture(fn)  # eager warm-up first: compiles, allocates workspaces
     g.replay()
@@ -39,6 +39,12 @@ def _graph_us(fn, steps: int, calls: int) -> float:
     return min(_events_ms(replays, 3)) * 1e3 / (steps * calls)
 
 
+def _attn(spec: str) -> dict:
+    """An --attn variant, SPLITS[/BS[/STAGES[/WARPS[/MAXNREG]]]] (0: the launcher's choice), as DecodePlan fields."""
+    names = ("attn_splits", "attn_bs", "attn_stages", "attn_warps", "attn_maxnreg")
+    return dict(zip(names, ([int(v) for v in spec.split("/")] + [0] * 4)[:5]))
+
+
 def copy_gbps() -> float:
     x = torch.empty(2**29, dtype=torch.float16, device="cuda")
     y = torch.empty_like(x)
@@ -47,9 +53,10 @@ def copy_gbps() -> float:
 
 
 def time_config(
-    b: int, ctx: int, dt: torch.dtype, layers: int, steps: int, baseline: bool
+    b: int, ctx: int, dt: torch.dtype, layers: int, steps: int, baseline: bool, plan=None
 ) -> tuple[float, float | None]:
-    """(our us a layer, SDPA's if `baseline` and the cache is bf16, else None) at batch b over ctx keys."""
+    """(our us a layer, SDPA's if `baseline` and the cache is bf16, else None) at batch b over ctx keys, our
+    kernel by `plan` (a DecodePlan; None: the default)."""
     import torch.nn.functional as F
 
     from bitnetlm.kernels.triton.attention import attn_decode
@@ -63,7 +70,7 @@ def time_config(
 
     def ours():
         for k, v in zip(ks, vs):
-            attn_decode(q, k, v, pos, out, D**-0.5)
+            attn_decode(q, k, v, pos, out, D**-0.5, plan=plan)
 
     def sdpa():
         for k, v in zip(ks, vs):
@@ -86,9 +93,9 @@ def main() -> int:
         help="our kernel's variants: comma-separated SPLITS[/BS[/STAGES[/WARPS[/MAXNREG]]]] (0 = the default)",
     )
     args = ap.parse_args()
-    from bitnetlm.kernels.triton import attention
+    from bitnetlm.kernels.triton.plan import DecodePlan
+    from bitnetlm.runtime.config import kv_cache_dtype as parse_kv_cache_dtype
     from bitnetlm.runtime.cuda.bench import gpu_name
-    from bitnetlm.models.cache import parse_kv_cache_dtype
 
     roof = copy_gbps()
     print(f"GPU: {gpu_name()}; copy bandwidth {roof:.0f} GB/s; {args.layers} layers a step, best of 3\n")
@@ -102,9 +109,9 @@ def main() -> int:
         for ctx in (int(v) for v in args.contexts.split(",")):
             base = None
             for kvname, spec in [(k, a) for k in args.kv.split(",") for a in args.attn.split(",")]:
-                attention.set_overrides(spec)
+                plan = DecodePlan(**_attn(spec))
                 dt = parse_kv_cache_dtype(kvname) or torch.bfloat16
-                us, sdpa = time_config(b, ctx, dt, args.layers, args.steps, base is None)
+                us, sdpa = time_config(b, ctx, dt, args.layers, args.steps, base is None, plan)
                 base = sdpa or base
                 gbps = 2 * b * HKV * ctx * D * dt.itemsize / us / 1e3
                 sd = f"{sdpa:.1f} | {2 * b * HKV * ctx * D * 2 / sdpa / 1e3:.0f}" if sdpa else "n/a | n/a"
@@ -114,7 +121,6 @@ def main() -> int:
                     flush=True,
                 )
                 torch.cuda.empty_cache()
-    attention.set_overrides()
     return 0
 
 

@@ -1,17 +1,18 @@
-"""A/B of two checkouts' decode step on the GPU (device machine): alternating processes, one table.
+"""A/B of two checkouts' decode step on the GPU: alternating processes, one table.
 
     python benchmarks/gpu_compare.py --baseline DIR [--rounds 2] [gpu_profile.py options, e.g. --batches 64
-        --head int8 --kv-cache-dtype fp8 --variants ';kernels.triton.attention.ATTN_BS=32']
+        --head int8 --kv-cache-dtype fp8 --variants ';attn_bs=32']
 
 A kernel's speed can move with its code layout alone: a refactor that changed nothing the attention computes
-changed its registers (142 -> 128) and a batch-64 step by 6% (docs/PERF_LOG.md, stop 26). So a change is timed
+changed its registers (142 -> 128) and a batch-64 step by 6% (docs/PERF_LOG.md, 2026-11-28). So a change is timed
 against the baseline's own package, not only against a switch inside the new one (the GPU twin of
-`cpu_compare.py`). DIR holds the baseline's `bitnetlm/` and `benchmarks/`, made before a device call (the
-device's copy of the tree has no git history), e.g. `mkdir -p .scratch/base && git archive main bitnetlm
-benchmarks | tar -x -C .scratch/base`, carried with the call. Each round runs `benchmarks/gpu_profile.py` once in
+`cpu_compare.py`). DIR holds the baseline's `bitnetlm/` and `benchmarks/` (a plain copy: no git history needed
+on the GPU machine), e.g. `mkdir -p .scratch/base && git archive main bitnetlm benchmarks | tar -x -C
+.scratch/base`. Each round runs `benchmarks/gpu_profile.py` once in
 each tree (the baseline first in odd rounds, this tree first in even ones); every process tunes on its own (the
 tune cache is keyed by each package's source). Prints each timed line's ms/step a round and the ratio of the
-medians, this tree / baseline. `--variants` must name constants both packages have.
+medians, this tree / baseline. `--variants` (`DecodePlan` fields) must be understood by both packages'
+gpu_profile.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The decode projections alone (device machine): our W2A8 kernels against cuBLAS int8 and bf16, in GB/s.
+"""The decode projections alone (GPU): our W2A8 kernels against cuBLAS int8 and bf16, in GB/s.
 
     python benchmarks/gpu_gemm.py [--batches 1,8,64] [--layers 30] [--paths auto,splitk_t,splitk_pair]
         [--shapes q|k|v,o,gate|up,down]
@@ -8,8 +8,7 @@ once per layer over that layer's own weights, as a decode step does, so the weig
 from L2; all of it is captured in a CUDA graph. Rows:
 - `auto`: `ternary_linear` with its tuned choice, the quantization launch included (as in the engine);
 - `quant`: the quantization launch alone;
-- other `--paths`: the tuner's best candidate of that path only (`BITNETLM_TRITON_TUNE_VERBOSE=1` prints every
-  candidate's time);
+- other `--paths`: the tuner's best candidate of that path only (`--verbose` prints every candidate's time);
 - `int8 cuBLAS`: `torch._int_mm` over the unpacked int8 weights (4x the bytes; batch > 16 only), activations
   already int8;
 - `bf16 cuBLAS`: `F.linear` over bf16 weights (8x the bytes).
@@ -85,10 +84,14 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--paths", default="auto", help="comma-separated ternary_linear paths (auto = tuned)")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="which projections")
+    ap.add_argument("--verbose", action="store_true", help="print every tuning candidate's time")
     args = ap.parse_args()
+    from bitnetlm.kernels.triton import tune
+
+    tune.configure(verbose=args.verbose)
     from benchmarks.gpu_attention import copy_gbps
-    from bitnetlm.runtime.cuda.bench import gpu_name
     from bitnetlm.kernels.triton.layout import pack_triton
+    from bitnetlm.runtime.cuda.bench import gpu_name
 
     torch.manual_seed(0)
     roof = copy_gbps()

@@ -1,14 +1,13 @@
-"""The int8 LM head against the DRAM read roof (device machine): is the head bound by its bytes?
+"""The int8 LM head against the DRAM read roof (GPU): is the head bound by its bytes?
 
     python benchmarks/gpu_head_roof.py [--batches 1,8,64] [--vocab 128256] [--hidden 2560]
-        [--loads plain,evict_first,tma]
 
 The head's weights (int8, vocabulary x hidden: 328 MB at the 2B4T shape) are far larger than L2, so each call
 reads them from DRAM. The roof is a streaming read of the same bytes, measured in the same run: Triton kernels
 whose programs each sum contiguous slices, by plain loads (block shapes, eviction policies, cache modifiers) or
-through the tensor memory accelerator (TMA tiles); each is printed, the fastest counts. The head runs with each of
---loads (`head.HEAD_LOAD`: how its kernel reads the weights). Both sides are
-captured in CUDA graphs and replayed back to back. The head is timed as the engine runs it in a greedy step
+through the tensor memory accelerator (TMA tiles); each is printed, the fastest counts. (The head reading its
+weights through TMA tiles or with an eviction policy measured no faster in the step: docs/PERF_LOG.md,
+2026-12-01.) Both sides are captured in CUDA graphs and replayed back to back. The head is timed as the engine runs it in a greedy step
 (`head.w8a16_argmax`: the int16 quantization launch, then the head reducing its logits inside its tiles) and as
 its kernel alone, at the tiles the tuner picks. Prints a markdown table naming the GPU.
 """
@@ -116,9 +115,6 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--hidden", type=int, default=2560)
-    ap.add_argument(
-        "--loads", default="plain,evict_first,tma", help="the head's weight loads to time (head.HEAD_LOAD)"
-    )
     args = ap.parse_args()
     from bitnetlm.kernels.triton import head as L
     from bitnetlm.kernels.triton import tune
@@ -137,24 +133,22 @@ def main() -> int:
         print(f"| {tag} | {us:.1f} | {mb / us * 1e3:.0f} |")
     print(f"\nread roof {roof:.1f} us ({mb / roof * 1e3:.0f} GB/s, {shape})\n")
     print(
-        "| batch | weight loads | tile (BM, BN, BK, warps) | quantization + head us | GB/s | of roof "
+        "| batch | tile (BM, BN, BK, warps) | quantization + head us | GB/s | of roof "
         "| head kernel alone us | of roof |"
     )
-    print("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for b in (int(x) for x in args.batches.split(",")):
         h = torch.randn(b, k, dtype=torch.bfloat16, device="cuda")
-        for load in args.loads.split(","):
-            L.HEAD_LOAD = "" if load == "plain" else load
-            both = _graph_us(lambda h=h: L.w8a16_argmax(h, nw, 1e-5, w, s), REPS, 1)  # tunes on its warm-up
-            cfg = tune._choice[("w8a16_argmax", v, k, min(triton.next_power_of_2(b), 1024))]
-            launch, _ = L._argmax_launcher(*L.quantize16(h, nw, 1e-5), s, v)
-            alone = _graph_us(lambda f=launch, c=cfg: f(c, w), REPS, 1)
-            tile = f"{cfg['BM']}, {cfg['BN']}, {cfg['BK']}, {cfg['num_warps']}"
-            print(
-                f"| {b} | {load} | {tile} | {both:.1f} | {mb / both * 1e3:.0f} | {roof / both:.2f} "
-                f"| {alone:.1f} | {roof / alone:.2f} |",
-                flush=True,
-            )
+        both = _graph_us(lambda h=h: L.w8a16_argmax(h, nw, 1e-5, w, s), REPS, 1)  # tunes on its warm-up
+        cfg = tune._choice[("w8a16_argmax", v, k, min(triton.next_power_of_2(b), 1024))]
+        launch, _ = L._argmax_launcher(*L.quantize16(h, nw, 1e-5), s, v)
+        alone = _graph_us(lambda f=launch, c=cfg: f(c, w), REPS, 1)
+        tile = f"{cfg['BM']}, {cfg['BN']}, {cfg['BK']}, {cfg['num_warps']}"
+        print(
+            f"| {b} | {tile} | {both:.1f} | {mb / both * 1e3:.0f} | {roof / both:.2f} "
+            f"| {alone:.1f} | {roof / alone:.2f} |",
+            flush=True,
+        )
     return 0
 
 

@@ -5,7 +5,7 @@
 The engine's int8 head stores q = round(w / s) with s = max|w_row| / 127 (bitnetlm.runtime.cuda.weights.int8_rows). Its
 input is the final RMSNorm's output rounded to the activations' dtype (bf16), and it computes logits either from
 those bf16 values, bf16(h) @ q^T * s (head.w8_linear), or from int16 codes of them, c = round(h * 32639 /
-max|h|) per row, as (c @ q^T) / a * s (head.w8a16_linear, what the engine runs: engine_cuda.HEAD_A16). This
+max|h|) per row, as (c @ q^T) / a * s (head.w8a16_linear, what the engine runs). This
 script applies exactly those roundings to the model's embedding, final norm output and head and measures
 perplexity on the last --tokens tokens of each Austen novel (held out), against the same model with a bf16 head
 and bf16 activations (the default). Runs on the CPU: the arithmetic is the kernels', up to fp32 summation order.
@@ -69,8 +69,8 @@ def model_and_heldout(description: str):
         "comma-separated BITS:G, with the int8 embedding and int16 activation codes (not engine options)",
     )
     args = ap.parse_args()
-    from bitnetlm.text.tokenizer import Tokenizer
     from bitnetlm.loading import load
+    from bitnetlm.text.tokenizer import Tokenizer
 
     model, tok = load(args.model)
     model.eval()

@@ -1,4 +1,4 @@
-"""How much of a decode step waits on DRAM for weights (device machine): an upper bound by L2-resident weights.
+"""How much of a decode step waits on DRAM for weights (GPU): an upper bound by L2-resident weights.
 
     python benchmarks/gpu_l2_bound.py [--batches 1,8] [--rounds 2] [--context 512[,0]] [--max-keys 1024]
         [--head int8] [--kv-cache-dtype fp8]
@@ -32,7 +32,6 @@ def main() -> int:
     ap.add_argument("--kv-cache-dtype", default="fp8", help="auto (bf16), bf16 or fp8")
     args = ap.parse_args()
 
-    from bitnetlm.kernels.triton import attention
     from bitnetlm.runtime.cuda.bench import gpu_name, random_engine
     from bitnetlm.runtime.cuda.step_tune import step_ms
 
@@ -45,7 +44,7 @@ def main() -> int:
     mlp = [dataclasses.replace(L, gate_up=l0.gate_up, down=l0.down) for L in own]
     kv_own = (eng.k_cache, eng.v_cache)
     kv_l0 = ([eng.k_cache[0]] * len(own), [eng.v_cache[0]] * len(own))
-    variants = (  # (name, layers, KV caches, the attention's prefetch override: -1 its table, 0 none)
+    variants = (  # (name, layers, KV caches, the plan's attn_pf_programs: -1 its table, 0 none)
         ("own weights", own, kv_own, -1),
         ("every layer layer 0's", shared, kv_own, -1),
         ("every layer layer 0's, no attention prefetch", shared, kv_own, 0),
@@ -55,20 +54,21 @@ def main() -> int:
     print(f"GPU: {gpu_name()}; head {args.head}, KV cache {args.kv_cache_dtype}, contexts {args.context}")
     print("\n| batch | context | round | " + " | ".join(v[0] for v in variants) + " |")
     print("| ---: | ---: | ---: |" + " ---: |" * len(variants))
-    saved = attention.ATTN_PF_PROGRAMS
+    plan = eng.plan
     try:
         for b in batches:
             for c in contexts:
                 for r in range(args.rounds):
                     row = []
                     for _, layers, kv, pf in variants:
-                        eng.layers, (eng.k_cache, eng.v_cache), attention.ATTN_PF_PROGRAMS = layers, kv, pf
+                        eng.layers, (eng.k_cache, eng.v_cache) = layers, kv
+                        eng.plan = dataclasses.replace(plan, attn_pf_programs=pf)
                         row.append(step_ms(eng, b, c, args.max_keys, reps=100, tries=1))
                     print(
                         f"| {b} | {c} | {r + 1} | " + " | ".join(f"{ms:.3f}" for ms in row) + " |", flush=True
                     )
     finally:
-        eng.layers, (eng.k_cache, eng.v_cache), attention.ATTN_PF_PROGRAMS = own, kv_own, saved
+        eng.layers, (eng.k_cache, eng.v_cache), eng.plan = own, kv_own, plan
     return 0
 
 

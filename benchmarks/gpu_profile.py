@@ -1,16 +1,18 @@
-"""Where a CUDA-graph decode step spends its time (device machine): kernel table of one engine's decode.
+"""Where a CUDA-graph decode step spends its time (GPU): kernel table of one engine's decode.
 
     python benchmarks/gpu_profile.py [--batches 1,8] [--context 512[,2048]] [--attn 0,13/32/1] [--max-seq-len N]
         [--max-keys K] [--weights ternary] [--kv-cache-dtype fp8] [--head int8] [--timeline N]
-        [--quant-warps W] [--rounds R] [--variants ';engine_cuda.FUSED_ENDS=0']
+        [--quant-warps W] [--rounds R] [--variants ';attn_pf_programs=0;defer_max_b=0,quant_late_max_m=8']
+        [--plan FIELD=VALUE,...] [--fresh-tune]
 
 Random weights of the 2B4T shape; replays the captured decode step under torch.profiler and prints the kernels
 by total time, plus decode ms/step for attention variants (splits per row and kv head / keys per block / pipeline
-stages / warps) and for --variants (package constants set in-process, so every variant shares one tune: an A/B
-without a second package); --rounds repeats them, interleaved; --quant-warps sets the quantization launch's
-warps. The decode kernels use programmatic dependent launch: a kernel starts early and waits for its
-predecessor, so its profiled duration includes that wait. For per-kernel durations run with
-BITNETLM_TRITON_PDL=0 (and BITNETLM_TRITON_TUNE_CACHE= for a fresh tune).
+stages / warps) and for --variants (`DecodePlan` fields set in-process on the engine's plan, so every variant
+shares one tune: an A/B without a second package; a field that changes a tuning key's candidates takes effect
+for keys not tuned yet); --rounds repeats them, interleaved; --quant-warps sets the quantization launch's warps.
+--plan sets DecodePlan fields for everything (the timings, the variants on top, the profile). The decode kernels
+use programmatic dependent launch: a kernel starts early and waits for its predecessor, so its profiled duration
+includes that wait. For per-kernel durations run with `--plan pdl=false` (and --fresh-tune: no tuning cache).
 """
 
 from __future__ import annotations
@@ -49,22 +51,10 @@ def _timeline(prof, steps: int, n: int) -> None:
     print(flush=True)
 
 
-_SAVED: dict = {}
-
-
-def _set(var: str, restore: bool = False) -> None:
-    """Apply (or undo) one --variants entry: comma-separated module.NAME=VALUE under bitnetlm."""
-    import importlib
-
-    for item in filter(None, var.split(",")):
-        path, value = item.split("=")
-        mod, name = path.rsplit(".", 1)
-        m = importlib.import_module(f"bitnetlm.{mod}")
-        if restore:
-            setattr(m, name, _SAVED.pop((mod, name)))
-        else:
-            old = _SAVED[(mod, name)] = getattr(m, name)
-            setattr(m, name, value if isinstance(old, str) else type(old)(int(value)))
+def _attn(spec: str) -> dict:
+    """An --attn variant, SPLITS[/BS[/STAGES[/WARPS[/MAXNREG]]]] (0: the launcher's choice), as DecodePlan fields."""
+    names = ("attn_splits", "attn_bs", "attn_stages", "attn_warps", "attn_maxnreg")
+    return dict(zip(names, ([int(v) for v in spec.split("/")] + [0] * 4)[:5]))
 
 
 def main() -> int:
@@ -109,17 +99,24 @@ def main() -> int:
     ap.add_argument(
         "--variants",
         default="",
-        help="package constants to A/B in one process: variants separated by ';', each comma-separated "
-        "module.NAME=VALUE under bitnetlm (e.g. 'engine_cuda.HEAD_A16=0,kernels.triton.attention.ATTN_BS=64'); "
-        "an empty variant is the package as it is",
+        help="DecodePlan variants to A/B in one process, separated by ';', each comma-separated FIELD=VALUE "
+        "with JSON values (e.g. 'defer_max_b=0,attn_pf_table=[2048,1024];pdl=false'); an empty variant is the "
+        "engine's own plan",
     )
+    ap.add_argument(
+        "--plan", default="", help="DecodePlan fields for every run, FIELD=VALUE,... (e.g. 'pdl=false')"
+    )
+    ap.add_argument("--fresh-tune", action="store_true", help="no tuning cache on disk: tune from scratch")
     args = ap.parse_args()
-    from bitnetlm.kernels.triton import attention, launch
+    import dataclasses
+
+    from bitnetlm.kernels.triton import tune
+    from bitnetlm.kernels.triton.plan import parse_values
     from bitnetlm.runtime.cuda.bench import random_engine
     from bitnetlm.runtime.cuda.step_tune import step_ms
 
-    launch.QUANT_WARPS = args.quant_warps
-
+    if args.fresh_tune:
+        tune.configure(cache=None)
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.context.split(",")]
     variants = args.variants.split(";") if args.variants else [""]
@@ -130,18 +127,20 @@ def main() -> int:
         args.kv_cache_dtype,
         weights=args.weights,
     )
+    base = dataclasses.replace(eng.plan, quant_warps=args.quant_warps).with_values(
+        parse_values(args.plan), "--plan"
+    )
+    plans = {var: base.with_values(parse_values(var), f"--variants {var!r}") for var in variants}
     for b in batches:
         for _ in range(args.rounds):
             for var in variants:
-                _set(var)
                 for c, spec in ((c, sp) for c in contexts for sp in args.attn.split(",")):  # 0: the default
-                    attention.set_overrides(spec)
+                    eng.plan = dataclasses.replace(plans[var], **_attn(spec)) if spec != "0" else plans[var]
                     ms = step_ms(eng, b, c, args.max_keys, reps=100, tries=1)
                     tag = f" [{var}]" if var else ""
                     ctx = f" context {c}" if len(contexts) > 1 else ""
                     print(f"batch {b}{ctx} attn {spec}{tag}: {ms:.3f} ms/step", flush=True)
-                _set(var, restore=True)
-        attention.set_overrides()
+        eng.plan = base
         eng._graphs.clear()
         st = eng.decode_state(b, max_keys=args.max_keys)
         st.pos.fill_(contexts[0])

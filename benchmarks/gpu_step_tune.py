@@ -1,4 +1,4 @@
-"""Tile choices timed in the whole captured decode step (device machine) against the tuner's chain timing.
+"""Tile choices timed in the whole captured decode step (GPU) against the tuner's chain timing.
 
     python benchmarks/gpu_step_tune.py [--batches 1,8] [--context 512] [--max-keys K] [--head int8]
         [--kv-cache-dtype fp8] [--passes 1] [--rounds 3] [--min-gain 0.005] [--write] [--from-table]
@@ -49,9 +49,9 @@ def main() -> int:
     from bitnetlm.runtime.cuda.bench import random_engine
 
     if args.from_table:
-        tune.USER_TABLE_DIR = ""  # the shipped table only
+        tune.configure(user_tables=None)  # the shipped table only
     else:
-        tune.STEP_TABLES = False  # start from the chain's own choices
+        tune.configure(step_tables=False)  # start from the chain's own choices
     batches = [int(b) for b in args.batches.split(",")]
     eng = random_engine(max(batches), args.context + args.reps + 8, args.head, args.kv_cache_dtype)
     print(f"# {torch.cuda.get_device_name()}, 2B4T shape, head {args.head}, cache {args.kv_cache_dtype}")

@@ -1,15 +1,15 @@
-"""One projection's tiles, forced one at a time and timed in the whole captured decode step (device machine).
+"""One projection's tiles, forced one at a time and timed in the whole captured decode step (GPU).
 
     python benchmarks/gpu_tile_step.py [--batches 4,8] [--proj gate_up|o|down] [--rounds 2]
         [--tile '{"SPLIT_T": 1, "PAIR": true}' ...] [--head int8] [--kv-cache-dtype fp8] [--max-keys 1024]
 
-Random weights of the 2B4T shape, the shipped table's choices (tune.USER_TABLE_DIR ignored). For each batch the
+Random weights of the 2B4T shape, the shipped table's choices (the user's table ignored). For each batch the
 projection's tuning key (its batch bucket) keeps every other key's choice while each --tile replaces its own:
 a tile is the key's choice updated by the given fields, where SPLIT_T asks for that many K splits (CPS and
 SPLIT then follow from BKB, as the tuner's `_splitk_cfg` derives them) and "PAIR": false drops a pairing. The
 first line is the choice itself. `step_tune.step_ms` times each (settled, the better of two timings of 100
 replays from context 512), --rounds times, interleaved. Unlike `gpu_step_tune.py` the tiles need not be the
-tuner's candidates: this is how a tile missing from `tune._splitk_candidates` is found (docs/PERF_LOG.md stop 45:
+tuner's candidates: this is how a tile missing from `tune._splitk_candidates` is found (docs/PERF_LOG.md, 2026-11-30:
 gate|up's paired tile without a K split, `--proj gate_up --tile '{"SPLIT_T": 1, "PAIR": true}'`).
 """
 
@@ -56,7 +56,7 @@ def main() -> int:
     from bitnetlm.runtime.cuda import step_tune
     from bitnetlm.runtime.cuda.bench import random_engine
 
-    tune.USER_TABLE_DIR = ""  # the shipped table only
+    tune.configure(user_tables=None)  # the shipped table only
     batches = [int(b) for b in args.batches.split(",")]
     # step_ms replays 100 steps past the context
     eng = random_engine(max(batches), args.context + 108, args.head, args.kv_cache_dtype)

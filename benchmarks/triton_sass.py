@@ -11,8 +11,8 @@ two), shuffles, shared-memory and global traffic.
 `attn` (the default) also prints the instructions of the K/V block loop (one 64-key block, batch 64's shape). The
 row kernels are batch 1's shipped tiles on the H200 (`kernels/triton/configs/`), the split-K GEMMs batch 8's
 (o: 5 splits; gate|up: paired, 2 splits; down is o's kernel); `--constexpr` overrides a
-kernel's constexprs (a branch's switch), `--warps` its warps. Counts depend on the Triton version (the device
-machine has 3.6: `pip install triton==3.6.0` in a venv).
+kernel's constexprs (a branch's switch), `--warps` its warps. Counts depend on the Triton version (the H200
+measurements in docs/PERF_LOG.md used 3.6: `pip install triton==3.6.0` in a venv).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def kernels(cache: str) -> dict[str, tuple]:
     finish_ptrs = dict(acc_ptr="*i32", ain_ptr="*fp32", rsin_ptr="*i32", s_ptr="*fp32", r_ptr="*bf16")
     finish_ptrs.update(y_ptr="*bf16", nw_ptr="*bf16", q_ptr="*i8", a_ptr="*fp32", rs_ptr="*i32")
     finish_div = ("N", "KPAD", "stride_acc", "stride_rm", "stride_ym", "stride_qm")
-    finish = dict(ROW, GATED=False, HAS_RES=True, HAS_NORM=True, QUANT=True, BK=4096, EARLY_G=True)
+    finish = dict(ROW, GATED=False, HAS_RES=True, HAS_NORM=True, QUANT=True, BK=4096)
     # the int8 head at batch 1's tile, reducing its logits in its tiles (ARGMAX); FOLD=1: the greedy step folded in
     head_ptrs = dict(hi_ptr="*i8", lo_ptr="*i8", a_ptr="*fp32", w_ptr="*i8", s_ptr="*fp32", y_ptr="*fp32")
     head_ptrs.update(yi_ptr="*i32", best_ptr="*u64", cnt_ptr="*i32", tok_ptr="*i64", out_ptr="*i64")

@@ -11,24 +11,24 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("keys", ["range", "small", "default"])
 @pytest.mark.parametrize("variant", ["packed-autobitlinear", "online", "1bitllm", "llama"])
-def test_greedy_64_tokens_equal_cpu_reference(oracle_dirs, variant, keys, monkeypatch):
+def test_greedy_64_tokens_equal_cpu_reference(oracle_dirs, variant, keys):
     """keys: the step's attention runs its short-context splits (71 keys at most: "range"), the default splits
-    over small blocks ("small") or over the default ones."""
-    from bitnetlm.kernels.triton import attention
+    over small blocks ("small") or over the default ones (by the engine's DecodePlan)."""
+    from bitnetlm.kernels.triton.plan import DecodePlan
     from bitnetlm.loading import load_model
     from bitnetlm.runtime.cuda.engine import CudaEngine, EngineConfig
 
-    monkeypatch.setattr(attention, "ATTN_RANGE_MAX_B", 8 if keys == "range" else 0)
-    monkeypatch.setattr(attention, "ATTN_SMALL_MAX_B", 2 if keys == "small" else 0)
+    plan = DecodePlan(
+        attn_range_max_b=8 if keys == "range" else 0, attn_small_max_b=2 if keys == "small" else 0
+    )
 
     ours, _ = oracle_dirs[variant]
     model = load_model(ours, device="cpu", backend="reference").eval()
     prompt = torch.randint(3, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
     ref = greedy_with_cache(model, prompt, 64)
     weights = "dense" if model.mode == "fp" else "ternary"
-    eng = CudaEngine.from_model(
-        model, EngineConfig(max_batch=2, max_seq_len=80, dtype=torch.float32, weights=weights), device="cuda"
-    )
+    ecfg = EngineConfig(max_batch=2, max_seq_len=80, dtype=torch.float32, weights=weights, plan=plan)
+    eng = CudaEngine.from_model(model, ecfg, device="cuda")
     got = eng.generate(prompt, 64).cpu()
     assert torch.equal(got, ref), (got != ref).nonzero()[:5]
 

@@ -12,7 +12,7 @@ from triton_interp import DEV, triton_modules
 
 from bitnetlm.quant.ternary import int_matmul, int_matmul_f32, quantize_activations
 
-L, H, T, layout = triton_modules("launch", "head", "tune", "layout")
+L, H, T, layout, P = triton_modules("launch", "head", "tune", "layout", "plan")
 
 
 def _fused_reference(x, t, scale, norm=None, residual=None, gated=False, act="relu2", eps=1e-5):
@@ -82,13 +82,13 @@ def test_default_dispatch_exact():
         assert torch.equal(L.ternary_linear(x, layout.pack_triton(t), s, 24), int_matmul_f32(xq, t) * (s / a))
 
 
-def test_row_gemv_norm_weights_before_the_wait_change_nothing(monkeypatch):
-    """The quantizing row GEMV loads its norm weights before its PDL wait (EARLY_NORM_MAX_K) or after it, with
-    bit-identical outputs: plain with a residual, and gated; one row and two."""
+def test_row_gemv_norm_weights_before_the_wait_change_nothing():
+    """The quantizing row GEMV loads its norm weights before its PDL wait (`DecodePlan.early_norm_max_k`) or
+    after it, with bit-identical outputs: plain with a residual, and gated; one row and two."""
     n, k = 24, 200  # K = 200: the last word of each slab part padding
 
     def run(early, m):
-        monkeypatch.setattr(L, "EARLY_NORM_MAX_K", early)
+        plan = P.DecodePlan(early_norm_max_k=early)
         t, x, _ = _case(m, 2 * n, k, seed=40 + m)
         g = torch.Generator().manual_seed(m)
         norm = (1 + 0.1 * torch.randn(k, generator=g)).to(x.device)
@@ -96,8 +96,8 @@ def test_row_gemv_norm_weights_before_the_wait_change_nothing(monkeypatch):
         res = torch.randn(m, n, generator=g).to(x.device)
         p, p1 = layout.pack_triton(t), layout.pack_triton(t[:n])
         return (
-            L.ternary_linear(x, p1, srow[:n], n, norm_weight=norm, residual=res, path="row"),
-            L.ternary_linear(x, p, srow, n, norm_weight=norm, gated=True, path="row"),
+            L.ternary_linear(x, p1, srow[:n], n, norm_weight=norm, residual=res, path="row", plan=plan),
+            L.ternary_linear(x, p, srow, n, norm_weight=norm, gated=True, path="row", plan=plan),
         )
 
     for m in (1, 2):
@@ -106,10 +106,11 @@ def test_row_gemv_norm_weights_before_the_wait_change_nothing(monkeypatch):
 
 
 @pytest.mark.parametrize("k", [130, 640])
-def test_rowq_in_two_parts_exact(k, monkeypatch):
+def test_rowq_in_two_parts_exact(k):
     """The pre-quantized row GEMV over a row of 9 (K = 130) or 40 (K = 640, as 2560 is 160) words in two
-    power-of-two parts (`launch._row_parts`: 8 + 1, 32 + 8) equals the one-part kernel and the reference bit for
-    bit: plain with a residual and per-row scales, and gated."""
+    power-of-two parts (`launch._row_parts`: 8 + 1, 32 + 8) equals the reference and the one-part kernel (the
+    quantizing row GEMV, whose rows are one part) bit for bit: plain with a residual and per-row scales, and
+    gated."""
     n = 24
     t, x, _ = _case(2, 2 * n, k, seed=k)
     g = torch.Generator().manual_seed(k)
@@ -117,22 +118,21 @@ def test_rowq_in_two_parts_exact(k, monkeypatch):
     res = torch.randn(2, n, generator=g).to(x.device)
     p, p1 = layout.pack_triton(t), layout.pack_triton(t[:n])
 
-    def run(parts):
-        monkeypatch.setattr(L, "ROW_PARTS", parts)
+    def run(path):
         return (
-            L.ternary_linear(x, p1, srow[:n], n, residual=res, path="rowq"),
-            L.ternary_linear(x, p, srow, n, gated=True, path="rowq"),
+            L.ternary_linear(x, p1, srow[:n], n, residual=res, path=path),
+            L.ternary_linear(x, p, srow, n, gated=True, path=path),
         )
 
     assert L._row_parts(layout.packed_row_bytes(k) // 4)[1] > 0  # the split runs
     xq, a = quantize_activations(x)
-    assert torch.equal(run(True)[0], int_matmul_f32(xq, t[:n]) * (srow[:n] / a) + res)
-    for got, ref in zip(run(True), run(False)):
+    assert torch.equal(run("rowq")[0], int_matmul_f32(xq, t[:n]) * (srow[:n] / a) + res)
+    for got, ref in zip(run("rowq"), run("row")):
         assert torch.equal(got, ref)
 
 
 @pytest.mark.parametrize("n,early", [(40, 4096), (37, 0)])
-def test_row_tiles_in_two_rows_parts_exact(n, early, monkeypatch):
+def test_row_tiles_in_two_rows_parts_exact(n, early):
     """The quantizing row GEMV with a program's rows as two parts (`launch._row_tiles`: 8 + 2 rows where 16-row
     tiles would leave SMs idle, here 4 "SMs") equals the one-part kernel bit for bit and the reference: with a
     norm, per-row scales and a residual (norm weights before the wait and after it), one row and two; n = 37
@@ -144,14 +144,13 @@ def test_row_tiles_in_two_rows_parts_exact(n, early, monkeypatch):
     srow = (0.01 + torch.rand(n, generator=g)).to(x.device)
     res = torch.randn(2, n, generator=g).to(x.device)
     p = layout.pack_triton(t)
-    monkeypatch.setattr(L, "SMS", 4)
-    monkeypatch.setattr(L, "ROW_TILES_MIN_K", 0)  # (down's width, 6912, is past the default)
-    monkeypatch.setattr(L, "EARLY_NORM_MAX_K", early)
-    assert L._row_tiles(n, 16, 4) == (8, 2)  # the split runs
+    # planned for 4 SMs, where 16-row tiles leave SMs idle; for 1, where they do not (one part); every width
+    # (down's, 6912, is past the default row_tiles_min_k)
+    assert L._row_tiles(n, 16, 4) == (8, 2) and L._row_tiles(n, 16, 1) == (16, 0)  # the split runs, or not
 
     def run(tiles, m):
-        monkeypatch.setattr(L, "ROW_TILES", tiles)
-        return L.ternary_linear(x[:m], p, srow, n, norm_weight=norm, residual=res[:m], path="row")
+        plan = P.DecodePlan(sms=4 if tiles else 1, row_tiles_min_k=0, early_norm_max_k=early)
+        return L.ternary_linear(x[:m], p, srow, n, norm_weight=norm, residual=res[:m], path="row", plan=plan)
 
     for m in (1, 2):
         got = run(True, m)
@@ -421,12 +420,13 @@ def test_gpu_every_splitk_candidate_exact(m, gated):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2])
-def test_gpu_row_tiles_exact(m, monkeypatch):
+def test_gpu_row_tiles_exact(m):
     """Every quantizing row-GEMV candidate on o's and down's 2B4T shapes (norm, per-row scales, residual) gives
     the same bits with a program's rows in two parts (`launch._row_tiles`, 16 + 4 for BN 32 on a GPU of 132 SMs)
     as without, close to the float reference; the split runs for a 32-row tile (o's width too, past the default
-    ROW_TILES_MIN_K)."""
-    monkeypatch.setattr(L, "ROW_TILES_MIN_K", 0)
+    `DecodePlan.row_tiles_min_k`)."""
+    # with the split for every width; without it for any (no width past the bound)
+    plans = {True: P.DecodePlan(row_tiles_min_k=0), False: P.DecodePlan(row_tiles_min_k=1 << 30)}
     for n, k in ((2560, 2560), (2560, 6912)):
         t, x, _ = _case(m, n, k, seed=50 + m, dev="cuda")
         g = torch.Generator(device="cuda").manual_seed(m)
@@ -435,15 +435,14 @@ def test_gpu_row_tiles_exact(m, monkeypatch):
         res = torch.randn(m, n, device="cuda", generator=g).bfloat16()
         x, p = x.bfloat16(), layout.pack_triton(t)
         key = ("row", n, k, m, False, True, True, True)  # as ternary_linear's tuning key
-        monkeypatch.setattr(L, "ROW_TILES", True)
         assert L._row_tiles(n, 32, 132) == (16, 4)
         for cfg in T._row_candidates(p.shape[1] // 4, False, "row"):
             T._choice[key] = cfg
             try:
                 out = []
                 for tiles in (True, False):
-                    monkeypatch.setattr(L, "ROW_TILES", tiles)
-                    out.append(L.ternary_linear(x, p, s, n, norm_weight=norm, residual=res, path="row"))
+                    kw = dict(norm_weight=norm, residual=res, path="row", plan=plans[tiles])
+                    out.append(L.ternary_linear(x, p, s, n, **kw))
             finally:
                 T._choice.pop(key)
             assert torch.equal(out[0], out[1]), (n, k, cfg)
@@ -514,20 +513,15 @@ def test_gpu_gated_2b4t_and_int8_head():
                 assert torch.equal(maxima[:, t], part.amax(-1)), (cfg, t)
 
 
-@pytest.mark.parametrize("pos_early", [1, 0])
 @pytest.mark.parametrize("keys", [0, 16, 1024])
 @pytest.mark.parametrize("h,hkv", [(4, 2), (3, 3), (6, 2)])
-def test_decode_attention_split_merge(h, hkv, keys, pos_early, monkeypatch):
+def test_decode_attention_split_merge(h, hkv, keys):
     """Split-KV decode attention (the live context cut into spans, merged by the last program holding keys) vs
     softmax attention; GQA groups of 2, 1 (MHA) and 3 (not a power of two) query heads per KV head. Contexts of
     1 key, a few keys (one split busy), a span boundary and the whole cache (every split busy). keys: a
     short-context step's range (one split of one 16-key block here), which most rows outgrow; 1024 the
-    default splits over small blocks (16 keys here, as the default's).
-    pos_early: pos read before the PDL wait (the default) or after it."""
-    from bitnetlm.kernels.triton import attention
+    default splits over small blocks (16 keys here, as the default's)."""
     from bitnetlm.kernels.triton.attention import attn_decode
-
-    monkeypatch.setattr(attention, "ATTN_POS_EARLY", pos_early)
 
     g = torch.Generator().manual_seed(3)
     b, s, d = 5, 64, 16
@@ -598,7 +592,7 @@ def test_decode_attention_prefetch_takes_three_tensors_at_most():
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", [torch.bfloat16, torch.float8_e4m3fn])
 def test_gpu_decode_attention_prefetch_exact(kv):
-    """At the 2B4T head shape, every batch the engine prefetches at (attention.ATTN_PF_TABLE) and one past its
+    """At the 2B4T head shape, every batch the engine prefetches at (`DecodePlan.attn_pf_table`) and one past its
     programs' rounding: the attention's outputs with the L2 prefetch of a weight tensor equal those without."""
     for b, n, keys in (
         (1, 2048, 1024),
@@ -620,8 +614,8 @@ def test_gpu_decode_attention_2b4t_bf16(kv):
 
     h, hkv, s, d = 20, 5, 700, 128
     # keys: a short-context range (one block), outgrown by most rows; 1024: the default splits over small
-    # blocks; batch 8 with the default splits runs 2 warps a program (ATTN_NARROW_MIN_B), over a float8 cache
-    # 13 splits (ATTN_NARROW_PROGRAMS_PER_SM)
+    # blocks; batch 8 with the default splits runs 2 warps a program (`DecodePlan.attn_narrow_min_b`), over a
+    # float8 cache 13 splits (`attn_narrow_programs_per_sm`)
     for b, keys in ((1, 0), (8, 0), (64, 0), (1, 256), (8, 256), (1, 1024), (2, 1024)):
         g = torch.Generator(device="cuda").manual_seed(b)
         q = torch.randn(b, h, d, device="cuda", generator=g).bfloat16()
@@ -642,25 +636,25 @@ def test_gpu_decode_attention_2b4t_bf16(kv):
                 assert err < 1e-2, (b, keys, i, float(err))
 
 
-def test_key_range_picks_small_blocks_or_one_range_block(monkeypatch):
-    """A captured step's key range: up to ATTN_SMALL_MAX_B rows and ATTN_SMALL_MAX_KEYS keys, that bound (the
-    default splits over small blocks); else, up to ATTN_RANGE_MAX_B rows, one range block up to one block of
+def test_key_range_picks_small_blocks_or_one_range_block():
+    """A captured step's key range: up to `attn_small_max_b` rows and `attn_small_max_keys` keys, that bound (the
+    default splits over small blocks); else, up to `attn_range_max_b` rows, one range block up to one block of
     keys; else 0 (the default splits), and 0 for an unknown bound."""
     from bitnetlm.kernels.triton import attention
 
+    plan = P.DecodePlan()
     bs = attention.key_ranges()[0]
-    small = attention.ATTN_SMALL_MAX_KEYS
+    small = plan.attn_small_max_keys
     assert attention.key_ranges() == [bs, small] and small > bs
     ns = (0, 1, bs, bs + 1, small, small + 1)
     assert [attention.key_range(1, n) for n in ns] == [0, small, small, small, small, 0]
-    few, big = attention.ATTN_SMALL_MAX_B, attention.ATTN_RANGE_MAX_B
+    few, big = plan.attn_small_max_b, plan.attn_range_max_b
     assert few < big and attention.key_range(few, small) == small
     assert [attention.key_range(few + 1, n) for n in ns] == [0, bs, bs, 0, 0, 0]
     assert attention.key_range(big, 1) == bs and attention.key_range(big + 1, 1) == 0
-    monkeypatch.setattr(attention, "ATTN_SMALL_MAX_B", 0)
-    assert attention.key_range(1, 1) == bs and attention.key_range(1, bs + 1) == 0
-    monkeypatch.setattr(attention, "ATTN_RANGE_MAX_B", 0)
-    assert attention.key_range(1, 1) == 0
+    no_small = P.DecodePlan(attn_small_max_b=0)
+    assert attention.key_range(1, 1, no_small) == bs and attention.key_range(1, bs + 1, no_small) == 0
+    assert attention.key_range(1, 1, P.DecodePlan(attn_small_max_b=0, attn_range_max_b=0)) == 0
 
 
 def test_engine_argmax_first_index():

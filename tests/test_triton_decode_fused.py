@@ -9,7 +9,7 @@ import pytest
 import torch
 from triton_interp import DEV, triton_modules
 
-L, R, F, layout = triton_modules("launch", "rope", "decode", "layout")
+L, R, F, layout, P = triton_modules("launch", "rope", "decode", "layout", "plan")
 
 
 def _rand(shape, seed, dev):
@@ -29,10 +29,10 @@ def _tern(n, k, seed, dev):
     return layout.pack_triton(torch.randint(-1, 2, (n, k), generator=g, dtype=torch.int8)).to(dev)
 
 
-def _check_qkv_rope(m, hidden, nh, nkv, hd, dtype, dev, seed=0, per_row=True):
+def _check_qkv_rope(m, hidden, nh, nkv, hd, dtype, dev, seed=0, per_row=True, plan=None):
     """quantize_into + qkv_rope (the row GEMV up to 2 rows, the split-K GEMM from 3) vs ternary_linear(rowq) +
     rope_cache, and qkv_rope quantizing x itself vs ternary_linear(row) + rope_cache: q and both caches bit for
-    bit."""
+    bit. plan: the `DecodePlan` of every launch (None: the default)."""
     eps = 1e-5
     # quarters in [-8, 8]: every sum of squares is exact in float32, so the programs that quantize the rows
     # themselves (each launch with its own tuned warps, hence its own summation order) agree bit for bit
@@ -53,8 +53,8 @@ def _check_qkv_rope(m, hidden, nh, nkv, hd, dtype, dev, seed=0, per_row=True):
     vc = _rand((m, nkv, s_len, hd), seed + 6, dev).to(dtype)
     kr, vr = kc.clone(), vc.clone()
     q = torch.zeros((m, 1, nh, hd), dtype=dtype, device=dev)
-    F.qkv_rope(xq, m, w, s, q, cos, sin, pos, kc, vc, nh, nkv)
-    qkv = L.ternary_linear(x, w, s, nqkv, norm_weight=nin, eps=eps, path="rowq")
+    F.qkv_rope(xq, m, w, s, q, cos, sin, pos, kc, vc, nh, nkv, plan=plan)
+    qkv = L.ternary_linear(x, w, s, nqkv, norm_weight=nin, eps=eps, path="rowq", plan=plan)
     qr = torch.zeros_like(q)
     R.rope_cache(qkv, cos, sin, pos, qr, kr, vr, nh, nkv, 1)
     assert torch.equal(q, qr) and torch.equal(kc, kr) and torch.equal(vc, vr)
@@ -62,8 +62,8 @@ def _check_qkv_rope(m, hidden, nh, nkv, hd, dtype, dev, seed=0, per_row=True):
     kc2, vc2 = kc.clone(), vc.clone()
     kr2, vr2 = kc.clone(), vc.clone()
     pos2 = pos + 1  # fresh cache slots
-    F.qkv_rope(x, m, w, s, q, cos, sin, pos2, kc2, vc2, nh, nkv, nin, eps)
-    qkv = L.ternary_linear(x, w, s, nqkv, norm_weight=nin, eps=eps, path="row")
+    F.qkv_rope(x, m, w, s, q, cos, sin, pos2, kc2, vc2, nh, nkv, nin, eps, plan=plan)
+    qkv = L.ternary_linear(x, w, s, nqkv, norm_weight=nin, eps=eps, path="row", plan=plan)
     R.rope_cache(qkv, cos, sin, pos2, qr, kr2, vr2, nh, nkv, 1)
     assert torch.equal(q, qr) and torch.equal(kc2, kr2) and torch.equal(vc2, vr2)
     assert not torch.equal(kc2, kc)  # the slots were written
@@ -71,20 +71,26 @@ def _check_qkv_rope(m, hidden, nh, nkv, hd, dtype, dev, seed=0, per_row=True):
 
 @pytest.mark.parametrize("early", [4096, 0])
 @pytest.mark.parametrize("m", [1, 2, 5])
-def test_qkv_rope_exact(m, early, monkeypatch):
-    # early: the quantizing kernels load their norm weights before (or after) the PDL wait, EARLY_NORM_MAX_K
-    monkeypatch.setattr(L, "EARLY_NORM_MAX_K", early)
+def test_qkv_rope_exact(m, early):
+    # early: the quantizing kernels load their norm weights before (or after) the PDL wait (early_norm_max_k)
+    plan = P.DecodePlan(early_norm_max_k=early)
     # K not a multiple of 16 (padding), GQA group of 2, head_dim 16; per-row and single scales
-    _check_qkv_rope(m, hidden=72, nh=4, nkv=2, hd=16, dtype=torch.float32, dev=DEV, seed=m)
-    _check_qkv_rope(m, hidden=64, nh=2, nkv=1, hd=32, dtype=torch.float32, dev=DEV, seed=m + 7, per_row=False)
+    _check_qkv_rope(m, hidden=72, nh=4, nkv=2, hd=16, dtype=torch.float32, dev=DEV, seed=m, plan=plan)
+    _check_qkv_rope(
+        m, hidden=64, nh=2, nkv=1, hd=32, dtype=torch.float32, dev=DEV, seed=m + 7, per_row=False, plan=plan
+    )
     if m > 2:  # the split-K GEMM's reduction: K = 520 is 5 chunks of 32 bytes, in 3 splits
-        _check_qkv_rope(m, hidden=520, nh=4, nkv=2, hd=16, dtype=torch.float32, dev=DEV, seed=m + 9)
+        _check_qkv_rope(
+            m, hidden=520, nh=4, nkv=2, hd=16, dtype=torch.float32, dev=DEV, seed=m + 9, plan=plan
+        )
 
 
 def test_engine_fused_step_equals_unfused(tiny_model):
     """The engine's fused decode step gives the unfused step's logits and cache (the unfused q|k|v may take the
-    row GEMV that quantizes inside each program, whose sum order differs: close, not bit-identical)."""
+    row GEMV that quantizes inside each program, whose sum order differs: close, not bit-identical). Unfused: a
+    plan that fuses at no batch (`DecodePlan.fused_max_b` 0)."""
     import copy
+    import dataclasses
 
     from bitnetlm.runtime.cuda.engine import CudaEngine, EngineConfig
 
@@ -103,10 +109,11 @@ def test_engine_fused_step_equals_unfused(tiny_model):
         with torch.no_grad():
             eng.forward(tok, torch.zeros(b, dtype=torch.int32, device=DEV))
             pos = torch.full((b,), 5, dtype=torch.int32, device=DEV)
-            eng.fused = False
+            fused = eng.plan
+            eng.plan = dataclasses.replace(fused, fused_max_b=0)
             ref = eng.forward(nxt, pos)
             kref = [k.clone() for k in eng.k_cache]
-            eng.fused = True
+            eng.plan = fused
             got = eng.forward(nxt, pos)
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
         for k, r in zip(eng.k_cache, kref):

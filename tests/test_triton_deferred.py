@@ -107,10 +107,13 @@ def test_defer_without_splits_returns_rows():
         T._choice.pop(key)
 
 
-def test_engine_deferred_step_equals_finished(monkeypatch):
+def test_engine_deferred_step_equals_finished():
     """The engine's decode step with its split-K projections deferred gives the same logits and KV cache bit for
     bit (batch 4: after the unfused q|k|v; 8: after the fused one). A model just wide
-    enough (K of 256 and 384) that the interpreter's split-K tiles split."""
+    enough (K of 256 and 384) that the interpreter's split-K tiles split. Not deferred: a plan that defers at no
+    batch (`DecodePlan.defer_max_b` 0)."""
+    import dataclasses
+
     from oracle import tiny_config_kwargs
 
     import bitnetlm.runtime.cuda.engine as E
@@ -136,10 +139,10 @@ def test_engine_deferred_step_equals_finished(monkeypatch):
         pos = torch.full((b,), 5, dtype=torch.int32, device=DEV)
         with torch.no_grad():
             eng.forward(tok, torch.zeros(b, dtype=torch.int32, device=DEV))
-            monkeypatch.setattr(E, "DEFER_MAX_B", 0)
+            eng.plan = dataclasses.replace(eng.plan, defer_max_b=0)
             ref = eng.forward(nxt, pos)
             kref = [k.clone() for k in eng.k_cache]
-            monkeypatch.setattr(E, "DEFER_MAX_B", 64)
+            eng.plan = dataclasses.replace(eng.plan, defer_max_b=64)
             got = eng.forward(nxt, pos)
         assert torch.equal(got, ref), b
         assert all(torch.equal(k, r) for k, r in zip(eng.k_cache, kref))
@@ -177,9 +180,11 @@ def test_gpu_deferred_2b4t_exact(m, proj):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("b", [2, 4, 8, 16, 64])
-def test_gpu_engine_deferred_step_exact(b, monkeypatch):
+def test_gpu_engine_deferred_step_exact(b):
     """The 2B4T-shaped engine's captured greedy decode step (int8 head, float8 cache) with and without the
     deferred split-K projections: the same tokens and KV cache bit for bit over 8 steps."""
+    import dataclasses
+
     import bitnetlm.runtime.cuda.engine as E
     from bitnetlm.models import ModelConfig
 
@@ -187,8 +192,9 @@ def test_gpu_engine_deferred_step_exact(b, monkeypatch):
         ModelConfig(), E.EngineConfig(max_batch=b, max_seq_len=600, head="int8", kv_dtype=torch.float8_e4m3fn)
     )
     outs = []
+    plan = eng.plan
     for on in (False, True):
-        monkeypatch.setattr(E, "DEFER_MAX_B", 64 if on else 0)
+        eng.plan = dataclasses.replace(plan, defer_max_b=64 if on else 0)
         eng._graphs.clear()
         st = eng.decode_state(b, max_keys=1024)
         for c in eng.k_cache + eng.v_cache:

@@ -188,80 +188,69 @@ def test_head_argmax_in_tiles_ties_nan_inf():
     assert (logits == 0).all() and torch.signbit(logits).any() and (logits.argmax(-1) == 0).all()
 
 
+def _gpu_engine(b):
+    """A 2B4T-shaped engine of b rows with random weights: int8 head, float8 cache."""
+    import bitnetlm.runtime.cuda.engine as E
+    from bitnetlm.models import ModelConfig
+
+    ecfg = E.EngineConfig(max_batch=b, max_seq_len=600, head="int8", kv_dtype=torch.float8_e4m3fn)
+    return E.CudaEngine.random(ModelConfig(), ecfg)
+
+
+def _start(eng, st, b):
+    """A zeroed KV cache, rows at positions 400 + row, tokens 7 * row + 3, output slot 1 of a zeroed out."""
+    for c in eng.k_cache + eng.v_cache:
+        c.view(torch.uint8).zero_()
+    st.pos.copy_(torch.arange(b, dtype=torch.int32, device="cuda") + 400)
+    st.step.fill_(1)
+    st.out.zero_()
+    st.tok.copy_(torch.arange(b, device="cuda").view_as(st.tok) * 7 + 3)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("b", [1, 8, 64])
-def test_gpu_engine_head_fold_exact(b, monkeypatch):
-    """The 2B4T-shaped engine's captured greedy step (int8 head, float8 cache) with the greedy step folded into
-    the head (`engine_cuda.HEAD_FOLD`) and as its own launch: the same tokens, outputs, positions and step over 8
+def test_gpu_engine_head_fold_exact(b):
+    """The 2B4T-shaped engine's captured greedy step (int8 head, float8 cache), whose head takes each row's
+    argmax and does the step's bookkeeping itself (`head.w8a16_greedy`), against the captured step without
+    sampling (`logits_state`) and torch.argmax of its logits: the same tokens, outputs, positions and step over 8
     replays."""
-    import bitnetlm.runtime.cuda.engine as E
-
-    _greedy_steps_agree(b, lambda fold: monkeypatch.setattr(E, "HEAD_FOLD", fold))
+    eng = _gpu_engine(b)
+    st = eng.decode_state(b, max_keys=1024)
+    _start(eng, st, b)
+    for _ in range(8):
+        st.graph.replay()
+    ls = eng.logits_state(b, max_keys=1024)
+    _start(eng, ls, b)
+    toks = []
+    for _ in range(8):
+        ls.graph.replay()
+        toks.append(ls.logits.argmax(-1))
+        ls.tok.copy_(toks[-1][:, None])
+    assert torch.equal(st.out[:, 1:9], torch.stack(toks, 1)) and not st.out[:, 9:].any()
+    assert torch.equal(st.tok, ls.tok) and torch.equal(st.pos, ls.pos) and int(st.step) == 9
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("b", [1, 2, 3, 4, 5, 6, 7, 8])
-def test_gpu_engine_attention_prefetch_exact(b, monkeypatch):
+def test_gpu_engine_attention_prefetch_exact(b):
     """The same captured greedy step with and without the attention's L2 prefetch of gate|up's weights
-    (`attention.ATTN_PF_TABLE`, at every batch it names a count for; at batch 1 the next layer's q|k|v too, at
-    batch 2 down's): the same tokens, outputs and positions."""
+    (`DecodePlan.attn_pf_table`, at every batch it names a count for; at batch 1 the next layer's q|k|v too, at
+    batch 2 down's; without: `attn_pf_programs` 0): the same tokens, outputs, positions and step."""
+    import dataclasses
+
     from bitnetlm.kernels.triton import attention as A
 
     assert A.prefetch_programs(b, kv8=True) > 0
-    _greedy_steps_agree(b, lambda on: monkeypatch.setattr(A, "ATTN_PF_PROGRAMS", -1 if on else 0))
-
-
-def _greedy_steps_agree(b, variant):
-    """8 replays of a 2B4T-shaped engine's captured greedy step of b rows, with variant(False) and variant(True)
-    set before each capture: the same tokens, outputs, positions and step."""
-    import bitnetlm.runtime.cuda.engine as E
-    from bitnetlm.models import ModelConfig
-
-    eng = E.CudaEngine.random(
-        ModelConfig(), E.EngineConfig(max_batch=b, max_seq_len=600, head="int8", kv_dtype=torch.float8_e4m3fn)
-    )
+    eng = _gpu_engine(b)
+    plan = eng.plan
     runs = []
     for on in (False, True):
-        variant(on)
+        eng.plan = dataclasses.replace(plan, attn_pf_programs=-1 if on else 0)
         eng._graphs.clear()
         st = eng.decode_state(b, max_keys=1024)
-        for c in eng.k_cache + eng.v_cache:
-            c.view(torch.uint8).zero_()
-        st.pos.copy_(torch.arange(b, dtype=torch.int32, device="cuda") + 400)
-        st.step.fill_(1)
-        st.out.zero_()
-        st.tok.copy_(torch.arange(b, device="cuda").view_as(st.tok) * 7 + 3)
+        _start(eng, st, b)
         for _ in range(8):
             st.graph.replay()
         runs.append((st.out[:, :10].clone(), st.tok.clone(), st.pos.clone(), st.step.clone()))
     assert all(torch.equal(u, v) for u, v in zip(*runs))
     assert int(runs[1][3]) == 9 and (runs[1][0][:, 1:9] != 0).any()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("load", ["evict_first", "tma"])
-def test_gpu_head_loads_exact(load, monkeypatch):
-    """The int8 head's weights read with an eviction policy or through a tensor descriptor (`head.HEAD_LOAD`),
-    every tile the tuner may pick, a vocabulary with a short last tile: the logits, the tiles' maxima and indices
-    and the folded greedy step equal the plain loads' bit for bit."""
-    ends, L, T = triton_modules("ends", "head", "tune")
-    g = torch.Generator(device="cuda").manual_seed(3)
-    n, k = 1000, 2560
-    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda", generator=g)
-    s = torch.rand(n, device="cuda", generator=g)
-    nw = torch.rand(k, device="cuda", generator=g).to(torch.bfloat16)
-    for m in (1, 8, 64):
-        x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
-        for cfg in T._w8_candidates(m):
-            runs = []
-            for mode in ("", load):
-                monkeypatch.setattr(L, "HEAD_LOAD", mode)
-                tok = torch.zeros((m, 1), dtype=torch.long, device="cuda")
-                out = torch.zeros((m, 2), dtype=torch.long, device="cuda")
-                step = torch.zeros((1,), dtype=torch.long, device="cuda")
-                pos = torch.zeros((m,), dtype=torch.int32, device="cuda")
-                L.w8a16_greedy(x, nw, 1e-5, w, s, tok, out, step, pos, cfg=cfg)
-                logits = L.w8a16_linear(x, nw, 1e-5, w, s, cfg=cfg)
-                runs.append((logits, *L.w8a16_argmax(x, nw, 1e-5, w, s, cfg=cfg), tok))
-            assert all(torch.equal(u, v) for u, v in zip(*runs)), (m, cfg)
-            assert torch.equal(runs[1][-1][:, 0], runs[1][0].argmax(-1)), (m, cfg)

@@ -1,8 +1,9 @@
 """bitnet tune: tune the CUDA decode step's kernel tiles for a model shape on this GPU (bitnetlm.runtime.cuda.step_tune).
 
 Each tuning key's tile is chosen by timing the whole captured decode step, not the projection alone; the choices
-go into this GPU model's table (~/.cache/bitnetlm/step_tune/<GPU>.json), which every later engine on this GPU
-model takes ahead of its own tuning. Random weights of the model's shape: the tiles depend on shapes only.
+go into this GPU model's table ($BITNET_CACHE/step_tune/<GPU>.json, by default under ~/.cache/bitnetlm), which
+every later engine on this GPU model takes ahead of its own tuning. Random weights of the model's shape: the
+tiles depend on shapes only.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """@triton.jit pieces shared by the W2A8 kernels (gemv.py, gemm.py, quant.py, decode.py, attention.py).
 
-- platform: `INTERPRET` (TRITON_INTERPRET=1, the CPU), programmatic dependent launch (`_pdl_wait`), L2 prefetch;
+- platform: `INTERPRET` (TRITON_INTERPRET=1, the CPU), programmatic dependent launch (`_pdl_wait`, `pdl_kw`), the
+  SMs a grid plans for (`sm_count`), L2 prefetch;
 - exact arithmetic: correctly rounded reciprocal / division, round-half-even, signed `dp4a`, 2-bit code unpack;
 - the float epilogue: (int32 X@C^T - rowsum(X)) * (s / a), the gated activation act(gate) * up, the gate|up
   paired tile's split, the residual add and the store;
@@ -12,6 +13,7 @@ with the same integer results.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from triton import knobs
@@ -24,7 +26,32 @@ except ImportError:  # pragma: no cover - older Triton: kernels run with PDL=Fal
 
 INTERPRET = bool(knobs.runtime.interpret)
 HAS_GDC = gdc_wait is not None and not INTERPRET
+PTX = not INTERPRET  # inline PTX (dp4a, cvt.rni, div.rn, prefetch); the interpreter runs plain Triton ops
 ACT_CODES = {"relu2": 0, "silu": 1}
+_PDL: list[bool] = []
+
+
+def pdl_kw(plan=None) -> dict:
+    """Launch options for the decode kernels: programmatic dependent launch (sm_90+) lets a kernel start (and
+    load its weights) while the previous one drains; each such kernel waits (`_pdl_wait`) before touching
+    anything an earlier kernel wrote. Off where the GPU lacks it, or where `plan.pdl` is False (a `DecodePlan`;
+    None: on)."""
+    if plan is not None and not plan.pdl:
+        return {}
+    if not _PDL:
+        on = HAS_GDC and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+        _PDL.append(bool(on))
+    return dict(PDL=True, launch_pdl=True) if _PDL[0] else {}
+
+
+def sm_count(device: torch.device, plan=None) -> int:
+    """The SMs a grid on `device` can fill: `plan.sms` when set; on the interpreter's CPU no limit. (torch caches
+    the device's properties, so this is cheap at every launch.)"""
+    if plan is not None and plan.sms:
+        return plan.sms
+    if device.type != "cuda":
+        return 1 << 30
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit

@@ -5,7 +5,7 @@ outputs and writes q into the query buffer [B, 1, H, D] and k / v straight into 
 round trip and no RoPE launch (`rope.rope_cache`). Two kernels, one tuner choosing between them:
 - `_qkv_rope_kernel`, the row GEMV (`gemv._gemv_row_kernel`): the only one at batch 1-2;
 - `_qkv_rope_mma_kernel`, the split-K tensor-core GEMM (`gemm._gemm_kernel`) with `_rope_store` as its epilogue:
-  from batch 3 (the engine uses it at batch 8-64: `engine_cuda.FUSED_GAP`).
+  from batch 3 (the engine uses it at batch 8-64: `DecodePlan.fused_gap`).
 The results equal the unfused launches bit for bit: the outputs are rounded to the activation dtype before the
 rotation, as the stored q|k|v rows are in the unfused step, and every kernel rotates through `common._rotate`.
 
@@ -13,7 +13,7 @@ The activation rows come pre-quantized (`quantize_into`, one launch before) or a
 normalizes and quantizes the whole row itself (`quant._quant_words`, as the row GEMV's PREQ=False path), which
 the batch-1 step uses. (A quantizing tail -- the last program of o / gate|up / down / attention quantizing the
 whole output row for the next projection -- was measured slower than the separate `_quant_kernel` launch on an
-H100, 1-2 us a projection, and for o -> gate|up at batch 1 on an H200: docs/PERF_LOG.md stop 32; not used.)
+H100, 1-2 us a projection, and for o -> gate|up at batch 1 on an H200: docs/PERF_LOG.md, 2026-11-29; not used.)
 """
 
 from __future__ import annotations
@@ -22,20 +22,20 @@ import torch
 import triton
 import triton.language as tl
 
-from bitnetlm.kernels.triton import launch as launch_mod
-from bitnetlm.kernels.triton.common import _epilogue, _pdl_wait, _prefetch_l2, _prefetch_scales, _rotate
-from bitnetlm.kernels.triton.gemm import _mma_loop, _prefetch_rows, _splitk_sum
-from bitnetlm.kernels.triton.gemv import _row_out, _row_words
-from bitnetlm.kernels.triton.launch import (
-    GEMV_MAX_M,
+from bitnetlm.kernels.triton.common import (
     PTX,
-    ROW_MAX_M,
-    _workspace,
-    check_packed,
-    launch_quant,
+    _epilogue,
+    _pdl_wait,
+    _prefetch_l2,
+    _prefetch_scales,
+    _rotate,
     pdl_kw,
 )
+from bitnetlm.kernels.triton.gemm import _mma_loop, _prefetch_rows, _splitk_sum
+from bitnetlm.kernels.triton.gemv import _row_out, _row_words
+from bitnetlm.kernels.triton.launch import _workspace, check_packed, launch_quant
 from bitnetlm.kernels.triton.layout import packed_row_bytes
+from bitnetlm.kernels.triton.plan import DecodePlan, resolve
 from bitnetlm.kernels.triton.quant import _norm_slabs
 from bitnetlm.kernels.triton.tune import _next_pow2, _row_candidates, _splitk_candidates, _tune
 
@@ -172,7 +172,6 @@ def _qkv_rope_kernel(
     PREQ: tl.constexpr = True,
     HAS_NORM: tl.constexpr = True,
     EARLY_NORM: tl.constexpr = False,
-    PFC: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     HALF: tl.constexpr = D // 2
@@ -190,8 +189,10 @@ def _qkv_rope_kernel(
         g0, g1, g2, g3 = _norm_slabs(nw_ptr, K, KW, offs_w, mw)
     # `_rope_store` for one row, kept one-dimensional: its [1, P] form measured 4% slower a batch-1 step
     head, d, mp, rot, is_q, is_k, kvh = _pair_roles(pid, N, H, HKV, HALF, P)
-    if PFC and PDL:  # cos / sin into L2 too (PFC: launch.PREFETCH_CONSTS)
-        rows = tl.arange(0, 16)  # the row kernel's M: up to GEMV_MAX_M
+    if PDL:  # cos / sin into L2 too (constant data read after the wait would miss L2)
+        rows = tl.arange(
+            0, 16
+        )  # the row kernel's M: up to DecodePlan.gemv_max_m (a hint: more rows go without)
         _prefetch_rope(rows, rows < M, pos_ptr, cos_ptr, sin_ptr, d, mp, HALF, PTX)
     _pdl_wait(PDL)  # the weight and scale loads above overlap the previous kernel
     cache = tl.where(is_k, kc_ptr, vc_ptr)
@@ -268,7 +269,6 @@ def _qkv_rope_mma_kernel(
     SWAP: tl.constexpr,
     PDL: tl.constexpr = False,
     KV_SAME: tl.constexpr = True,
-    PFC: tl.constexpr = False,
 ):
     """The split-K tensor-core GEMM (`gemm._gemm_kernel`, GROUP_M == 0) over pre-quantized rows, whose tiles are
     rotation pairs (`_pair_cols`) and whose epilogue is `_rope_store`: q|k|v + RoPE + KV write at batch 3-64."""
@@ -282,7 +282,7 @@ def _qkv_rope_mma_kernel(
         _prefetch_rows(w_ptr, cols, mask_c, KP, b_lo, b_hi, PTX)
     offs_m = pid_m * BM + tl.arange(0, BM)
     mask_m = offs_m < M
-    if PFC and PDL:  # and the epilogue's constants: scales, cos / sin (PFC: launch.PREFETCH_CONSTS)
+    if PDL:  # and the epilogue's constants: scales, cos / sin
         _prefetch_scales(s_ptr, cols, mask_c, PER_ROW, PTX)
         p1 = pid_n * (BN // 2) + tl.arange(0, BN // 2)
         _prefetch_rope(offs_m, mask_m, pos_ptr, cos_ptr, sin_ptr, p1 % (D // 2), p1 < N // 2, D // 2, PTX)
@@ -348,20 +348,27 @@ class QuantBuf:
         self.rs = torch.zeros((b,), dtype=torch.int32, device=device)
 
 
-def quantize_into(x: torch.Tensor, norm_weight: torch.Tensor | None, buf: QuantBuf, eps: float) -> None:
+def quantize_into(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    buf: QuantBuf,
+    eps: float,
+    plan: DecodePlan | None = None,
+) -> None:
     """rmsnorm? + per-row int8 quantization of x [M, K] into `buf` (rows 0..M-1), as ternary_linear's."""
-    launch_quant(x, norm_weight, buf.q, buf.a, buf.rs, eps)
+    launch_quant(x, norm_weight, buf.q, buf.a, buf.rs, eps, plan=plan)
 
 
-def qkv_rope_candidates(m: int, n: int, k: int, preq: bool) -> list[dict]:
+def qkv_rope_candidates(m: int, n: int, k: int, preq: bool, plan: DecodePlan | None = None) -> list[dict]:
     """`qkv_rope`'s candidate tiles for M rows of K values through N = (H + 2 Hkv) * D weight rows."""
+    plan = resolve(plan)
     kp = packed_row_bytes(k)
     row = _row_candidates(kp // 4, False, "qkv_rope")  # row tiles: BN even, >= 2
-    if not preq or m <= ROW_MAX_M:
+    if not preq or m <= plan.row_max_m:
         return row
-    # from 3 rows: the split-K tensor-core tiles (BN weight rows = BN/2 pairs), the row GEMV's last
+    # past the row GEMVs' rows: the split-K tensor-core tiles (BN weight rows = BN/2 pairs), the row GEMV's last
     mma = [c for c in _splitk_candidates(m, n, kp, False) if not c.get("PAIR")]
-    return mma + (row[:2] if m <= GEMV_MAX_M else [])
+    return mma + (row[:2] if m <= plan.gemv_max_m else [])
 
 
 def qkv_rope(
@@ -379,13 +386,15 @@ def qkv_rope(
     n_kv,
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-5,
+    plan: DecodePlan | None = None,
 ) -> None:
     """M activation rows through the q|k|v weights (`packed`, scale [1] or per row), then RoPE at positions
     pos[b]: q -> q_out [B, 1, H, D], k / v -> cache slot pos[b] (as ternary_linear + rope_cache).
 
     src: a `QuantBuf` of pre-quantized rows (`quantize_into`), or the rows x [M, K] themselves, which every
     program then normalizes (norm_weight) and quantizes itself: one launch instead of two, as
-    ternary_linear(path="row") does."""
+    ternary_linear(path="row") does. plan: the `DecodePlan` (None: the default plan)."""
+    plan = resolve(plan)
     preq = isinstance(src, QuantBuf)
     k = src.k if preq else src.shape[-1]
     d, s_len = k_cache.shape[-1], k_cache.shape[2]
@@ -437,9 +446,8 @@ def qkv_rope(
             KV_SAME=k_cache.dtype == q_out.dtype,
             PREQ=preq,
             HAS_NORM=norm_weight is not None,
-            EARLY_NORM=not preq and norm_weight is not None and k <= launch_mod.EARLY_NORM_MAX_K,
-            PFC=launch_mod.PREFETCH_CONSTS,
-            **pdl_kw(),
+            EARLY_NORM=not preq and norm_weight is not None and k <= plan.early_norm_max_k,
+            **pdl_kw(plan),
         )
 
     def launch_mma(cfg, w):
@@ -471,16 +479,15 @@ def qkv_rope(
             PTX=PTX,
             D=d,
             KV_SAME=k_cache.dtype == q_out.dtype,
-            PFC=launch_mod.PREFETCH_CONSTS,
             **{k2: v for k2, v in cfg.items() if k2 not in ("path", "CPS")},
-            **pdl_kw(),
+            **pdl_kw(plan),
         )
 
     # tuned per power-of-two bucket of rows, as ternary_linear
-    bucket = m if m <= ROW_MAX_M else min(_next_pow2(m), 1024)
+    bucket = m if m <= plan.row_max_m else min(_next_pow2(m), 1024)
     key = ("qkv_rope", n, k, bucket, scale.numel() != 1, d, k_cache.dtype, preq)
 
     def launch(cfg, w=packed):
         (launch_mma if cfg["path"] == "splitk" else launch_row)(cfg, w)
 
-    launch(_tune(key, lambda: qkv_rope_candidates(m, n, k, preq), launch, packed))
+    launch(_tune(key, lambda: qkv_rope_candidates(m, n, k, preq, plan), launch, packed))

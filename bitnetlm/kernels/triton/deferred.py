@@ -1,5 +1,5 @@
 """A split-K projection left for the next kernel to finish (`ternary_linear(defer=True)`; the engine's decode
-steps defer o and down up to `engine_cuda.DEFER_MAX_B` rows).
+steps defer o and down up to `DecodePlan.defer_max_b` rows).
 
 A split-K GEMM's last program per tile used to take a counter, read the other splits' partial sums back and run
 the epilogue (scales, activation, residual) before the next kernel could start. Deferred, every program adds its
@@ -17,6 +17,10 @@ from dataclasses import dataclass
 
 import torch
 import triton
+
+from bitnetlm.kernels.triton.common import PTX
+from bitnetlm.kernels.triton.plan import DecodePlan
+from bitnetlm.kernels.triton.quant import _finish_quant_kernel, quant_launch_kw
 
 _sums: dict[tuple, torch.Tensor] = {}
 
@@ -49,9 +53,9 @@ class SplitKSums:
     def shape(self) -> torch.Size:
         return self.out.shape
 
-    def finish(self) -> torch.Tensor:
+    def finish(self, plan: DecodePlan | None = None) -> torch.Tensor:
         """Run the epilogue alone (no quantization after it): the output rows [M, N]."""
-        launch_finish(self, None, None, None, None, 0.0)
+        launch_finish(self, None, None, None, None, 0.0, plan=plan)
         return self.out
 
 
@@ -63,11 +67,9 @@ def launch_finish(
     rs: torch.Tensor | None,
     eps: float,
     late: bool = False,
+    plan: DecodePlan | None = None,
 ) -> None:
     """`src`'s epilogue into src.out, then (q given) `launch.launch_quant`'s work on those rows into q, a, rs."""
-    from bitnetlm.kernels.triton import launch
-    from bitnetlm.kernels.triton.quant import _finish_quant_kernel
-
     m, n = src.out.shape
     quant = q is not None
     nw = norm_weight if norm_weight is not None else src.a
@@ -95,7 +97,7 @@ def launch_finish(
         HAS_RES=src.residual is not None,
         HAS_NORM=quant and norm_weight is not None,
         QUANT=quant,
-        PTX=launch.PTX,
+        PTX=PTX,
         BK=triton.next_power_of_2(q.shape[1] if quant else n),
-        **launch.quant_launch_kw(m, n, late),
+        **quant_launch_kw(m, n, late, plan),
     )

@@ -9,9 +9,9 @@
   Counters reset themselves, so graph replays need no memset. With `index=` it reduces the int8 head's tile
   maxima instead of logits (`head.w8a16_argmax`: the logits are never stored); their 2,004 tiles (128k
   vocabulary) fit one chunk a row, whose program writes the token with no counter or partials (nor a row counter
-  at batch 1): the greedy step then ends about 6 us after the head instead of 9 (H200, PERF_LOG stop 38). The
-  engine's greedy step with the int8 head no longer launches it: the head does the same inside its own launch
-  (`head.w8a16_greedy`, `engine_cuda.HEAD_FOLD`); the bf16 head's step and `HEAD_FOLD = False` still do.
+  at batch 1): the greedy step then ends about 6 us after the head instead of 9 (H200, docs/PERF_LOG.md, 2026-11-29). The
+  engine's greedy step with the int8 head does not launch it: the head does the same inside its own launch
+  (`head.w8a16_greedy`); the bf16 head's step does.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from bitnetlm.kernels.triton.common import INTERPRET, _argmax_chunks, _argmax_step, _pdl_wait
-from bitnetlm.kernels.triton.launch import pdl_kw
+from bitnetlm.kernels.triton.common import INTERPRET, _argmax_chunks, _argmax_step, _pdl_wait, pdl_kw
+from bitnetlm.kernels.triton.plan import DecodePlan
 
 
 @triton.jit
@@ -38,12 +38,14 @@ def _embed_int8_kernel(tok_ptr, q_ptr, s_ptr, y_ptr, K, BK: tl.constexpr, PDL: t
     tl.store(y_ptr + r * K + offs, (q * s).to(y_ptr.dtype.element_ty), mask=mk)  # fp32 product, one rounding
 
 
-def embed_int8(tok: torch.Tensor, q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def embed_int8(
+    tok: torch.Tensor, q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype, plan: DecodePlan | None = None
+) -> torch.Tensor:
     """tok [N] -> (q[tok] * s[tok][:, None]) in `dtype` [N, K]: q int8 [V, K], s float32 [V]."""
     n, k = tok.numel(), q.shape[1]
     y = torch.empty((n, k), dtype=dtype, device=q.device)
     _embed_int8_kernel[(n,)](
-        tok, q, s, y, k, BK=triton.next_power_of_2(k), num_warps=1 if INTERPRET else 4, **pdl_kw()
+        tok, q, s, y, k, BK=triton.next_power_of_2(k), num_warps=1 if INTERPRET else 4, **pdl_kw(plan)
     )
     return y
 
@@ -124,7 +126,16 @@ def vocab_chunks(b: int, v: int, chunks: int = 0) -> tuple[int, int, int]:
     return bv, ch, triton.cdiv(v, ch)
 
 
-def greedy_step(logits, tok, out, step, pos, chunks: int = 0, index: torch.Tensor | None = None) -> None:
+def greedy_step(
+    logits,
+    tok,
+    out,
+    step,
+    pos,
+    chunks: int = 0,
+    index: torch.Tensor | None = None,
+    plan: DecodePlan | None = None,
+) -> None:
     """logits float32 [B, V] -> tok[:, 0] = out[:, step] = argmax (first index of the maximum), pos += 1,
     step += 1. tok int64 [B, 1], out int64 [B, S], step int64 [1], pos int32 [B]. chunks: programs a row
     (default: about 256 programs in all). index int32 [B, V] (the shape and strides of logits): logits hold
@@ -164,5 +175,5 @@ def greedy_step(logits, tok, out, step, pos, chunks: int = 0, index: torch.Tenso
         ONE_CHUNK=nc == 1,
         ONE_ROW=b == 1,
         num_warps=1 if INTERPRET else 4,
-        **pdl_kw(),
+        **pdl_kw(plan),
     )

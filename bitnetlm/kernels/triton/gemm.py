@@ -197,7 +197,6 @@ def _gemm_kernel(
     PDL: tl.constexpr = False,
     SWAP: tl.constexpr = False,
     PAIR: tl.constexpr = False,
-    PFC: tl.constexpr = False,
     LATE: tl.constexpr = False,
     DEFER: tl.constexpr = False,
 ):
@@ -242,11 +241,11 @@ def _gemm_kernel(
         _prefetch_rows(w_ptr, cols, mask_c, KP, b_lo, b_hi, PTX)
         if TWO:
             _prefetch_rows(w_ptr, cols + N, mask_c, KP, b_lo, b_hi, PTX)
-        if PFC and not DEFER:  # and the epilogue's scales (PFC: launch.PREFETCH_CONSTS)
+        if not DEFER:  # and the epilogue's scales (constant data read after the wait would miss L2)
             _prefetch_scales(s_ptr, cols, mask_c, PER_ROW, PTX)
             if TWO:
                 _prefetch_scales(s_ptr, cols + N, mask_c, PER_ROW, PTX)
-    # LATE: the next kernel launches only once the one before this has ended (launch.GEMM_LATE_MIN_M)
+    # LATE: the next kernel launches only once the one before this has ended (DecodePlan.gemm_late_min_m)
     _pdl_wait(PDL, AFTER=LATE)
     offs_m = pid_m * BM + tl.arange(0, BM)
     mask_m = offs_m < M
@@ -355,7 +354,6 @@ def _w8a16_kernel(
     lo_ptr,
     a_ptr,
     w_ptr,
-    w_desc,
     s_ptr,
     y_ptr,
     yi_ptr,
@@ -378,14 +376,10 @@ def _w8a16_kernel(
     ARGMAX: tl.constexpr = False,
     FOLD: tl.constexpr = False,
     BMR: tl.constexpr = 16,
-    TMA: tl.constexpr = False,
-    EVICT: tl.constexpr = "",
 ):
     """y [M, N] logits; ARGMAX: no logits, each row's maximum over the tile's BN outputs and its first index (a NaN
     above every number, the first NaN winning, as torch.argmax) into y and yi [M, cdiv(N, BN)]; FOLD (with
-    ARGMAX): neither, the greedy step instead (`_greedy_fold`: tok, out[:, step], pos and step; best, cnt).
-    TMA: the weights through w_desc, a [BN, BK] tensor descriptor of w (K a multiple of BK); EVICT: the plain
-    weight loads' eviction policy."""
+    ARGMAX): neither, the greedy step instead (`_greedy_fold`: tok, out[:, step], pos and step; best, cnt)."""
     offs_m, offs_n, mask_m, mask_n = _head_tile(M, N, BM, BN, PDL)
     acc_h = tl.zeros([BM, BN], tl.int32)
     acc_l = tl.zeros([BM, BN], tl.int32)
@@ -395,13 +389,8 @@ def _w8a16_kernel(
         mx = mask_m[:, None] & mk[None, :]
         xh = tl.load(hi_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], mask=mx, other=0)
         xl = tl.load(lo_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], mask=mx, other=0)
-        if TMA:  # the [BN, BK] weight tile by the tensor memory accelerator (rows past N read as zeros)
-            w = w_desc.load([tl.program_id(0) * BN, k0])
-        else:
-            wm = mask_n[:, None] & mk[None, :]
-            w = tl.load(
-                w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=wm, other=0, eviction_policy=EVICT
-            )
+        wm = mask_n[:, None] & mk[None, :]
+        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=wm, other=0)
         wt = tl.trans(w)
         acc_h = tl.dot(xh, wt, acc_h, out_dtype=tl.int32)
         acc_l = tl.dot(xl, wt, acc_l, out_dtype=tl.int32)

@@ -266,7 +266,6 @@ def _gemv_row_kernel(
     EARLY_NORM: tl.constexpr = False,
     KWB: tl.constexpr = 0,
     BN2: tl.constexpr = 0,
-    PFC: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     offs_n = pid * (BN + BN2) + tl.arange(0, BN)
@@ -303,8 +302,8 @@ def _gemv_row_kernel(
     g0, g1, g2, g3 = s, s, s, s  # (unused without EARLY_NORM)
     if EARLY_NORM:  # (a quantizing program with a norm) constant too: off the critical path after the wait
         g0, g1, g2, g3 = _norm_slabs(nw_ptr, K, KW, offs_w, mw)
-    elif PFC and PDL and HAS_NORM and not PREQ:
-        # K past EARLY_NORM_MAX_K: into L2 instead, one 64-value line a program (launch.PREFETCH_CONSTS)
+    elif PDL and HAS_NORM and not PREQ:
+        # K past DecodePlan.early_norm_max_k: into L2 instead, one 64-value line a program
         line = tl.arange(0, KWP // 4)  # a norm weight line holds 64 bf16 values: K <= 16 * KWP
         mine = (line * 64 < K) & (line % tl.num_programs(0) == pid)
         _prefetch_l2(nw_ptr + line * 64, mine, PTX)

@@ -6,17 +6,16 @@ Call the ops once outside CUDA-graph capture (a warm-up) so no tuning happens wh
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
-from bitnetlm.kernels.triton.common import ACT_CODES, HAS_GDC, INTERPRET
+from bitnetlm.kernels.triton.common import ACT_CODES, PTX, pdl_kw, sm_count
 from bitnetlm.kernels.triton.deferred import SplitKSums, launch_finish, sums_buffer
 from bitnetlm.kernels.triton.gemm import _gemm_kernel
 from bitnetlm.kernels.triton.gemv import _gemv_kernel, _gemv_row_kernel
 from bitnetlm.kernels.triton.layout import packed_row_bytes
-from bitnetlm.kernels.triton.quant import _quant_kernel
+from bitnetlm.kernels.triton.plan import DecodePlan, resolve
+from bitnetlm.kernels.triton.quant import _quant_kernel, quant_launch_kw
 from bitnetlm.kernels.triton.tune import (
     _gemm_candidates,
     _gemv8_candidates,
@@ -26,77 +25,6 @@ from bitnetlm.kernels.triton.tune import (
     _splitk_candidates,
     _tune,
 )
-
-ROW_MAX_M = 2  # rows up to this try the row GEMV first (dp4a work grows with M; tensor cores take over)
-GEMV_MAX_M = 16  # rows up to this may use the fused dp4a GEMV (the tuner decides against split-K)
-SPLITK_MAX_M = 64  # rows up to this use split-K tensor-core GEMM; above it, the plain tiled GEMM
-# ... and up to this many the tuner also times the swapped split-K tiles (two or more M tiles of 64): at 128 rows
-# they took 15.1 us for down against the tiled GEMM's 23.0 (H200, benchmarks/gpu_gemm.py, docs/PERF_LOG.md stop 63)
-SPLITK_PREFILL_MAX_M = 256
-# The pre-quantized row GEMV ("rowq") runs a row whose width in words is not a power of two as two parts
-# (`_row_parts`), so that no lanes work on padding: batch 1's gate|up (K = 2560: 160 words as 128 + 32, not 256)
-# runs 561 instructions after its PDL wait instead of 794 and 137 registers instead of 200 (triton_sass.py,
-# Triton 3.9), and a batch-1 step took 5.4% less time on an H200 (docs/PERF_LOG.md stop 37).
-ROW_PARTS = True
-# A row GEMV tile whose grid would leave over a quarter of the SMs idle runs half its rows plus a smaller
-# power-of-two part instead (`_row_tiles`; `gemv._gemv_row_kernel`'s BN2), for rows wider than ROW_TILES_MIN_K:
-# batch 1's down (2,560 rows of K = 6912) as 128 programs of 16 + 4 rows on an H200's 132 SMs, not 80 of 32, runs
-# 1,813 instructions after its PDL wait instead of 2,385 and spills 48 bytes a thread instead of 432
-# (triton_sass.py, Triton 3.8); a batch-1 step 1-2% faster on an H200. Splitting o (K = 2560) as well measured no
-# faster than leaving both whole (docs/PERF_LOG.md stop 38). SMS: the SM count these tiles and the attention's
-# splits plan for (`sm_count`; 0: the device's).
-ROW_TILES = True
-ROW_TILES_MIN_K = 4096
-SMS = 0
-QUANT_WARPS = 0  # benchmarks' override of the quantization launch's warps (0: the default below)
-# Up to QUANT_NARROW_MAX_M rows, the quantization launch runs 8 warps on rows of at most QUANT_WIDE_K values, 16 on
-# wider ones (down's 6912) and on more rows. On an H200 a step took 0.2-0.6% less time at batch 1, 4, 8 and 16 than
-# with 16 warps everywhere; batch 64 gained nothing (and lost 0.7% with 8 warps on down's rows too), so it keeps 16
-# (docs/PERF_LOG.md stop 41).
-QUANT_WIDE_K = 4096
-QUANT_NARROW_MAX_M = 16
-# From QUANT_LATE_MIN_M to QUANT_LATE_MAX_M rows, the quantization launch lets the next kernel launch (PDL) only
-# after its own wait, when the kernel before it has ended, instead of at its start. On an H200 a step took 3.0% /
-# 1.9% / 7.0% / 0.8% / 0.6% / 0.5% less time at batch 3 / 4 / 6 / 8 / 12 / 16, and 2.6% / 0.5% / 3.0% / 2.0% more
-# at batch 1 / 2 / 24 / 32 (docs/PERF_LOG.md stop 42).
-QUANT_LATE_MIN_M = 3
-QUANT_LATE_MAX_M = 16
-# From this many rows (where the attention triggers early again: attention.ATTN_LATE_MAX_B) the split-K GEMMs also
-# let the next kernel, a quantization launch, launch only after their own wait. On an H200 a step took 1.0-1.4% /
-# 3.3% / 1.5% less time at batch 33 / 48 / 64; from 17 rows on, batch 20 gained 0.5%, 24 nothing and 32 lost 0.4%
-# (docs/PERF_LOG.md stop 42).
-GEMM_LATE_MIN_M = 33
-# Row GEMVs that quantize their input in every program load the norm weights before their PDL wait, so that only
-# the row itself is fetched after it, up to this K (float32 weights held across the wait: 16 registers a thread at
-# K = 2560 and 8 warps, 43 at 6912). 0: after the wait. A batch-1 step 1.4% faster on an H200 (PERF_LOG stop 32);
-# 8192 (batch 1's down too) another 1.6% since stop 40, against down's weights pulled into L2 (PREFETCH_CONSTS).
-EARLY_NORM_MAX_K = 8192
-# Constant data that a kernel would read only after its PDL wait -- the quantization launches' norm weights, the
-# split-K epilogues' weight scales, q|k|v's cos / sin, the norm weights of a quantizing row GEMV past
-# EARLY_NORM_MAX_K -- is loaded (the quantization launches) or pulled into L2 (the rest) before the wait: a
-# decode step streams far more than L2 holds, so each such read went to DRAM after the wait, beside the
-# activations' L2 hits. A step 2.7% faster at batch 1 and 4.6% at batch 8 on an H200 (PERF_LOG stop 40).
-PREFETCH_CONSTS = True
-PTX = not INTERPRET
-
-
-_PDL: list[bool] = []
-
-
-def pdl_kw() -> dict:
-    """Launch options for the decode kernels: programmatic dependent launch (sm_90+) lets a kernel start (and
-    load its weights) while the previous one drains; each such kernel waits (`_pdl_wait`) before touching
-    anything an earlier kernel wrote. BITNETLM_TRITON_PDL=0 turns it off."""
-    if not _PDL:
-        on = (
-            HAS_GDC
-            and os.environ.get("BITNETLM_TRITON_PDL", "1") != "0"
-            and torch.cuda.is_available()
-            and torch.cuda.get_device_capability()[0] >= 9
-        )
-        _PDL.append(bool(on))
-    return dict(PDL=True, launch_pdl=True) if _PDL[0] else {}
-
 
 _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -124,14 +52,17 @@ def check_packed(packed: torch.Tensor, rows: int, k: int, where: str) -> None:
         raise ValueError(f"{where}: packed weights must be contiguous")
 
 
-def linear_candidates(m: int, out_features: int, k: int, gated: bool, path: str | None = None) -> list[dict]:
-    """`ternary_linear`'s candidate tiles for M rows (path None: every path its M allows; the first is the
-    untuned default)."""
+def linear_candidates(
+    m: int, out_features: int, k: int, gated: bool, path: str | None = None, plan: DecodePlan | None = None
+) -> list[dict]:
+    """`ternary_linear`'s candidate tiles for M rows (path None: every path its M allows, by the plan's row
+    bounds; the first is the untuned default)."""
+    plan = resolve(plan)
     bm, kp = _next_pow2(m), packed_row_bytes(k)
     gemv = [dict(path="gemv", **c) for c in _gemv_candidates(bm, gated, k)]
     splitk = (
         _splitk_candidates(m, out_features, kp, gated)
-        if m <= SPLITK_PREFILL_MAX_M or path in ("splitk", "splitk_t", "splitk_pair")
+        if m <= plan.splitk_prefill_max_m or path in ("splitk", "splitk_t", "splitk_pair")
         else []
     )
     gemm = [dict(path="gemm", **c) for c in _gemm_candidates(m, gated)]
@@ -142,13 +73,13 @@ def linear_candidates(m: int, out_features: int, k: int, gated: bool, path: str 
     unswapped = [c for c in splitk if not c["SWAP"]]
     pair = [c for c in splitk if c.get("PAIR")]
     if path is None:
-        if m <= ROW_MAX_M:  # (gate|up's unsplit pairs: batch 2's choice on the H200)
+        if m <= plan.row_max_m:  # (gate|up's unsplit pairs: batch 2's choice on the H200)
             return row + rowq[:3] + swapped[:2] + gemv8[:1] + [c for c in pair if c["SPLIT"] == 1]
-        if m <= GEMV_MAX_M:
+        if m <= plan.gemv_max_m:
             return swapped + unswapped[:1] + pair + rowq[:2] + gemv8[:2] + gemv[:1]
-        if m <= SPLITK_MAX_M:
+        if m <= plan.splitk_max_m:
             return splitk
-        return gemm + swapped  # (empty above SPLITK_PREFILL_MAX_M)
+        return gemm + swapped  # (empty above plan.splitk_prefill_max_m)
     return {
         "gemv": gemv,
         "gemv8": gemv8,
@@ -165,30 +96,21 @@ def linear_candidates(m: int, out_features: int, k: int, gated: bool, path: str 
 
 def _row_parts(kw: int) -> tuple[int, int]:
     """A row of kw words as the pre-quantized row GEMV's two power-of-two parts (first, second; second 0: one
-    part): 160 words (K = 2560) as 128 + 32 lanes instead of 256, when ROW_PARTS and the split saves a quarter."""
+    part): 160 words (K = 2560) as 128 + 32 lanes instead of 256, where the split saves a quarter (no lanes work
+    on padding: fewer instructions after the PDL wait and fewer registers)."""
     whole = _next_pow2(kw)
     first = whole // 2
     second = _next_pow2(kw - first) if kw > first else 0
-    if not ROW_PARTS or second == 0 or first + second > whole * 3 // 4:
+    if second == 0 or first + second > whole * 3 // 4:
         return whole, 0
     return first, second
-
-
-def sm_count(device: torch.device) -> int:
-    """The SMs a grid on `device` can fill: SMS when set; on the interpreter's CPU no limit. (torch caches the
-    device's properties, so this is cheap at every launch.)"""
-    if SMS:
-        return SMS
-    if device.type != "cuda":
-        return 1 << 30
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _row_tiles(n: int, bn: int, sms: int) -> tuple[int, int]:
     """Rows a row-GEMV program runs for n output rows in tiles of bn (first, second; second 0: one part): bn when
     its grid fills three quarters of the SMs, else bn / 2 plus the smallest power of two that fits one program an
-    SM (2,560 rows, bn 32, 132 SMs: 16 + 4)."""
-    if not ROW_TILES or triton.cdiv(n, bn) * 4 > sms * 3:
+    SM (2,560 rows, bn 32, 132 SMs: 16 + 4, not 80 programs of 32, which spilled registers)."""
+    if triton.cdiv(n, bn) * 4 > sms * 3:
         return bn, 0
     first = bn // 2
     second = 1
@@ -211,6 +133,7 @@ def ternary_linear(
     path: str | None = None,
     quant_late: bool = False,
     defer: bool = False,
+    plan: DecodePlan | None = None,
 ) -> torch.Tensor | SplitKSums:
     """y = [residual +] f((X @ T^T) * s / a) with X = int8(rmsnorm?(x)); f = act(gate) * up when `gated`.
 
@@ -220,7 +143,9 @@ def ternary_linear(
     quant_late: a quantization launch in front lets the GEMM launch only after its own wait (`launch_quant`).
     defer: when the tuned path is split-K over several splits, return the unfinished `SplitKSums` [M rows]
     instead, for the next quantization launch to finish (deferred.py); else the output as usual.
+    plan: the `DecodePlan` whose rules pick the paths and launch options (None: the default plan).
     """
+    plan = resolve(plan)
     src = x if isinstance(x, SplitKSums) else None  # consumed by the final launch (the tuner's read src.out)
     if src is not None:
         x = src.out
@@ -255,7 +180,8 @@ def ternary_linear(
         q = torch.empty((m, 4 * kp), dtype=torch.int8, device=x.device)
         a = torch.empty((m,), dtype=torch.float32, device=x.device)
         rs = torch.empty((m,), dtype=torch.int32, device=x.device)
-        launch_quant(src if final[0] and src is not None else x2, norm_weight, q, a, rs, eps, late=quant_late)
+        xs = src if final[0] and src is not None else x2
+        launch_quant(xs, norm_weight, q, a, rs, eps, late=quant_late, plan=plan)
         return q, a, rs
 
     def launch_dp4a(kernel, cfg, w, **kw):
@@ -265,7 +191,7 @@ def ternary_linear(
             qw, sq = q.view(torch.int32), q.stride(0) // 4
         else:
             if final[0] and src is not None:  # these programs read x itself
-                src.finish()
+                src.finish(plan)
             qw = a = rs = scale  # unused pointers
             sq = 0
         rows = cfg["BN"] + kw.get("BN2", 0)  # a program's output rows
@@ -337,7 +263,7 @@ def ternary_linear(
         out_n = cfg["BN"] // 2 if cfg.get("PAIR") else cfg["BN"]
         grid = (triton.cdiv(out_features, out_n), cfg["SPLIT"], triton.cdiv(m, cfg["BM"]))
         kw = {k2: v for k2, v in cfg.items() if k2 not in ("path", "CPS")}
-        kw.update(PFC=PREFETCH_CONSTS, LATE=m >= GEMM_LATE_MIN_M, DEFER=dfr, **pdl_kw())
+        kw.update(LATE=m >= plan.gemm_late_min_m, DEFER=dfr, **pdl_kw(plan))
         a, rs = launch_mma(grid, ws, cnt, cfg["CPS"], w, **kw)
         return (
             SplitKSums(ws, a, rs, scale, y, r if residual is not None else None, gated, actc) if dfr else None
@@ -355,13 +281,15 @@ def ternary_linear(
         if cfg["path"] in ("gemv", "gemv8"):
             launch_dp4a(_gemv_kernel, cfg, w, BM=bm)
         elif cfg["path"] in ("row", "rowq"):
-            early = cfg["path"] == "row" and norm_weight is not None and k <= EARLY_NORM_MAX_K
+            early = cfg["path"] == "row" and norm_weight is not None and k <= plan.early_norm_max_k
             kwa, kwb = _row_parts(kp // 4) if cfg["path"] == "rowq" else (_next_pow2(kp // 4), 0)
-            plain = not gated and not kwb and k > ROW_TILES_MIN_K
-            bn, bn2 = _row_tiles(out_features, cfg["BN"], sm_count(x.device)) if plain else (cfg["BN"], 0)
+            plain = not gated and not kwb and k > plan.row_tiles_min_k
+            bn, bn2 = (
+                _row_tiles(out_features, cfg["BN"], sm_count(x.device, plan)) if plain else (cfg["BN"], 0)
+            )
             c = dict(cfg, BN=bn)
-            kwr = dict(KWP=kwa, KWB=kwb, BN2=bn2, EARLY_NORM=early, PFC=PREFETCH_CONSTS)
-            launch_dp4a(_gemv_row_kernel, c, w, **kwr, **pdl_kw())
+            kwr = dict(KWP=kwa, KWB=kwb, BN2=bn2, EARLY_NORM=early)
+            launch_dp4a(_gemv_row_kernel, c, w, **kwr, **pdl_kw(plan))
         elif cfg["path"] == "splitk":
             return launch_splitk(cfg, w)
         else:
@@ -369,24 +297,10 @@ def ternary_linear(
 
     mb = min(bm, 1024)  # tune per power-of-two bucket of M
     key = (path or "auto", out_features, k, mb, *flags)
-    cfg = _tune(key, lambda: linear_candidates(m, out_features, k, gated, path), launch, packed)
+    cfg = _tune(key, lambda: linear_candidates(m, out_features, k, gated, path, plan), launch, packed)
     final[0] = True
     deferred = launch(cfg)
     return deferred if deferred is not None else out.reshape(*lead, out_features)
-
-
-def _quant_warps(m: int, k: int) -> int:
-    """The quantization launch's warps for m rows of k values (QUANT_WIDE_K, QUANT_NARROW_MAX_M above)."""
-    if INTERPRET:
-        return 1
-    return QUANT_WARPS or (8 if k <= QUANT_WIDE_K and m <= QUANT_NARROW_MAX_M else 16)
-
-
-def quant_launch_kw(m: int, k: int, late: bool) -> dict:
-    """The launch options of a quantization launch of m rows of k values, plain (`launch_quant`) or finishing a
-    deferred projection (`deferred.launch_finish`): warps, norm weights before the wait, the PDL trigger's place."""
-    late = late or QUANT_LATE_MIN_M <= m <= QUANT_LATE_MAX_M
-    return dict(num_warps=_quant_warps(m, k), EARLY_G=PREFETCH_CONSTS, LATE=late, **pdl_kw())
 
 
 def launch_quant(
@@ -397,13 +311,15 @@ def launch_quant(
     rs: torch.Tensor,
     eps: float,
     late: bool = False,
+    plan: DecodePlan | None = None,
 ) -> None:
     """rmsnorm? + per-row int8 quantization of x [M, K] (unit stride) into q int8 [>= M, 4*Kp] (zero padded),
     a float32 [>= M], rowsum int32 [>= M]: the `_quant_kernel` launch in front of the GEMMs and pre-quantized
-    GEMVs. late: the next kernel launches only after this one's PDL wait (as for QUANT_LATE_MIN_M..MAX_M rows).
-    x a deferred projection: that projection's epilogue runs first, in the same launch (deferred.py)."""
+    GEMVs. late: the next kernel launches only after this one's PDL wait (as the plan has it for some row
+    counts, `quant.quant_launch_kw`). x a deferred projection: that projection's epilogue runs first, in the same
+    launch (deferred.py)."""
     if isinstance(x, SplitKSums):
-        return launch_finish(x, norm_weight, q, a, rs, eps, late)
+        return launch_finish(x, norm_weight, q, a, rs, eps, late, plan)
     m, k = x.shape
     _quant_kernel[(m,)](
         x,
@@ -419,11 +335,16 @@ def launch_quant(
         HAS_NORM=norm_weight is not None,
         PTX=PTX,
         BK=_next_pow2(q.shape[1]),
-        **quant_launch_kw(m, k, late),
+        **quant_launch_kw(m, k, late, plan),
     )
 
 
-def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-5):
+def quantize_rows(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    plan: DecodePlan | None = None,
+):
     """The GEMM path's quantization alone: (xq int8 [M, K], a float32 [M], rowsum int32 [M]) for tests."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k).contiguous()
@@ -432,5 +353,5 @@ def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps:
     q = torch.empty((m, kpad), dtype=torch.int8, device=x.device)
     a = torch.empty((m,), dtype=torch.float32, device=x.device)
     rs = torch.empty((m,), dtype=torch.int32, device=x.device)
-    launch_quant(x2, norm_weight, q, a, rs, eps)
+    launch_quant(x2, norm_weight, q, a, rs, eps, plan=plan)
     return q[:, :k], a, rs

@@ -1,5 +1,5 @@
 """RMSNorm and the gated activation (act(gate) * up) as launches of their own: the bf16 (dense) engine's norms and
-MLP middle, and the LM head's input where no quantization launch folds the final norm in (engine_cuda.py)."""
+MLP middle, and the LM head's input where no quantization launch folds the final norm in (runtime/cuda/engine.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from bitnetlm.kernels.triton.common import ACT_CODES, INTERPRET, _activate, _pdl_wait
-from bitnetlm.kernels.triton.launch import pdl_kw
+from bitnetlm.kernels.triton.common import ACT_CODES, INTERPRET, _activate, _pdl_wait, pdl_kw
+from bitnetlm.kernels.triton.plan import DecodePlan
 
 
 @triton.jit
@@ -25,7 +25,7 @@ def _rmsnorm_kernel(
     tl.store(y_ptr + m * stride_y + offs, ((x * rstd) * w).to(y_ptr.dtype.element_ty), mask=mk)
 
 
-def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, plan: DecodePlan | None = None) -> torch.Tensor:
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     y = torch.empty_like(x2)
@@ -39,7 +39,7 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         eps,
         BK=triton.next_power_of_2(k),
         num_warps=1 if INTERPRET else (8 if k > 4096 else 4),
-        **pdl_kw(),
+        **pdl_kw(plan),
     )
     return y.reshape(x.shape)
 

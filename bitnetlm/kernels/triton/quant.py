@@ -16,7 +16,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from bitnetlm.kernels.triton.common import _add_rn, _gated_epilogue_s, _pdl_wait, _rcp_rn, _rne, _scales
+from bitnetlm.kernels.triton.common import (
+    INTERPRET,
+    _add_rn,
+    _gated_epilogue_s,
+    _pdl_wait,
+    _rcp_rn,
+    _rne,
+    _scales,
+    pdl_kw,
+)
+from bitnetlm.kernels.triton.plan import DecodePlan, resolve
 
 
 @triton.jit
@@ -63,20 +73,17 @@ def _quant_kernel(
     PTX: tl.constexpr,
     BK: tl.constexpr,
     PDL: tl.constexpr = False,
-    EARLY_G: tl.constexpr = False,
     LATE: tl.constexpr = False,
 ):
     m = tl.program_id(0)
     offs = tl.arange(0, BK)
     mk = offs < K
     # the norm weights: their DRAM round trip overlaps the previous kernel
-    g = _norm_early(nw_ptr, offs, mk, HAS_NORM and EARLY_G)
-    # LATE: the next kernel launches only once the one before this has ended (launch.QUANT_LATE_MIN_M)
+    g = _norm_early(nw_ptr, offs, mk, HAS_NORM)
+    # LATE: the next kernel launches only once the one before this has ended (`quant_launch_kw`)
     _pdl_wait(PDL, AFTER=LATE)
     x = tl.load(x_ptr + m * stride_xm + offs, mask=mk, other=0.0).to(tl.float32)
-    _quant_row(
-        x, g, nw_ptr, m, offs, mk, q_ptr, a_ptr, rs_ptr, K, KPAD, stride_qm, eps, HAS_NORM, EARLY_G, PTX
-    )
+    _quant_row(x, g, m, offs, mk, q_ptr, a_ptr, rs_ptr, K, KPAD, stride_qm, eps, HAS_NORM, PTX)
 
 
 @triton.jit
@@ -93,7 +100,6 @@ def _norm_early(nw_ptr, offs, mk, LOAD: tl.constexpr):
 def _quant_row(
     x,
     g,
-    nw_ptr,
     m,
     offs,
     mk,
@@ -105,14 +111,10 @@ def _quant_row(
     stride_qm,
     eps,
     HAS_NORM: tl.constexpr,
-    EARLY_G: tl.constexpr,
     PTX: tl.constexpr,
 ):
-    """Row m's values x [BK] (0 past K) -> its codes, a and row sum; g: the norm weights when EARLY_G (else
-    loaded here)."""
+    """Row m's values x [BK] (0 past K) -> its codes, a and row sum; g: the norm weights (`_norm_early`)."""
     if HAS_NORM:
-        if not EARLY_G:
-            g = tl.load(nw_ptr + offs, mask=mk, other=0.0)
         g = g.to(tl.float32)
         ss, gmax = _ss_gmax(x * x, tl.abs(x * g), 0)
         rstd = 1.0 / tl.sqrt_rn(ss / K + eps)
@@ -159,7 +161,6 @@ def _finish_quant_kernel(
     PTX: tl.constexpr,
     BK: tl.constexpr,
     PDL: tl.constexpr = False,
-    EARLY_G: tl.constexpr = False,
     LATE: tl.constexpr = False,
 ):
     """Row m: y = [r +] f((acc - rowsum) * s / a), as the split-K GEMM's last program would have stored it
@@ -174,7 +175,7 @@ def _finish_quant_kernel(
     s2 = s
     if GATED:
         s2 = _scales(s_ptr, offs + N, mk, PER_ROW)
-    g = _norm_early(nw_ptr, offs, mk, HAS_NORM and EARLY_G)
+    g = _norm_early(nw_ptr, offs, mk, HAS_NORM)
     _pdl_wait(PDL, AFTER=LATE)
     accp = acc_ptr + m * stride_acc + offs
     acc = tl.load(accp, mask=mk, other=0)
@@ -198,9 +199,7 @@ def _finish_quant_kernel(
     tl.store(y_ptr + m * stride_ym + offs, yt, mask=mk)
     if QUANT:
         x = tl.where(mk, yt.to(tl.float32), 0.0)  # the row as stored, as `_quant_kernel` would load it
-        _quant_row(
-            x, g, nw_ptr, m, offs, mk, q_ptr, a_ptr, rs_ptr, N, KPAD, stride_qm, eps, HAS_NORM, EARLY_G, PTX
-        )
+        _quant_row(x, g, m, offs, mk, q_ptr, a_ptr, rs_ptr, N, KPAD, stride_qm, eps, HAS_NORM, PTX)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -306,18 +305,15 @@ def _quant16_kernel(
     BK: tl.constexpr,
     PTX: tl.constexpr,
     PDL: tl.constexpr = False,
-    EARLY_G: tl.constexpr = False,
 ):
     m = tl.program_id(0)
     offs = tl.arange(0, BK)
     mk = offs < K
-    if HAS_NORM and EARLY_G:  # constant: loaded while the previous kernel runs (`_quant_kernel`)
+    if HAS_NORM:  # constant: loaded while the previous kernel runs (`_quant_kernel`)
         g = tl.load(nw_ptr + offs, mask=mk, other=0.0)
     _pdl_wait(PDL)
     y = tl.load(x_ptr + m * stride_xm + offs, mask=mk, other=0.0).to(tl.float32)
     if HAS_NORM:
-        if not EARLY_G:
-            g = tl.load(nw_ptr + offs, mask=mk, other=0.0)
         g = g.to(tl.float32)
         rstd = 1.0 / tl.sqrt_rn(tl.sum(y * y, axis=0) / K + eps)
         y = ((y * rstd) * g).to(x_ptr.dtype.element_ty).to(tl.float32)  # what rmsnorm would store
@@ -328,3 +324,19 @@ def _quant16_kernel(
     tl.store(hi_ptr + m * stride_qm + offs, hi.to(tl.int8), mask=mk)
     tl.store(lo_ptr + m * stride_qm + offs, lo.to(tl.int8), mask=mk)
     tl.store(a_ptr + m, a)
+
+
+def _quant_warps(m: int, k: int, plan: DecodePlan) -> int:
+    """The quantization launch's warps for m rows of k values (`DecodePlan.quant_wide_k`, `quant_narrow_max_m`)."""
+    if INTERPRET:
+        return 1
+    return plan.quant_warps or (8 if k <= plan.quant_wide_k and m <= plan.quant_narrow_max_m else 16)
+
+
+def quant_launch_kw(m: int, k: int, late: bool, plan: DecodePlan | None = None) -> dict:
+    """The launch options of a quantization launch of m rows of k values, plain (`launch.launch_quant`) or
+    finishing a deferred projection (`deferred.launch_finish`): warps, and the PDL trigger's place (late: after its
+    own wait, as from `plan.quant_late_min_m` to `quant_late_max_m` rows)."""
+    plan = resolve(plan)
+    late = late or plan.quant_late_min_m <= m <= plan.quant_late_max_m
+    return dict(num_warps=_quant_warps(m, k, plan), LATE=late, **pdl_kw(plan))

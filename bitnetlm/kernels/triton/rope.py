@@ -11,8 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from bitnetlm.kernels.triton.common import INTERPRET, _pdl_wait, _rotate
-from bitnetlm.kernels.triton.launch import pdl_kw
+from bitnetlm.kernels.triton.common import INTERPRET, _pdl_wait, _rotate, pdl_kw
+from bitnetlm.kernels.triton.plan import DecodePlan
 
 
 @triton.jit
@@ -106,6 +106,7 @@ def rope_cache(
     copy_to=None,
     row0: int = 0,
     kv16=None,
+    plan: DecodePlan | None = None,
 ) -> None:
     """Rotate q/k of `qkv` [B*T, (H+2Hkv)*D] at positions pos[b]+t; q -> q_out [B,T,H,D], k/v -> cache slots.
     copy_to: int64 [1] on the device, a second cache row for k/v (B = 1; k_cache/v_cache being row `row0` of
@@ -151,5 +152,5 @@ def rope_cache(
         COPY=copy_to is not None,
         KV16=kv16 is not None,
         num_warps=1 if INTERPRET else max(1, min(8, hp * d // 512)),
-        **pdl_kw(),
+        **pdl_kw(plan),
     )

@@ -16,13 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from bitnetlm.kernels.triton.common import INTERPRET, _argmax_chunks, _argmax_step, _pdl_wait
+from bitnetlm.kernels.triton.common import INTERPRET, _argmax_chunks, _argmax_step, _pdl_wait, pdl_kw
 from bitnetlm.kernels.triton.ends import vocab_chunks
-from bitnetlm.kernels.triton.launch import pdl_kw
 
 
 # The chunk count follows the batch; not specializing on it leaves one compile per merge width (NCP) for batches
-# 1..32 (4 with SAMPLE and 4 without, not 6 and 6), as fast (H200, benchmarks/gpu_sampler.py, PERF_LOG stop 59).
+# 1..32 (4 with SAMPLE and 4 without, not 6 and 6), as fast (H200, benchmarks/gpu_sampler.py, docs/PERF_LOG.md).
 @triton.jit(do_not_specialize=["NC"])
 def _logit_stats_kernel(
     x_ptr,

@@ -1,9 +1,10 @@
 """The tuner: candidate block shapes of each kernel path, timed once per (path, shape class) inside CUDA graphs
 with CUDA events; the winner is cached in memory and on disk.
 
-Choices persist across processes (a later load skips the timing): one JSON file per user, keyed by the GPU, the
-Triton version, a hash of this package's sources and the tuning key (an edited kernel is re-tuned); a stored
-choice is used only if it is still a candidate.
+Choices persist across processes (a later load skips the timing): one JSON file per user (`settings().cache`,
+under the cache folder), keyed by the GPU, the Triton version, a hash of this package's sources and the tuning key
+(an edited kernel is re-tuned); a stored choice is used only if it is still a candidate. `configure` sets the
+timing mode, the files and whether the step tables count (`TuneSettings`), for the process.
 
 Ahead of both come the step-tuned tables of the GPU model (step_tune.py): the user's (written by `bitnet tune`),
 then the one shipped with the package (configs/<GPU name>.json): the tile of each key that made the whole
@@ -14,11 +15,13 @@ it launch early, how many SMs it leaves free); on an H200 its picks cost the ste
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,14 +31,64 @@ from bitnetlm.kernels.triton.common import INTERPRET
 
 _choice: dict[tuple, dict] = {}
 _candidates: dict[tuple, list[dict]] = {}  # each key's candidate list, as built (step_tune.py walks them)
-# BITNETLM_TRITON_TUNE: 0 = first candidate, no timing (tests); chain (default) = time calls back to back inside
-# a CUDA graph, each over its own copy of the weights (`_chain_time`), as the captured decode step runs them;
-# graph = time single calls inside CUDA graphs with L2 flushed between them; 1 = triton's do_bench (charges each
-# candidate its Python launch cost, which a CUDA graph does not pay: it favoured single-launch paths that are
-# slower inside the graph)
-TUNE_MODE = os.environ.get("BITNETLM_TRITON_TUNE", "chain")
-TUNE = TUNE_MODE != "0"
-TUNE_VERBOSE = os.environ.get("BITNETLM_TRITON_TUNE_VERBOSE", "") not in ("", "0")  # print every timing
+
+
+def cache_root() -> Path:
+    """The cache folder ($BITNET_CACHE, else ~/.cache/bitnetlm, as the zoo's): the tuner's disk cache and the
+    user's step-tune tables live under it."""
+    base = os.environ.get("BITNET_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "bitnetlm"
+    )
+    return Path(base)
+
+
+MODES = ("chain", "graph", "bench", "off")
+
+
+@dataclass(frozen=True)
+class TuneSettings:
+    """How `_tune` chooses, one setting for the process (`configure`).
+
+    mode: "chain" = time calls back to back inside a CUDA graph, each over its own copy of the weights
+    (`_chain_time`), as the captured decode step runs them; "graph" = single calls inside CUDA graphs with L2
+    flushed between them; "bench" = triton's do_bench (charges each candidate its Python launch cost, which a CUDA
+    graph does not pay: it favoured single-launch paths that are slower inside the graph); "off" = the first
+    candidate, no timing (tests). cache: the disk cache of timed choices (None: none). user_tables: the folder of
+    the user's step-tune tables, what `bitnet tune` writes (None: none). step_tables: consult the step-tune tables
+    (False: the timing alone, as benchmarks/gpu_step_tune.py starts from). verbose: print every timing."""
+
+    mode: str = "chain"
+    cache: Path | None = None
+    user_tables: Path | None = None
+    step_tables: bool = True
+    verbose: bool = False
+
+
+_settings = TuneSettings(cache=cache_root() / "triton_tune.json", user_tables=cache_root() / "step_tune")
+
+
+def settings() -> TuneSettings:
+    return _settings
+
+
+def configure(**changes) -> TuneSettings:
+    """Change the tuner's settings (`TuneSettings` fields) for the rest of the process; returns the previous
+    ones (`configure(**dataclasses.asdict(previous))` restores them)."""
+    global _settings
+    unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(TuneSettings)})
+    if unknown:
+        raise ValueError(f"tune.configure: unknown settings {unknown} (TuneSettings fields)")
+    mode = changes.get("mode", _settings.mode)
+    if mode not in MODES:
+        raise ValueError(f"tune.configure: mode must be one of {', '.join(MODES)}, found {mode!r}")
+    for name in ("cache", "user_tables"):
+        if changes.get(name) is not None:
+            changes[name] = Path(changes[name])
+    previous, _settings = _settings, dataclasses.replace(_settings, **changes)
+    _tables.cache_clear()
+    if "cache" in changes:
+        _disk.clear()  # (loaded again from the new file at the next timing)
+    return previous
 
 
 def _next_pow2(n: int) -> int:
@@ -104,13 +157,7 @@ def _chain_time(launch, copies: list[torch.Tensor], reps: int = 3) -> float:
     return _replay_ms(g, reps) / (reps * n)
 
 
-# consult the step-tuned tables (False: the chain timing alone, as benchmarks/gpu_step_tune.py starts from)
-STEP_TABLES = True
 CONFIG_DIR = Path(__file__).parent / "configs"  # shipped with the package
-# what `bitnet tune` writes (BITNETLM_TRITON_STEP_TABLES=: none), taken ahead of the shipped table
-USER_TABLE_DIR = os.environ.get(
-    "BITNETLM_TRITON_STEP_TABLES", os.path.join(os.path.expanduser("~"), ".cache", "bitnetlm", "step_tune")
-)
 
 
 def config_file(device_name: str, directory: str | os.PathLike | None = None) -> Path:
@@ -118,6 +165,13 @@ def config_file(device_name: str, directory: str | os.PathLike | None = None) ->
     characters as one underscore."""
     name = re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json"
     return Path(CONFIG_DIR if directory is None else directory) / name
+
+
+def table_files(device_name: str) -> list[Path]:
+    """This GPU model's step-tune tables, first taken first: the user's (if `settings().user_tables`), then the
+    shipped one."""
+    user = _settings.user_tables
+    return [*([config_file(device_name, user)] if user is not None else []), config_file(device_name)]
 
 
 def _read_table(path: Path) -> dict:
@@ -130,26 +184,20 @@ def _read_table(path: Path) -> dict:
 
 
 @functools.cache
-def _tables(device_name: str) -> tuple[dict, ...]:
+def _tables(device_name: str, user_tables: Path | None) -> tuple[dict, ...]:
     """The user's table, then the shipped one, of this GPU model (missing or unreadable: empty)."""
-    user = [config_file(device_name, USER_TABLE_DIR)] if USER_TABLE_DIR else []
-    return tuple(_read_table(p) for p in [*user, config_file(device_name)])
+    return tuple(_read_table(p) for p in table_files(device_name))
 
 
 def table_choice(key: tuple, candidates: list[dict], device_name: str) -> dict | None:
     """The step-tuned tile of `key` on this GPU model, if a table holds one that is still a candidate."""
-    for table in _tables(device_name):
+    for table in _tables(device_name, _settings.user_tables):
         cfg = table.get(str(key))
         if cfg in candidates:
             return cfg
     return None
 
 
-# the disk cache (BITNETLM_TRITON_TUNE_CACHE=: none)
-TUNE_CACHE = os.environ.get(
-    "BITNETLM_TRITON_TUNE_CACHE",
-    os.path.join(os.path.expanduser("~"), ".cache", "bitnetlm", "triton_tune.json"),
-)
 _disk: dict[str, dict] = {}
 
 
@@ -163,28 +211,26 @@ def _source_hash() -> str:
 
 
 def _disk_key(key: tuple) -> str:
-    return (
-        f"{torch.cuda.get_device_name()}|triton {triton.__version__}|src {_source_hash()}|{TUNE_MODE}|{key}"
-    )
+    return f"{torch.cuda.get_device_name()}|triton {triton.__version__}|src {_source_hash()}|{_settings.mode}|{key}"
 
 
 def _disk_load() -> None:
-    if _disk or not TUNE_CACHE:
+    if _disk or _settings.cache is None:
         return
     _disk["__loaded__"] = {}
     try:
-        with open(TUNE_CACHE) as f:
+        with open(_settings.cache) as f:
             _disk.update(json.load(f))
     except (OSError, ValueError):
         pass
 
 
 def _disk_store(key: tuple, cfg: dict) -> None:
-    if not TUNE_CACHE:
+    if _settings.cache is None:
         return
     _disk[_disk_key(key)] = cfg
     try:
-        write_json(TUNE_CACHE, {k: v for k, v in _disk.items() if k != "__loaded__"})
+        write_json(_settings.cache, {k: v for k, v in _disk.items() if k != "__loaded__"})
     except OSError:
         pass
 
@@ -207,10 +253,14 @@ def _tune(key: tuple, make_candidates, launch, weight: torch.Tensor | None) -> d
     if key in _choice:
         return _choice[key]
     candidates = _candidates[key] = make_candidates()
-    if INTERPRET or len(candidates) == 1 or not TUNE or torch.cuda.is_current_stream_capturing():
+    mode = _settings.mode
+    if INTERPRET or len(candidates) == 1 or mode == "off" or torch.cuda.is_current_stream_capturing():
         _choice[key] = candidates[0]
         return candidates[0]
-    if STEP_TABLES and (cfg := table_choice(key, candidates, torch.cuda.get_device_name())) is not None:
+    if (
+        _settings.step_tables
+        and (cfg := table_choice(key, candidates, torch.cuda.get_device_name())) is not None
+    ):
         _choice[key] = cfg
         return cfg
     if launch is None:
@@ -225,10 +275,10 @@ def _tune(key: tuple, make_candidates, launch, weight: torch.Tensor | None) -> d
     copies: list[torch.Tensor] = []  # chain mode: made once, shared by every candidate
     for cfg in candidates:
         try:
-            if TUNE_MODE == "chain":
+            if mode == "chain":
                 copies = copies or _chain_copies(weight)
                 t = _chain_time(lambda w, cfg=cfg: launch(cfg, w), copies)
-            elif TUNE_MODE == "graph":
+            elif mode == "graph":
                 t = _graph_time(lambda cfg=cfg: launch(cfg, weight))
             else:
                 t = triton.testing.do_bench(
@@ -236,7 +286,7 @@ def _tune(key: tuple, make_candidates, launch, weight: torch.Tensor | None) -> d
                 )
         except Exception:  # a candidate that does not compile (registers, shared memory) is skipped
             continue
-        if TUNE_VERBOSE:
+        if _settings.verbose:
             print(f"tune {key} {cfg}: {t * 1e3:.1f} us", flush=True)
         if t < best_t:
             best, best_t = cfg, t
@@ -396,7 +446,7 @@ def _splitk_candidates(m: int, n: int, kp: int, gated: bool) -> list[dict]:
     register spills) and a 128-register cap on the paired tile were slower and are not candidates. BKB 256 tiles
     (half the K-loop trips) were fastest for q|k|v and o at M = 64 and for o and down at M = 8 (H200, chain
     timing); 8-warp 128-row tiles never won. The paired BN 64 tile without a K split (216 programs, no split-K
-    tail) was gate|up's fastest at M = 2-16 in the whole step (H200, stop 45: batch 4 -6.4%, 8 -2.0%)."""
+    tail) was gate|up's fastest at M = 2-16 in the whole step (H200, 2026-11-30: batch 4 -6.4%, 8 -2.0%)."""
     bm0 = 16 if m <= 16 else 64
     if INTERPRET:  # several splits even on small shapes: the atomics path is what CI checks
         swapped, unswapped, pairs = [(64, 32, 8, 1, 0)], [(64, 32, 8, 1, 0)], [(64, 32, 8, 1, 0)]

@@ -5,11 +5,13 @@ Per layer and token the step is: [RMSNorm + int8 quant + q|k|v W2A8 GEMV], [RoPE
 relu^2*up], [SubLN + quant + down_proj + residual] -- six launches, plus one quantization launch per projection
 where the tuner finds a separate quant + GEMV faster than the fused one (it times both inside CUDA graphs). At
 batch <= 2 and 8-64 the q|k|v projection also rotates and writes the KV cache (decode.py: five launches plus
-the quantizations); at batch 1 q|k|v, o and down quantize inside their programs, so a layer is six launches
-(QUANT_IN_ROW_MAX_B). The Triton kernels use programmatic dependent launch, so each one loads its weights while
-the previous one drains. Then final norm, LM head (bf16, or int8 per-row scaled), sampling (argmax or
-exponential-race sampling on the device) and the bookkeeping (next token, position, output slot) -- all captured
-once per batch size, replayed with no host synchronisation and no Python per layer.
+the quantizations); at batch 1 q|k|v, o and down quantize inside their programs, so a layer is six launches.
+These batch ranges, and every other tuning decision of the step, are the engine's `DecodePlan` (`self.plan`:
+`EngineConfig.plan`, else the GPU model's, `DecodePlan.for_gpu`), handed to every launcher. The Triton kernels
+use programmatic dependent launch, so each one loads its weights while the previous one drains. Then final norm,
+LM head (bf16, or int8 per-row scaled), sampling (argmax or exponential-race sampling on the device) and the
+bookkeeping (next token, position, output slot) -- all captured once per batch size, replayed with no host
+synchronisation and no Python per layer.
 
 `weights="dense"` builds the same engine over full-precision (bf16) matrices (cuBLAS, same graph treatment):
 the baseline the ternary path is measured against. Prefill (T > 1) runs the GEMM path and PyTorch SDPA
@@ -21,15 +23,18 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from bitnetlm.models.config import ModelConfig
 from bitnetlm.runtime.cuda import weights as engine_weights
+
+if TYPE_CHECKING:
+    from bitnetlm.kernels.triton.plan import DecodePlan
 
 PREFILL_ALIGN = 128  # prefill attention runs on lengths padded to a multiple of this (see prefill_attention)
 # ... or, for prompts this short, to the first of these that holds them: a 49-token prompt padded to 128 rows
@@ -59,49 +64,6 @@ def prefill_attention(q, k, v, start: int = 0, gqa: bool = False) -> torch.Tenso
     )
 
 
-# Decode steps of 1-2 and of 8-64 rows fuse RoPE + KV write into the q|k|v projection (decode.py: the row GEMV at
-# 1-2 rows, the split-K GEMM's epilogue at 8-64); the others run the GEMM, then `rope_cache`. Fused, a step took
-# 0.5-3% less time at batch 8 and 16 on an H100 and an H200 and the same at 64; at batch 3 it took 0.9% less on
-# the H100 but 4% more on the H200 (benchmarks/gpu_profile.py).
-FUSED_MAX_B = 64
-FUSED_GAP = (3, 7)  # the batch sizes between the row GEMV's and the GEMM's fused ranges
-# Batch-1 steps quantize the inputs of q|k|v, o and down inside the row GEMVs' programs (no quantization launch):
-# measured in the captured step on an H100, faster at batch 1 and slower at batch 2 (where every program
-# quantizes two rows) and for gate|up (6912 outputs: many more programs, each repeating the same work).
-QUANT_IN_ROW_MAX_B = 1
-# Which of them do, within QUANT_IN_ROW_MAX_B (False: a quantization launch, then the tuned path). Switched off one
-# at a time on an H200 (int8 head, float8 cache, stop 34): down the same, o 0.4-1% slower, q|k|v 8% slower.
-QUANT_IN_ROW_QKV = True
-QUANT_IN_ROW_O = True
-QUANT_IN_ROW_DOWN = True
-# The int8 head over int16 activation codes by two int8 MMAs (head.w8a16_linear: no conversion of the 0.33 GB
-# of weights, 15-bit activations); False: bf16 activations, each weight converted to bf16 (head.w8_linear).
-HEAD_A16 = True
-# The step's ends as one Triton launch each (kernels/triton/ends.py): the int8 embedding rows and, in a greedy
-# decode_state, argmax + bookkeeping; False: the PyTorch ops (5 and 9 launches).
-FUSED_ENDS = True
-# A greedy decode_state with the int8 head (and HEAD_A16, FUSED_ENDS) reduces the logits inside the head's tiles
-# (head.w8a16_argmax): the float32 logits (33 MB at batch 64 over a 128k vocabulary) are never written nor read;
-# 1.6% less step time at batch 64 on an H100, the same at batch 1 and 8 (docs/PERF_LOG.md, stop 25).
-HEAD_ARGMAX = True
-# ... and the head's last program to finish takes each row's winner (one atomic max a row over the tiles' packed
-# (maximum, index) keys) and does the greedy step's bookkeeping itself (head.w8a16_greedy), instead of a
-# greedy_step launch after the head, which ended 5.5 us after it. On an H200 a step took 0.4% less time at batch 1
-# (0.701 against 0.704 ms) and at batch 8 (1.047 against 1.051) (docs/PERF_LOG.md stop 46).
-HEAD_FOLD = True
-# Above attention.ATTN_LATE_MAX_B rows, where the decode attention lets the next kernels launch early, the
-# quantization launch before o lets o launch only after its own wait (attention.py says why; PERF_LOG stop 42).
-QUANT_LATE_O = True
-# Decode steps of up to DEFER_MAX_B rows leave their split-K o and down projections unfinished: no tile waits for
-# its last program, and the quantization launch after them runs their epilogue (kernels/triton/deferred.py). H200,
-# ms/step: batch 4 -4.3%, 8 -6.0%, 12 -2.0%, 16 -1.5%, 32 -1.1%, 33 -0.3%, 48 0.0%, 64 +0.7% (PERF_LOG stop 44).
-DEFER_MAX_B = 48
-# gate|up as well: its finishing launch runs the epilogue of 2 x 6,912 sums a row in one program each, slower than
-# the split-K tail it saves (batch 4 +8.6%, batch 8 +8.1%). Since stop 45 the H200's gate|up runs unsplit up to 16
-# rows (its paired tile in one split), so there is no tail to defer there.
-DEFER_GATE_UP = False
-
-
 @dataclass
 class EngineConfig:
     max_batch: int = 1
@@ -110,6 +72,8 @@ class EngineConfig:
     weights: str = "ternary"  # "ternary" (Triton W2A8) or "dense" (cuBLAS, the baseline)
     head: str = "fp"  # "fp" (embedding dtype) or "int8" (per-row scaled int8 embedding + LM head)
     kv_dtype: torch.dtype | None = None  # KV cache: None = dtype, or torch.float8_e4m3fn (unscaled)
+    # the decode step's tuning decisions; None: the GPU model's (`DecodePlan.for_gpu`)
+    plan: DecodePlan | None = None
 
 
 @dataclass
@@ -155,6 +119,15 @@ def _rows(x):
     return x if isinstance(x, torch.Tensor) else x.out
 
 
+def _gpu_plan(device: torch.device) -> DecodePlan:
+    """The DecodePlan of the GPU model at `device` (its step tables' "plan" sections); the defaults off CUDA."""
+    from bitnetlm.kernels.triton.plan import DecodePlan
+
+    if device.type != "cuda":
+        return DecodePlan()
+    return DecodePlan.for_gpu(torch.cuda.get_device_name(device))
+
+
 class CudaEngine:
     def __init__(self, cfg: ModelConfig, w: engine_weights.Weights, ecfg: EngineConfig):
         layers, embed, final_norm, head = w.layers, w.embed, w.final_norm, w.head
@@ -193,7 +166,8 @@ class CudaEngine:
         self._graphs: dict[tuple, _DecodeState] = {}
         self._bufs: dict = {}  # decode.QuantBuf per batch size (fused q|k|v + RoPE input)
         self._prefill_pool = None  # the memory pool the prefill graphs share (prefill_state)
-        self.fused = os.environ.get("BITNETLM_FUSED_DECODE", "1") != "0"  # 0: q|k|v and RoPE as two launches
+        # the DecodePlan every launch of a step follows (benchmarks swap it between captures)
+        self.plan = ecfg.plan if ecfg.plan is not None else _gpu_plan(dev)
 
     # ---- construction (engine_weights.py builds the tensors) -------------------------------
     @classmethod
@@ -274,22 +248,21 @@ class CudaEngine:
                 path=path,
                 quant_late=quant_late,
                 defer=defer,
+                plan=self.plan,
             )
         from bitnetlm.kernels.triton.norm import gated_act, rmsnorm
 
         if norm is not None:
-            x = rmsnorm(x, norm, self.eps)
+            x = rmsnorm(x, norm, self.eps, self.plan)
         y = torch.addmm(residual, x, w.t()) if residual is not None else x @ w.t()
         return gated_act(y, self.cfg.hidden_act) if gated else y
 
     def _embed(self, tok: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
             return F.embedding(tok, self.embed)
-        if not FUSED_ENDS:
-            return (self.embed_q[tok].float() * self.embed_s[tok][:, None]).to(self.ecfg.dtype)
         from bitnetlm.kernels.triton.ends import embed_int8
 
-        return embed_int8(tok, self.embed_q, self.embed_s, self.ecfg.dtype)
+        return embed_int8(tok, self.embed_q, self.embed_s, self.ecfg.dtype, self.plan)
 
     def _head(
         self, h: torch.Tensor, argmax: bool = False
@@ -298,14 +271,13 @@ class CudaEngine:
         from bitnetlm.kernels.triton.norm import rmsnorm
 
         if self.head is not None:
-            return F.linear(rmsnorm(h, self.final_norm, self.eps), self.head).float()
-        from bitnetlm.kernels.triton.head import w8_linear, w8a16_argmax, w8a16_linear
+            return F.linear(rmsnorm(h, self.final_norm, self.eps, self.plan), self.head).float()
+        from bitnetlm.kernels.triton.head import w8a16_argmax, w8a16_linear
 
         if argmax:
-            return w8a16_argmax(h, self.final_norm, self.eps, self.head_q, self.head_s)
-        if HEAD_A16:  # int16 activations, two int8 MMAs
-            return w8a16_linear(h, self.final_norm, self.eps, self.head_q, self.head_s)
-        return w8_linear(rmsnorm(h, self.final_norm, self.eps), self.head_q, self.head_s)
+            return w8a16_argmax(h, self.final_norm, self.eps, self.head_q, self.head_s, plan=self.plan)
+        # int16 activations, two int8 MMAs
+        return w8a16_linear(h, self.final_norm, self.eps, self.head_q, self.head_s, plan=self.plan)
 
     def forward(
         self,
@@ -330,7 +302,6 @@ class CudaEngine:
         keys (T = 1): the decode attention's key range (`attention.key_range`; 0: the default splits).
         greedy (int8 head): (tok, out, step, pos) of a greedy step, which the head runs itself (`w8a16_greedy`);
         returns None. copy_to (T > 1, B = 1): int64 [1], a cache row that also receives the keys and values."""
-        from bitnetlm.kernels.triton import attention
         from bitnetlm.kernels.triton.attention import attn_decode
         from bitnetlm.kernels.triton.rope import rope_cache
 
@@ -342,18 +313,17 @@ class CudaEngine:
         nqkv = (nh + 2 * nkv) * hd
         h = self._embed(tok.reshape(-1))  # [B*T, hidden]
         scale = 1.0 / math.sqrt(hd)
-        fused = t == 1 and b <= FUSED_MAX_B and self.ecfg.weights == "ternary" and self.fused
-        fused = fused and not FUSED_GAP[0] <= b <= FUSED_GAP[1]
-        in_row = fused and b <= QUANT_IN_ROW_MAX_B  # q|k|v, o, down quantize inside their programs
-        qkv_in_row = in_row and QUANT_IN_ROW_QKV
-        rp_o = "row" if in_row and QUANT_IN_ROW_O else None  # the path of o
-        rp_d = "row" if in_row and QUANT_IN_ROW_DOWN else None  # and of down
+        plan = self.plan
+        fused = t == 1 and b <= plan.fused_max_b and self.ecfg.weights == "ternary"
+        fused = fused and not plan.fused_gap[0] <= b <= plan.fused_gap[1]
+        in_row = fused and b <= plan.quant_in_row_max_b  # q|k|v, o, down quantize inside their programs
+        rp = "row" if in_row else None  # the path of o and of down
         # split-K projections left for the next quantization launch to finish (a SplitKSums instead of rows)
-        dfr = t == 1 and b <= DEFER_MAX_B and not in_row and self.ecfg.weights == "ternary"
+        dfr = t == 1 and b <= plan.defer_max_b and not in_row and self.ecfg.weights == "ternary"
         if fused:
             from bitnetlm.kernels.triton.decode import QuantBuf, qkv_rope, quantize_into
 
-            if not qkv_in_row and b not in self._bufs:
+            if not in_row and b not in self._bufs:
                 self._bufs[b] = QuantBuf(b, self.cfg.hidden_size, self.device)
             xq = self._bufs.get(b)
         tp = prefill_len(t)  # padded length (cache slots t..tp-1 hold finite K/V)
@@ -367,28 +337,28 @@ class CudaEngine:
         for li, L in enumerate(self.layers):
             kc, vc = self.k_cache[li][row0 : row0 + b], self.v_cache[li][row0 : row0 + b]  # contiguous views
             q = torch.empty((b, t, nh, hd), device=self.device, dtype=self.ecfg.dtype)
-            if qkv_in_row:  # every program normalizes + quantizes h itself
+            if in_row:  # every program normalizes + quantizes h itself
                 qkv_rope(
-                    h, b, L.qkv, L.qkv_scale, q, self.cos, self.sin, pos, kc, vc, nh, nkv, L.in_norm, self.eps
-                )
+                    h, b, L.qkv, L.qkv_scale, q, self.cos, self.sin, pos, kc, vc, nh, nkv, L.in_norm, self.eps, plan
+                )  # fmt: skip
             elif fused:  # quantize, then q|k|v GEMV + RoPE + KV write in one launch
-                quantize_into(h, L.in_norm, xq, self.eps)
-                qkv_rope(xq, b, L.qkv, L.qkv_scale, q, self.cos, self.sin, pos, kc, vc, nh, nkv)
+                quantize_into(h, L.in_norm, xq, self.eps, plan)
+                qkv_rope(xq, b, L.qkv, L.qkv_scale, q, self.cos, self.sin, pos, kc, vc, nh, nkv, plan=plan)
             else:
                 qkv = self._lin(h, L.qkv, L.qkv_scale, nqkv, norm=L.in_norm)  # [B*T, (H+2Hkv)*D]
-                rope_cache(qkv, self.cos, self.sin, pos, q, kc, vc, nh, nkv, t, copy_to, row0, kv16)
+                rope_cache(qkv, self.cos, self.sin, pos, q, kc, vc, nh, nkv, t, copy_to, row0, kv16, plan)
             h = _rows(h)  # the residual rows (a deferred down's: finished by the quantization above)
             if t == 1:
                 o = torch.empty((b, nh, hd), device=h.device, dtype=h.dtype)
-                # the attention pulls gate|up's weights into L2 (attention.ATTN_PF_TABLE), at batches in
-                # ATTN_PF_DOWN_BATCHES down's too, at batch <= ATTN_PF_QKV_MAX_B the next layer's q|k|v (the last
+                # the attention pulls gate|up's weights into L2 (plan.attn_pf_table), at batches in
+                # attn_pf_down_batches down's too, at batch <= attn_pf_qkv_max_b the next layer's q|k|v (the last
                 # layer's: the first's), in the order the step reads them
                 pf = None
                 if self.ecfg.weights == "ternary":
-                    pf = (L.gate_up,) + ((L.down,) if b in attention.ATTN_PF_DOWN_BATCHES else ())
-                    if b <= attention.ATTN_PF_QKV_MAX_B:
+                    pf = (L.gate_up,) + ((L.down,) if b in plan.attn_pf_down_batches else ())
+                    if b <= plan.attn_pf_qkv_max_b:
                         pf += (self.layers[(li + 1) % len(self.layers)].qkv,)
-                attn_decode(q.view(b, nh, hd), kc, vc, pos, o, scale, keys, pf)
+                attn_decode(q.view(b, nh, hd), kc, vc, pos, o, scale, keys, pf, plan=plan)
                 o = o.view(b, nh * hd)
             elif not start:  # from position 0: queries and keys padded to tp (see prefill_len)
                 qp = q
@@ -409,18 +379,16 @@ class CudaEngine:
                 h.shape[-1],
                 norm=L.attn_sub_norm,
                 residual=h,
-                path=rp_o,
-                quant_late=QUANT_LATE_O and t == 1 and b > attention.ATTN_LATE_MAX_B,
+                path=rp,
+                # where the attention lets the next kernels launch early again, o launches after its
+                # quantization's own wait (plan.attn_late_max_b)
+                quant_late=t == 1 and b > plan.attn_late_max_b,
                 defer=dfr,
             )
+            # (gate|up is never deferred: one program a row finishing 2 x intermediate sums measured slower than
+            # the split-K tail it saves)
             g = self._lin(
-                h,
-                L.gate_up,
-                L.gate_up_scale,
-                self.cfg.intermediate_size,
-                norm=L.post_norm,
-                gated=True,
-                defer=dfr and DEFER_GATE_UP,
+                h, L.gate_up, L.gate_up_scale, self.cfg.intermediate_size, norm=L.post_norm, gated=True
             )
             h = _rows(h)
             last = li + 1 == len(self.layers)  # the head's quantization takes rows
@@ -431,7 +399,7 @@ class CudaEngine:
                 h.shape[-1],
                 norm=L.ffn_sub_norm,
                 residual=h,
-                path=rp_d,
+                path=rp,
                 defer=dfr and not last,
             )
         if last_at is not None:
@@ -441,7 +409,9 @@ class CudaEngine:
         if greedy is not None:
             from bitnetlm.kernels.triton.head import w8a16_greedy
 
-            return w8a16_greedy(h, self.final_norm, self.eps, self.head_q, self.head_s, *greedy)
+            return w8a16_greedy(
+                h, self.final_norm, self.eps, self.head_q, self.head_s, *greedy, plan=self.plan
+            )
         return self._head(h, head_argmax)
 
     # ---- sampling and the captured decode step ---------------------------------------------
@@ -483,7 +453,7 @@ class CudaEngine:
         is replayed, or 0 (unknown); a short one picks faster attention splits, and any context stays exact."""
         from bitnetlm.kernels.triton.attention import key_range
 
-        keys = key_range(batch, max_keys)
+        keys = key_range(batch, max_keys, self.plan)
         key = (batch, float(temperature), int(top_k), sample, keys)
         if key in self._graphs:
             return self._graphs[key]
@@ -495,18 +465,14 @@ class CudaEngine:
         out = torch.zeros((batch, self.ecfg.max_seq_len), dtype=torch.long, device=dev)
 
         def body():
-            if sample and temperature <= 0 and FUSED_ENDS:  # argmax + the bookkeeping below, one launch
+            if sample and temperature <= 0:  # argmax + the bookkeeping below, one launch
                 from bitnetlm.kernels.triton.ends import greedy_step
 
-                if self.head is None and HEAD_A16 and HEAD_ARGMAX and HEAD_FOLD:  # the head samples itself
+                if self.head is None:  # the int8 head samples itself: no logits stored
                     self.forward(tok, pos, keys=keys, greedy=(tok, out, step, pos))
                     return None
-                if self.head is None and HEAD_A16 and HEAD_ARGMAX:  # no logits: the head's tile maxima
-                    maxima, index = self.forward(tok, pos, head_argmax=True, keys=keys)
-                    greedy_step(maxima, tok, out, step, pos, index=index)
-                    return None
                 logits = self.forward(tok, pos, keys=keys)
-                greedy_step(logits, tok, out, step, pos)
+                greedy_step(logits, tok, out, step, pos, plan=self.plan)
                 return logits
             logits = self.forward(tok, pos, keys=keys)
             if sample:

@@ -5,9 +5,10 @@ each kernel starts (programmatic dependent launch) while a different one drains,
 room on the SMs depends on that neighbour. `tune_step` takes one captured step's tuning keys and, for each key in
 turn (coordinate descent), recaptures the step with every candidate of that key and keeps the fastest if it beats
 the current choice by `min_gain`. The choices go into a table per GPU model (`write_table`) that `tune._tune`
-takes ahead of its own timing: the user's (tune.USER_TABLE_DIR, what `bitnet tune` writes) or the one shipped in
-configs/. Keys depend on shapes only (rows, K, batch bucket, cache dtype), so random weights of a model's shape
-tune it as well as its checkpoint would.
+takes ahead of its own timing: the user's (`tune.settings().user_tables`, what `bitnet tune` writes) or the one
+shipped in configs/. Keys depend on shapes only (rows, K, batch bucket, cache dtype), so random weights of a
+model's shape tune it as well as its checkpoint would. A table may also hold a "plan" section, which
+`DecodePlan.for_gpu` reads; `write_table` keeps it.
 """
 
 from __future__ import annotations
@@ -199,8 +200,9 @@ def tune_shape(
     keys, and ms/step before / after for `rounds` alternating rounds."""
     from bitnetlm.runtime.cuda.engine import CudaEngine, EngineConfig
 
-    if out is None and not tune.USER_TABLE_DIR:
-        raise ValueError("tune_shape: no table to write (BITNETLM_TRITON_STEP_TABLES is empty): pass out=")
+    user = tune.settings().user_tables
+    if out is None and user is None:
+        raise ValueError("tune_shape: no table to write (the tuner has no user table folder): pass out=")
     ecfg = EngineConfig(max_batch=max(batches), max_seq_len=context + reps + 8, head=head, kv_dtype=kv_dtype)
     eng = CudaEngine.random(cfg, ecfg)
     rows, choices = [], {}
@@ -217,7 +219,7 @@ def tune_shape(
             )
         )
         choices.update(res.table())
-    path = write_table(out or tune.config_file(torch.cuda.get_device_name(), tune.USER_TABLE_DIR), choices)
+    path = write_table(out or tune.config_file(torch.cuda.get_device_name(), user), choices)
     for r in rows:
         r["table"] = str(path)
     return rows
