@@ -143,7 +143,9 @@ def _runner(model, n: int, depth: int, vocab: int, gen: torch.Generator):
     return runner
 
 
-def time_prefill(model, n_prompt: int, device: torch.device, vocab: int, gen: torch.Generator, depth: int = 0):
+def time_prefill(
+    model, n_prompt: int, device: torch.device, vocab: int, gen: torch.Generator, depth: int = 0
+):
     runner = _runner(model, n_prompt, depth, vocab, gen)
     ids = torch.randint(0, vocab, (n_prompt,), generator=gen).tolist()
     _sync(device)

@@ -44,7 +44,9 @@ class KVCache:
         if cache_pos.device.type == "cpu" and not torch.compiler.is_compiling():
             top = int(cache_pos.max())
             if top >= self.max_seq_len:
-                raise ValueError(f"KV cache holds {self.max_seq_len} positions; asked to write position {top}")
+                raise ValueError(
+                    f"KV cache holds {self.max_seq_len} positions; asked to write position {top}"
+                )
         real = torch.ones_like(cache_pos, dtype=torch.bool) if input_mask is None else input_mask
         self.valid.scatter_(1, cache_pos, real)
 

@@ -50,13 +50,16 @@ def make_runner(model, config: RuntimeConfig, rows: int, max_seq_len: int):
     dev = _device(model)
     if dev.type == "cuda" and not config.enforce_eager:
         try:
-            import triton  # noqa: F401  (the engine's kernels)
-
+            from bitnetlm.runtime.cuda.engine import gpu_plan
             from bitnetlm.runtime.cuda.runner import CudaRunner
-
-            return CudaRunner(model, config, rows, max_seq_len)
-        except (ImportError, TypeError, ValueError) as e:
-            log.info("the CUDA-graph engine cannot run this model (%s); using the eager forward", e)
+        except ImportError as e:  # (no Triton)
+            log.info("no CUDA-graph engine here (%s); using the eager forward", e)
+        else:
+            plan = gpu_plan(dev)  # (a bad tuning table is the user's error to see, not a reason to fall back)
+            try:
+                return CudaRunner(model, config, rows, max_seq_len, plan)
+            except (TypeError, ValueError) as e:
+                log.info("the CUDA-graph engine cannot run this model (%s); using the eager forward", e)
     if dev.type == "cpu":
         from bitnetlm.runtime.cpu import CpuRunner
 

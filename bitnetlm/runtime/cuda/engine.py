@@ -119,7 +119,7 @@ def _rows(x):
     return x if isinstance(x, torch.Tensor) else x.out
 
 
-def _gpu_plan(device: torch.device) -> DecodePlan:
+def gpu_plan(device: torch.device) -> DecodePlan:
     """The DecodePlan of the GPU model at `device` (its step tables' "plan" sections); the defaults off CUDA."""
     from bitnetlm.kernels.triton.plan import DecodePlan
 
@@ -167,7 +167,7 @@ class CudaEngine:
         self._bufs: dict = {}  # decode.QuantBuf per batch size (fused q|k|v + RoPE input)
         self._prefill_pool = None  # the memory pool the prefill graphs share (prefill_state)
         # the DecodePlan every launch of a step follows (benchmarks swap it between captures)
-        self.plan = ecfg.plan if ecfg.plan is not None else _gpu_plan(dev)
+        self.plan = ecfg.plan if ecfg.plan is not None else gpu_plan(dev)
 
     # ---- construction (engine_weights.py builds the tensors) -------------------------------
     @classmethod

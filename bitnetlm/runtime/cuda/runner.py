@@ -66,7 +66,9 @@ def weights_kind(model) -> str | None:
     return "ternary" if n == len(projs) else "dense" if n == 0 else None
 
 
-def engine_config(model, config: RuntimeConfig, rows: int, max_seq_len: int, weights: str | None = None):
+def engine_config(
+    model, config: RuntimeConfig, rows: int, max_seq_len: int, weights: str | None = None, plan=None
+) -> EngineConfig:
     """The CudaEngine's options for `model` run as `config` says: its activation dtype, the int8 head for
     head_dtype="int8" (any other value keeps the float head), the KV-cache dtype; weights: "ternary" or "dense"
     (default: what the model's projections are)."""
@@ -80,6 +82,7 @@ def engine_config(model, config: RuntimeConfig, rows: int, max_seq_len: int, wei
         weights=kind,
         head="int8" if config.head_dtype == "int8" else "fp",
         kv_dtype=KV_CACHE_DTYPES[config.kv_cache_dtype],
+        plan=plan,
     )
 
 
@@ -87,14 +90,14 @@ class CudaRunner:
     pipelined = True
     batched_prefill = False
 
-    def __init__(self, model, config: RuntimeConfig, rows: int, max_seq_len: int):
+    def __init__(self, model, config: RuntimeConfig, rows: int, max_seq_len: int, plan=None):
         from bitnetlm.kernels.triton.attention import key_range  # (Triton: only once a CUDA engine exists)
 
         if not all(hasattr(model, a) for a in ("layers", "embed_tokens", "norm", "inv_freq", "config")):
             raise TypeError(f"{type(model).__name__} is not a bitnetlm CausalLM")
         self.config = config
         self.device = next(model.parameters()).device
-        ecfg = engine_config(model, config, rows, max_seq_len)
+        ecfg = engine_config(model, config, rows, max_seq_len, plan=plan)
         self.eng = CudaEngine.from_model(model, ecfg, device=self.device, share=True)
         self.rows, self.max_seq_len = rows, max_seq_len
         self.vocab_size = model.config.vocab_size
@@ -117,7 +120,7 @@ class CudaRunner:
         from bitnetlm.kernels.triton.attention import key_ranges
 
         for b in self.sizes:
-            for keys in [0, *key_ranges()]:
+            for keys in [0, *key_ranges(self.eng.plan)]:
                 self.eng.logits_state(b, max_keys=keys)
         reductions.warm(torch.zeros_like(self.eng.logits_state(max(self.sizes)).logits))
         for tp in (*PREFILL_SHORT, PREFILL_ALIGN):
@@ -286,7 +289,9 @@ class CudaRunner:
         if changed or self._kind is None or self._kind[:2] != (cs.version, b):
             self._kind = (cs.version, b, *cs.kind(b))  # (row_tensors: uploads, so only when rows change)
         t, bias, top_n = self._kind[2:]
-        keys = self._key_range(b, max(p + s.budget + 1 for p, s in zip(positions, specs, strict=True)))
+        keys = self._key_range(
+            b, max(p + s.budget + 1 for p, s in zip(positions, specs, strict=True)), self.eng.plan
+        )
         key = (b, keys, t.key(), bias, top_n)
         if self._steady is not None and self._steady[:2] != (key, positions):
             self._unsteady()
