@@ -48,14 +48,18 @@ KNOWN_HASHES = {
     "0fe1cf6eda062318a1af7270f3331a85c539a01778ff948e24388e949c5282f4": "gpt-2",  # ruGPT3XL
 }
 
+# LLaMA-3's split pattern (the regex of its tokenizer.json's Split pre-tokenizer)
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 # the names this writer can choose: those our GGUF reader (gguf_tokenizer) rebuilds exactly
 WRITABLE = ("gpt-2", "smollm", "llama-bpe")
 
 
 def _by_structure(pre: dict | None) -> str | None:
     """The name of a tokenizer.json pre-tokenizer our reader rebuilds exactly, from its shape (None: no such)."""
-    from bitnetlm.formats.gguf_tokenizer import LLAMA3_SPLIT
-
     if not isinstance(pre, dict):
         return None
     kind = pre.get("type")

@@ -14,15 +14,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bitnetlm.formats.gguf_pretok import pre_tokenizer_name
+from bitnetlm.formats.gguf_pretok import LLAMA3_SPLIT, pre_tokenizer_name
 
 # llama.cpp token types
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
-LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
 LLAMA3_PRES = ("llama3", "llama-v3", "llama-bpe", "dbrx", "smaug-bpe", "falcon3", "pixtral")
 SPLIT_PRES = {p: LLAMA3_SPLIT for p in LLAMA3_PRES}
 
