@@ -302,106 +302,15 @@ class CudaEngine:
         keys (T = 1): the decode attention's key range (`attention.key_range`; 0: the default splits).
         greedy (int8 head): (tok, out, step, pos) of a greedy step, which the head runs itself (`w8a16_greedy`);
         returns None. copy_to (T > 1, B = 1): int64 [1], a cache row that also receives the keys and values."""
-        from bitnetlm.kernels.triton.attention import attn_decode
-        from bitnetlm.kernels.triton.rope import rope_cache
-
         b, t = tok.shape
         self._check_batch(b, start + t)
         if row0 + b > self.k_cache[0].shape[0]:
             raise ValueError(f"CudaEngine.forward: rows {row0}..{row0 + b - 1} exceed the cache's rows")
-        nh, nkv, hd = self.nh, self.nkv, self.hd
-        nqkv = (nh + 2 * nkv) * hd
         h = self._embed(tok.reshape(-1))  # [B*T, hidden]
-        scale = 1.0 / math.sqrt(hd)
-        plan = self.plan
-        fused = t == 1 and b <= plan.fused_max_b and self.ecfg.weights == "ternary"
-        fused = fused and not plan.fused_gap[0] <= b <= plan.fused_gap[1]
-        in_row = fused and b <= plan.quant_in_row_max_b  # q|k|v, o, down quantize inside their programs
-        rp = "row" if in_row else None  # the path of o and of down
-        # split-K projections left for the next quantization launch to finish (a SplitKSums instead of rows)
-        dfr = t == 1 and b <= plan.defer_max_b and not in_row and self.ecfg.weights == "ternary"
-        if fused:
-            from bitnetlm.kernels.triton.decode import QuantBuf, qkv_rope, quantize_into
-
-            if not in_row and b not in self._bufs:
-                self._bufs[b] = QuantBuf(b, self.cfg.hidden_size, self.device)
-            xq = self._bufs.get(b)
-        tp = prefill_len(t)  # padded length (cache slots t..tp-1 hold finite K/V)
-        tp = tp if tp <= self.ecfg.max_seq_len else t
-        # a prefill from 0 over a cache of another dtype (float8): the attention's K/V, reused by every layer;
-        # pad slots zeroed, since a masked NaN still poisons p @ V
-        kv16 = None
-        if t > 1 and not start and self.k_cache[0].dtype != self.ecfg.dtype:
-            new = torch.empty if tp == t else torch.zeros
-            kv16 = new((2, b, nkv, tp, hd), device=self.device, dtype=self.ecfg.dtype).unbind(0)
-        for li, L in enumerate(self.layers):
-            kc, vc = self.k_cache[li][row0 : row0 + b], self.v_cache[li][row0 : row0 + b]  # contiguous views
-            q = torch.empty((b, t, nh, hd), device=self.device, dtype=self.ecfg.dtype)
-            if in_row:  # every program normalizes + quantizes h itself
-                qkv_rope(
-                    h, b, L.qkv, L.qkv_scale, q, self.cos, self.sin, pos, kc, vc, nh, nkv, L.in_norm, self.eps, plan
-                )  # fmt: skip
-            elif fused:  # quantize, then q|k|v GEMV + RoPE + KV write in one launch
-                quantize_into(h, L.in_norm, xq, self.eps, plan)
-                qkv_rope(xq, b, L.qkv, L.qkv_scale, q, self.cos, self.sin, pos, kc, vc, nh, nkv, plan=plan)
-            else:
-                qkv = self._lin(h, L.qkv, L.qkv_scale, nqkv, norm=L.in_norm)  # [B*T, (H+2Hkv)*D]
-                rope_cache(qkv, self.cos, self.sin, pos, q, kc, vc, nh, nkv, t, copy_to, row0, kv16, plan)
-            h = _rows(h)  # the residual rows (a deferred down's: finished by the quantization above)
-            if t == 1:
-                o = torch.empty((b, nh, hd), device=h.device, dtype=h.dtype)
-                # the attention pulls gate|up's weights into L2 (plan.attn_pf_table), at batches in
-                # attn_pf_down_batches down's too, at batch <= attn_pf_qkv_max_b the next layer's q|k|v (the last
-                # layer's: the first's), in the order the step reads them
-                pf = None
-                if self.ecfg.weights == "ternary":
-                    pf = (L.gate_up,) + ((L.down,) if b in plan.attn_pf_down_batches else ())
-                    if b <= plan.attn_pf_qkv_max_b:
-                        pf += (self.layers[(li + 1) % len(self.layers)].qkv,)
-                attn_decode(q.view(b, nh, hd), kc, vc, pos, o, scale, keys, pf, plan=plan)
-                o = o.view(b, nh * hd)
-            elif not start:  # from position 0: queries and keys padded to tp (see prefill_len)
-                qp = q
-                if tp != t:  # real query i sees keys 0..i only: the pad rows never reach the real ones
-                    qp = q.new_zeros((b, tp, nh, hd))
-                    qp[:, :t] = q
-                kp, vp = kv16 if kv16 is not None else (kc[:, :, :tp], vc[:, :, :tp])
-                o = prefill_attention(qp.transpose(1, 2), kp, vp, gqa=nh != nkv)
-                o = o.transpose(1, 2)[:, :t].reshape(b * t, nh * hd)  # [B*T, H*D]; no copy when tp == t
-            else:
-                kp, vp = kc[:, :, : start + t].to(q.dtype), vc[:, :, : start + t].to(q.dtype)
-                o = prefill_attention(q.transpose(1, 2), kp, vp, start, nh != nkv)  # [B, H, T, D]
-                o = o.transpose(1, 2).reshape(b * t, nh * hd)
-            h = self._lin(
-                o,
-                L.o,
-                L.o_scale,
-                h.shape[-1],
-                norm=L.attn_sub_norm,
-                residual=h,
-                path=rp,
-                # where the attention lets the next kernels launch early again, o launches after its
-                # quantization's own wait (plan.attn_late_max_b)
-                quant_late=t == 1 and b > plan.attn_late_max_b,
-                defer=dfr,
-            )
-            # (gate|up is never deferred: one program a row finishing 2 x intermediate sums measured slower than
-            # the split-K tail it saves)
-            g = self._lin(
-                h, L.gate_up, L.gate_up_scale, self.cfg.intermediate_size, norm=L.post_norm, gated=True
-            )
-            h = _rows(h)
-            last = li + 1 == len(self.layers)  # the head's quantization takes rows
-            h = self._lin(
-                g,
-                L.down,
-                L.down_scale,
-                h.shape[-1],
-                norm=L.ffn_sub_norm,
-                residual=h,
-                path=rp,
-                defer=dfr and not last,
-            )
+        if t == 1:
+            h = self._decode_layers(h, pos, b, row0, keys)
+        else:
+            h = self._prefill_layers(h, pos, b, t, row0, start, copy_to)
         if last_at is not None:
             h = h.view(b, t, -1).index_select(1, last_at)[:, 0]  # [B, hidden]
         elif last_only:
@@ -413,6 +322,112 @@ class CudaEngine:
                 h, self.final_norm, self.eps, self.head_q, self.head_s, *greedy, plan=self.plan
             )
         return self._head(h, head_argmax)
+
+    def _decode_layers(self, h, pos, b: int, row0: int, keys: int):
+        """Every layer of a decode step (one token a row) -> the last layer's output rows."""
+        from bitnetlm.kernels.triton.attention import attn_decode
+        from bitnetlm.kernels.triton.rope import rope_cache
+
+        plan, nh, nkv, hd = self.plan, self.nh, self.nkv, self.hd
+        ternary = self.ecfg.weights == "ternary"
+        fused = b <= plan.fused_max_b and ternary and not plan.fused_gap[0] <= b <= plan.fused_gap[1]
+        in_row = fused and b <= plan.quant_in_row_max_b  # q|k|v, o, down quantize inside their programs
+        # split-K projections left for the next quantization launch to finish (a SplitKSums instead of rows)
+        dfr = b <= plan.defer_max_b and not in_row and ternary
+        if fused:
+            from bitnetlm.kernels.triton.decode import QuantBuf, qkv_rope, quantize_into
+
+            if not in_row and b not in self._bufs:
+                self._bufs[b] = QuantBuf(b, self.cfg.hidden_size, self.device)
+            xq = self._bufs.get(b)
+        for li, L in enumerate(self.layers):
+            kc, vc = self.k_cache[li][row0 : row0 + b], self.v_cache[li][row0 : row0 + b]  # contiguous views
+            q = torch.empty((b, 1, nh, hd), device=self.device, dtype=self.ecfg.dtype)
+            if in_row:  # every program normalizes + quantizes h itself
+                qkv_rope(
+                    h, b, L.qkv, L.qkv_scale, q, self.cos, self.sin, pos, kc, vc, nh, nkv, L.in_norm, self.eps, plan
+                )  # fmt: skip
+            elif fused:  # quantize, then q|k|v GEMV + RoPE + KV write in one launch
+                quantize_into(h, L.in_norm, xq, self.eps, plan)
+                qkv_rope(xq, b, L.qkv, L.qkv_scale, q, self.cos, self.sin, pos, kc, vc, nh, nkv, plan=plan)
+            else:
+                qkv = self._lin(h, L.qkv, L.qkv_scale, (nh + 2 * nkv) * hd, norm=L.in_norm)  # [B, (H+2Hkv)*D]
+                rope_cache(qkv, self.cos, self.sin, pos, q, kc, vc, nh, nkv, 1, None, row0, None, plan)
+            h = _rows(h)  # the residual rows (a deferred down's: finished by the quantization above)
+            o = torch.empty((b, nh, hd), device=h.device, dtype=h.dtype)
+            # the attention pulls gate|up's weights into L2 (plan.attn_pf_table), at batches in
+            # attn_pf_down_batches down's too, at batch <= attn_pf_qkv_max_b the next layer's q|k|v (the last
+            # layer's: the first's), in the order the step reads them
+            pf = None
+            if ternary:
+                pf = (L.gate_up,) + ((L.down,) if b in plan.attn_pf_down_batches else ())
+                if b <= plan.attn_pf_qkv_max_b:
+                    pf += (self.layers[(li + 1) % len(self.layers)].qkv,)
+            attn_decode(q.view(b, nh, hd), kc, vc, pos, o, 1.0 / math.sqrt(hd), keys, pf, plan=plan)
+            last = li + 1 == len(self.layers)  # the head's quantization takes rows
+            h = self._layer_tail(
+                h, o.view(b, nh * hd), L, "row" if in_row else None, b, dfr, dfr and not last
+            )
+        return h
+
+    def _prefill_layers(self, h, pos, b: int, t: int, row0: int, start: int, copy_to):
+        """Every layer of a prefill of t > 1 tokens a row from `start` (0: a prompt's first chunk; else a chunk
+        continuing it) -> the last layer's output rows [B*T, hidden]."""
+        from bitnetlm.kernels.triton.rope import rope_cache
+
+        plan, nh, nkv, hd = self.plan, self.nh, self.nkv, self.hd
+        tp = prefill_len(t)  # padded length (cache slots t..tp-1 hold finite K/V)
+        tp = tp if tp <= self.ecfg.max_seq_len else t
+        # a prefill from 0 over a cache of another dtype (float8): the attention's K/V, reused by every layer;
+        # pad slots zeroed, since a masked NaN still poisons p @ V
+        kv16 = None
+        if not start and self.k_cache[0].dtype != self.ecfg.dtype:
+            new = torch.empty if tp == t else torch.zeros
+            kv16 = new((2, b, nkv, tp, hd), device=self.device, dtype=self.ecfg.dtype).unbind(0)
+        for li, L in enumerate(self.layers):
+            kc, vc = self.k_cache[li][row0 : row0 + b], self.v_cache[li][row0 : row0 + b]  # contiguous views
+            q = torch.empty((b, t, nh, hd), device=self.device, dtype=self.ecfg.dtype)
+            qkv = self._lin(h, L.qkv, L.qkv_scale, (nh + 2 * nkv) * hd, norm=L.in_norm)  # [B*T, (H+2Hkv)*D]
+            rope_cache(qkv, self.cos, self.sin, pos, q, kc, vc, nh, nkv, t, copy_to, row0, kv16, plan)
+            if not start:  # from position 0: queries and keys padded to tp (see prefill_len)
+                qp = q
+                if tp != t:  # real query i sees keys 0..i only: the pad rows never reach the real ones
+                    qp = q.new_zeros((b, tp, nh, hd))
+                    qp[:, :t] = q
+                kp, vp = kv16 if kv16 is not None else (kc[:, :, :tp], vc[:, :, :tp])
+                o = prefill_attention(qp.transpose(1, 2), kp, vp, gqa=nh != nkv)
+                o = o.transpose(1, 2)[:, :t].reshape(b * t, nh * hd)  # [B*T, H*D]; no copy when tp == t
+            else:
+                kp, vp = kc[:, :, : start + t].to(q.dtype), vc[:, :, : start + t].to(q.dtype)
+                o = prefill_attention(q.transpose(1, 2), kp, vp, start, nh != nkv)  # [B, H, T, D]
+                o = o.transpose(1, 2).reshape(b * t, nh * hd)
+            h = self._layer_tail(h, o, L, None, b, False, False, prefill=True)
+        return h
+
+    def _layer_tail(self, h, o, L, rp, b: int, defer_o: bool, defer_down: bool, prefill: bool = False):
+        """A layer after its attention: o (+ the residual), then gate|up and down (+ the residual). rp: the row
+        path of o and down ("row": quantizing inside their programs); defer_*: split-K projections left for the
+        next quantization launch to finish."""
+        h = self._lin(
+            o,
+            L.o,
+            L.o_scale,
+            h.shape[-1],
+            norm=L.attn_sub_norm,
+            residual=h,
+            path=rp,
+            # where the attention lets the next kernels launch early again, o launches after its
+            # quantization's own wait (plan.attn_late_max_b)
+            quant_late=not prefill and b > self.plan.attn_late_max_b,
+            defer=defer_o,
+        )
+        # (gate|up is never deferred: one program a row finishing 2 x intermediate sums measured slower than
+        # the split-K tail it saves)
+        g = self._lin(h, L.gate_up, L.gate_up_scale, self.cfg.intermediate_size, norm=L.post_norm, gated=True)
+        h = _rows(h)
+        return self._lin(
+            g, L.down, L.down_scale, h.shape[-1], norm=L.ffn_sub_norm, residual=h, path=rp, defer=defer_down
+        )
 
     # ---- sampling and the captured decode step ---------------------------------------------
     @staticmethod
