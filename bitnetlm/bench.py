@@ -4,6 +4,8 @@
     bitnet bench -m path/to/model --head-dtype int8 --json
     bitnet bench -m path/to/model --device cuda -b 1,8,64 --kv-cache-dtype auto,fp8   # CUDA-graph engine vs bf16
 
+--device auto (the default) benches the GPU when there is one, else the CPU.
+
 ppN: one forward pass over an N-token prompt into an empty KV cache (only the last position's logits, as
 llama.cpp computes them). tgN: N single-token decode steps from an empty cache. `-d D` (llama-bench's
 --n-depth) runs each test after D tokens already in the cache instead ("pp512 @ d512": the context a test
@@ -22,8 +24,9 @@ import time
 
 import torch
 
+from bitnetlm import progress
 from bitnetlm.models.shapes import SHAPES
-from bitnetlm.runtime.args import int_list
+from bitnetlm.runtime.args import add_runtime_arguments, int_list, runtime_from_args
 
 
 # ---- random-weight models ---------------------------------------------------------------------------
@@ -293,7 +296,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("-n", "--n-gen", type=int_list, default=[128], help="tokens to generate (default: 128)")
     p.add_argument(
-        "-t", "--threads", type=int_list, default=None, help="thread counts (default: 1,physical cores)"
+        "-t",
+        "--threads",
+        type=int_list,
+        default=None,
+        help="CPU thread counts, comma-separated (default: 1,physical cores)",
     )
     p.add_argument("-r", "--repetitions", type=int, default=3, help="runs of each test (default: 3)")
     p.add_argument(
@@ -322,9 +329,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="--device cuda: KV-cache types of the ternary rows, comma-separated auto|bf16|fp8 (default: auto)",
     )
-    p.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
-    p.add_argument("--backend", default=None, help="kernel backend (default: best for the device)")
+    add_runtime_arguments(p, ("device", "backend"))
     p.add_argument("--json", action="store_true", help="print results as JSON")
+    progress.add_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -335,13 +342,14 @@ def run(args: argparse.Namespace) -> int:
     if any(d < 0 for d in args.n_depth):
         print(f"bitnet bench: -d/--n-depth takes counts >= 0, found {args.n_depth}", file=sys.stderr)
         return 2
+    if args.threads is not None and (not args.threads or min(args.threads) < 1):
+        print(f"bitnet bench: -t/--threads takes counts >= 1, found {args.threads}", file=sys.stderr)
+        return 2
+    args.device = str(runtime_from_args(args, ("device", "backend")).torch_device)  # auto; absent: one line
     if args.device.startswith("cuda"):  # the CUDA half lives with the Triton kernels
         from bitnetlm.runtime.cuda.bench import run_cuda
 
         return run_cuda(args)
-    if args.device != "cpu":
-        print(f"bitnet bench: device {args.device!r} is not supported by this command yet", file=sys.stderr)
-        return 2
     if args.batch or args.kv_cache_dtype:
         print("bitnet bench: -b/--batch and --kv-cache-dtype apply to --device cuda only", file=sys.stderr)
         return 2

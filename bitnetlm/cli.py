@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 
 # command -> (module, one-line help). Modules are imported only when their command runs.
@@ -51,24 +52,57 @@ def main(argv: list[str] | None = None) -> int:
         sub = argparse.ArgumentParser(prog=f"bitnet {argv[0]}", description=COMMANDS[argv[0]][1])
         mod.add_arguments(sub)
         args = sub.parse_args(argv[1:])
-        try:
-            return int(mod.run(args) or 0)
-        except (FileNotFoundError, ValueError, FileExistsError) as e:
-            print(f"bitnet {argv[0]}: error: {e}", file=sys.stderr)
-            return 2
-        except ImportError as e:  # a missing optional package: one line naming what installs it
-            from bitnetlm.deps import describe
-
-            text = describe(e, f"bitnet {argv[0]}")
-            if text is None:
-                raise
-            print(f"bitnet {argv[0]}: error: {text}", file=sys.stderr)
-            return 2
-        except KeyboardInterrupt:
-            return 130
+        return _run(argv[0], mod, args)
     args = parser.parse_args(argv)
     parser.print_help()
     return 0 if args.command is None else 2
+
+
+def _run(name: str, mod, args: argparse.Namespace) -> int:
+    """Run a command; what goes wrong in the user's input or environment is one line on stderr, exit code 2."""
+    from bitnetlm import progress
+
+    try:
+        with progress.disabled(getattr(args, "no_progress", False)):
+            rc = int(mod.run(args) or 0)
+        sys.stdout.flush()  # inside the try: a reader gone (`| head`) surfaces here, not at exit
+        return rc
+    except BrokenPipeError:
+        return _reader_gone()
+    except (FileNotFoundError, ValueError, FileExistsError) as e:
+        return _error(name, str(e))
+    except ImportError as e:  # a missing optional package: one line naming what installs it
+        from bitnetlm.deps import describe
+
+        text = describe(e, f"bitnet {name}")
+        if text is None:
+            raise
+        return _error(name, text)
+    except OSError as e:  # the environment refused (permissions, a full disk, ...): no traceback for that
+        return _error(name, f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e))
+    except KeyboardInterrupt:
+        return 130
+
+
+def _error(name: str, text: str) -> int:
+    try:
+        print(f"bitnet {name}: error: {text}", file=sys.stderr)
+    except BrokenPipeError:
+        pass
+    return 2
+
+
+def _reader_gone() -> int:
+    """stdout's reader closed the pipe (`bitnet inspect M | head`): stop quietly, as Unix tools do on SIGPIPE.
+
+    stdout is pointed at /dev/null so that the interpreter's own flush at exit finds nothing to complain about."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # not a real file (captured output): nothing to flush later
+        pass
+    return 128 + 13  # the status of a process that SIGPIPE ended
 
 
 if __name__ == "__main__":

@@ -8,16 +8,21 @@ post-training with absmean. Outputs are never overwritten without force=True and
 
 from __future__ import annotations
 
-import json
 import os
+import re
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
-from bitnetlm import deps
+from bitnetlm import deps, progress
+from bitnetlm.loading import resolve_path
 
 TARGETS = ("hf", "gguf", "onnx")
+_EXTENSIONS = {".gguf": "gguf", ".onnx": "onnx"}
+# file extensions that an HF model directory's name must not carry (it would look like, but not be, that file)
+_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".json")
 _TARGET_NEEDS = {"gguf": ("gguf", "writing GGUF files"), "onnx": ("onnx", "ONNX export")}
 PTQ_WARNING = (
     "warning: post-training absmean ternarization of a full-precision model destroys most of its quality "
@@ -27,13 +32,20 @@ PTQ_WARNING = (
 
 
 def _check_out(out: Path, force: bool, to: str) -> None:
-    """Fail before any work: an output that exists, a missing directory, a missing package for `to`."""
+    """Fail before any work: an output that exists, a directory that is missing or refuses writes, a missing
+    package for `to`."""
     if to in _TARGET_NEEDS:
         deps.require(*_TARGET_NEEDS[to])
     if out.exists() and not force:
         raise FileExistsError(f"{out}: already exists; pass --force to overwrite it")
-    if not out.parent.exists():
-        raise FileNotFoundError(f"{out.parent}: output directory does not exist")
+    parent = out.parent
+    if not parent.is_dir():
+        raise FileNotFoundError(f"{parent}: output directory does not exist")
+    try:  # the writers put a temporary beside the output: probe that very thing (root ignores mode bits)
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write into {parent} ({e.strerror or e})", str(out)) from None
 
 
 def source_kind(src: Path) -> str:
@@ -52,12 +64,26 @@ def source_kind(src: Path) -> str:
     raise FileNotFoundError(f"{src}: no such file or directory")
 
 
-def infer_target(out: str | os.PathLike, allowed: tuple[str, ...] = TARGETS) -> str:
-    """The output format an output path names: .gguf -> gguf, .onnx -> onnx, anything else an HF directory."""
-    to = {".gguf": "gguf", ".onnx": "onnx"}.get(Path(out).suffix.lower(), "hf")
-    if to not in allowed:
-        raise ValueError(f"{out}: writing {to} is not supported here (choose one of {', '.join(allowed)})")
-    return to
+def infer_target(out: str | os.PathLike, allowed: tuple[str, ...] = TARGETS, to: str | None = None) -> str:
+    """The format to write `out` as: `to`, else the one its extension names (.gguf -> gguf, .onnx -> onnx,
+    anything else an HF directory). An extension naming another format than `to`, or a file's extension for an
+    HF model (a directory, as transformers' save_pretrained writes it), is refused."""
+    out = Path(out)
+    suffix = out.suffix.lower()
+    named = _EXTENSIONS.get(suffix)
+    target = to or named or "hf"
+    if target not in allowed:
+        raise ValueError(
+            f"{out}: writing {target} is not supported here (choose one of {', '.join(allowed)})"
+        )
+    if named is not None and named != target:
+        raise ValueError(f"{out}: the extension {suffix} names a {named.upper()} file, but --to is {target}")
+    if target == "hf" and suffix in _FILE_SUFFIXES:
+        raise ValueError(
+            f"{out}: an HF model is a directory (config.json, model.safetensors, tokenizer files), not a "
+            f"{suffix} file; give a directory name, e.g. {str(out.with_suffix(''))!r}"
+        )
+    return target
 
 
 def source_config(src: str | os.PathLike):
@@ -206,8 +232,27 @@ def save_model(
     embed_type: str = "auto",
     gguf_arch: str | None = None,
 ) -> Path:
-    import tempfile
+    """Write `model` as `to` at `out`; a write the system refuses (a full disk, permissions) is an OSError (of the
+    errno's kind) whose filename is `out` and whose text says so: the CLI prints `OUT: cannot write it (...)`."""
+    try:
+        return _write(model, out, to, tok_files, qtype, force, storage, embed_type, gguf_arch)
+    except OSError as e:
+        if isinstance(e, (FileExistsError, FileNotFoundError)):
+            raise
+        raise OSError(e.errno, f"cannot write it ({e.strerror or e})", str(out)) from None
+    except Exception as e:
+        from safetensors import SafetensorError
 
+        if not isinstance(e, SafetensorError):
+            raise
+        io = re.search(r"I/O error: (.*?)(?: \(os error (\d+)\))?$", str(e))  # its Rust writer's OSError
+        if io is None:
+            raise
+        code = int(io.group(2)) if io.group(2) else None
+        raise OSError(code, f"cannot write it ({io.group(1)})", str(out)) from None
+
+
+def _write(model, out, to, tok_files, qtype, force, storage, embed_type, gguf_arch) -> Path:
     if to == "hf":
         from bitnetlm.formats.native import save_native
 
@@ -240,18 +285,18 @@ def convert(
     embed_type: str = "auto",
     gguf_arch: str | None = None,
 ) -> Path:
-    """Convert a model between formats (`to` defaults from the output's extension); returns the output path."""
+    """Convert a model (a path, zoo name or Hub id) between formats (`to` defaults from the output's extension);
+    returns the output path."""
     out = Path(out)
-    to = to or infer_target(out)
-    if to not in TARGETS:
-        raise ValueError(f"--to must be one of {TARGETS}, got {to!r}")
+    to = infer_target(out, TARGETS, to)
     _check_out(out, force, to)
+    name, src = src, resolve_path(src)
     cfg = source_config(src)  # everything that can fail on the header fails before the tensors are read
     if to == "gguf" and cfg.quant == "ternary":
         qtype = _gguf_type(cfg, qtype)
     elif to == "gguf" and qtype not in (None, "auto"):
         raise ValueError(
-            f"{src}: a full-precision model has no ternary weights to store as {qtype}; "
+            f"{name}: a full-precision model has no ternary weights to store as {qtype}; "
             "run `bitnet quantize` first (or omit --type to write a float GGUF)"
         )
     model, tok_files = load_source(src)
@@ -268,7 +313,8 @@ def ternarize_model(model):
     with torch.device("meta"):
         q = build_model(cfg, "infer")
     sd = {}
-    for name, kind in layer_modules(cfg.num_hidden_layers, cfg.has_sub_norms):
+    modules = list(layer_modules(cfg.num_hidden_layers, cfg.has_sub_norms))
+    for name, kind in progress.bar(modules, desc="ternarizing", unit="tensor"):
         src_w = model.get_submodule(name).weight.detach().float().cpu()
         if kind == "proj":
             m = BitLinear.from_ternary(*_absmean(src_w))
@@ -301,13 +347,12 @@ def quantize(
     """Post-training absmean ternarization of a full-precision model, written as `to` (hf or gguf; default from
     the output's extension). qtype (GGUF): None/"auto" picks one that fits every projection (see gguf_plan)."""
     out = Path(out)
-    to = to or infer_target(out, ("hf", "gguf"))
-    if to not in ("hf", "gguf"):
-        raise ValueError(f"--to must be hf or gguf, got {to!r}")
+    to = infer_target(out, ("hf", "gguf"), to)
     _check_out(out, force, to)
+    name, src = src, resolve_path(src)
     cfg = source_config(src)  # validated from the header, before the minutes of loading and ternarizing
     if cfg.quant == "ternary":
-        raise ValueError(f"{src}: already a ternary model; use `bitnet convert` to change its format")
+        raise ValueError(f"{name}: already a ternary model; use `bitnet convert` to change its format")
     if to == "gguf":
         qtype = _gguf_type(cfg.replace(quant="ternary"), qtype)
     if not quiet:
@@ -318,5 +363,8 @@ def quantize(
     return save_model(q, out, to, tok_files, qtype, force, embed_type="f16")
 
 
-def describe(path: Path) -> str:
-    return json.dumps({"path": str(path), "bytes": path.stat().st_size if path.is_file() else None})
+def describe(path: str | os.PathLike, to: str) -> dict:
+    """What was written (for --json): path, format and bytes on disk (a directory's files summed)."""
+    p = Path(path)
+    files = [f for f in p.rglob("*") if f.is_file()] if p.is_dir() else [p]
+    return {"path": str(p), "format": to, "bytes": sum(f.stat().st_size for f in files)}

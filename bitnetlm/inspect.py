@@ -49,8 +49,10 @@ def inspect_hf(path: Path) -> dict:
 
 
 def inspect_path(path: str | os.PathLike) -> dict:
-    """A dict describing the checkpoint at `path` (HF directory, .gguf or .onnx file)."""
-    p = Path(path)
+    """A dict describing the checkpoint at `path` (HF directory, .gguf or .onnx file, zoo name or Hub id)."""
+    from bitnetlm.loading import resolve_path
+
+    p = resolve_path(path)
     if p.is_dir():
         return inspect_hf(p)
     if p.is_file() and p.suffix == ".gguf":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -11,19 +12,35 @@ from bitnetlm.kernels import prepare
 from bitnetlm.runtime import configure
 from bitnetlm.runtime.config import RuntimeConfig
 
+# what only a local path looks like: a model file's extension, or a directory prefix / trailing separator
+_FILE_SUFFIXES = (".gguf", ".onnx", ".safetensors", ".json", ".bin", ".pt", ".pth", ".yaml", ".yml")
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def is_local_path(name: str) -> bool:
+    """Whether `name` can only mean a local path, never a zoo name or a Hub id (`owner/name`): `./m`, `m/`,
+    `~/m`, `/abs/m`, `a/b/c`, `m.gguf`."""
+    if name.startswith((".", "~", "/", os.sep)) or name.endswith(("/", os.sep)):
+        return True
+    if (os.sep != "/" and os.sep in name) or name.count("/") > 1:
+        return True
+    if "/" in name and not _HUB_ID.fullmatch(name):
+        return True
+    return name.lower().endswith(_FILE_SUFFIXES)
+
 
 def resolve_path(name_or_path: str | os.PathLike) -> Path:
-    """A local path for a model: an existing path, a zoo name, or a Hub repo id (downloaded when online)."""
-    p = Path(name_or_path)
+    """A local path for a model: an existing path, a zoo name, or a Hub repo id `owner/name` (downloaded when
+    online). A missing path (`./m`, `m/`, `m.gguf`, ...) is a FileNotFoundError, never looked up on the Hub."""
+    p = Path(name_or_path).expanduser()
     if p.exists():
         return p
-    try:
-        from bitnetlm import zoo
-    except ImportError:
-        zoo = None
-    if zoo is not None and hasattr(zoo, "resolve"):
-        return Path(zoo.resolve(str(name_or_path)))
-    raise FileNotFoundError(f"{name_or_path}: no such file or directory")
+    name = str(name_or_path)
+    if is_local_path(name):
+        raise FileNotFoundError(f"{name}: no such file or directory")
+    from bitnetlm import zoo
+
+    return Path(zoo.resolve(name))
 
 
 def load_model(

@@ -85,6 +85,8 @@ def test_cli_json_on_a_checkpoint(oracle_dirs, capsys):
             "--json",
             "--head-dtype",
             "bf16",
+            "--device",
+            "cpu",
         ]
     )
     assert rc == 0
@@ -119,14 +121,17 @@ def test_cpu_model_name_names_the_family(tmp_path):
 def test_cuda_bench_without_a_gpu_says_so(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["bench", "--shape", "2b4t", "--device", "cuda"]) == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert "--device 'cuda' is not available here (available: cpu)" in capsys.readouterr().err
+    monkeypatch.setattr(
+        torch.cuda, "is_available", lambda: True
+    )  # the options are checked before the GPU is used
     assert main(["bench", "--shape", "2b4t", "--device", "cuda", "--kv-cache-dtype", "auto,fp4"]) == 2
     assert "--kv-cache-dtype 'fp4': expected auto, bf16 or fp8" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("opt", [["-b", "1,8"], ["--kv-cache-dtype", "fp8"]])
 def test_batch_and_kv_cache_options_are_cuda_only(opt, capsys):
-    assert main(["bench", "--shape", "2b4t", *opt]) == 2
+    assert main(["bench", "--shape", "2b4t", "--device", "cpu", *opt]) == 2
     assert "apply to --device cuda only" in capsys.readouterr().err
 
 

@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from bitnetlm.commands.generate import add_model_arguments, sampling_params
+from bitnetlm.commands.generate import add_model_arguments, chat_template_errors, sampling_params
 from bitnetlm.runtime.args import OFFLINE, runtime_from_args
 
 HELP = "commands: /exit (or /quit, end of input) ends, /reset forgets the conversation, /help shows this"
@@ -24,7 +24,8 @@ def _fit(tok, messages: list[dict], ctx: int, reserve: int) -> tuple[list[dict],
     """Drop the oldest turns (never the system prompt nor the last message) until the prompt fits."""
     msgs = list(messages)
     while True:
-        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        with chat_template_errors(tok):
+            ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
         if len(ids) + reserve <= ctx:
             return msgs, ids
         first = 1 if msgs and msgs[0].get("role") == "system" else 0
@@ -134,6 +135,9 @@ def run(args) -> int:
     model, tok = load_for_generation(args.model, runtime)
     if not tok.chat_template:
         raise ValueError(f"{args.model}: the tokenizer has no chat_template; use `bitnet generate` instead")
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    with chat_template_errors(tok):  # a template that cannot render a first turn fails now, not at each turn
+        tok.apply_chat_template([*system, {"role": "user", "content": "Hello"}], add_generation_prompt=True)
     interactive = sys.stdin.isatty()
     if interactive:
         print(HELP, file=sys.stderr)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from bitnetlm import progress
+from bitnetlm.commands import add_torch_threads, apply_torch_threads
+
 
 def add_arguments(p) -> None:
-    p.add_argument("input", help="source model: HF directory or .gguf file")
-    p.add_argument("output", help="output path (directory for hf, file for gguf/onnx)")
+    p.add_argument("input", help="source model: HF directory, .gguf file, zoo name or Hub id")
+    p.add_argument("output", help="output path (a directory for hf, a file for gguf/onnx)")
     p.add_argument(
         "--to",
         default=None,
@@ -43,13 +46,18 @@ def add_arguments(p) -> None:
         "LLaMA)",
     )
     p.add_argument("-f", "--force", action="store_true", help="overwrite OUTPUT if it exists")
+    add_torch_threads(p)
+    progress.add_argument(p)
+    p.add_argument("--json", action="store_true", help="print what was written as JSON (path, format, bytes)")
 
 
 def run(args) -> int:
+    import json
     import sys
 
-    from bitnetlm.convert import convert
+    from bitnetlm.convert import convert, describe, infer_target
 
+    apply_torch_threads(args)
     out = convert(
         args.input,
         args.output,
@@ -60,5 +68,8 @@ def run(args) -> int:
         embed_type=args.embed_type,
         gguf_arch=args.gguf_arch,
     )
-    print(f"wrote {out}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(describe(out, infer_target(out, to=args.to))))
+    else:
+        print(f"wrote {out}", file=sys.stderr)
     return 0

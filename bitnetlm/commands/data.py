@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from bitnetlm import progress
+
 
 def add_arguments(p) -> None:
     sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
@@ -28,7 +30,7 @@ def add_arguments(p) -> None:
     q.add_argument("--text-field", default="text", help="JSONL field holding the text (default: text)")
     q.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard file (default: 2^28)")
     q.add_argument("--no-eos", action="store_true", help="do not put an EOS token between documents")
-    q.add_argument("--no-progress", action="store_true", help="no progress bar")
+    progress.add_argument(q)
     q.add_argument("--json", action="store_true", help="print the resulting meta.json")
 
 
@@ -52,7 +54,7 @@ def run(args) -> int:
         text_field=args.text_field,
         append_eos=not args.no_eos,
     )
-    meta = prepare_data(args.inputs, tok, args.out, cfg, progress=not args.no_progress)
+    meta = prepare_data(args.inputs, tok, args.out, cfg)
     if args.json:
         print(json.dumps(meta, indent=2))
     else:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
+from bitnetlm import progress
 from bitnetlm.runtime.args import add_runtime_arguments, runtime_from_args
+
+RUNTIME = ("device", "dtype", "backend", "threads", "head_dtype", "max_seq_len")
 
 
 def add_arguments(p) -> None:
@@ -25,11 +28,11 @@ def add_arguments(p) -> None:
         "--shots", type=int, default=0, help="few-shot examples per question, same topic (default: 0)"
     )
     p.add_argument("--subjects", nargs="+", help="only these MMLU topics")
-    add_runtime_arguments(p, ("device", "dtype", "backend", "threads", "head_dtype", "max_seq_len"))
+    add_runtime_arguments(p, RUNTIME)
     p.add_argument(
         "--json", action="store_true", help="print machine-readable JSON (key 'perplexity', 'accuracy')"
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    progress.add_argument(p)
 
 
 def run(args) -> int:
@@ -39,15 +42,12 @@ def run(args) -> int:
         args.model,
         text=args.text,
         mc=args.mc,
-        runtime=runtime_from_args(
-            args, ("device", "dtype", "backend", "threads", "head_dtype", "max_seq_len")
-        ),
+        runtime=runtime_from_args(args, RUNTIME),
         stride=args.stride,
         batch_size=args.batch_size,
         limit=args.limit,
         shots=args.shots,
         subjects=args.subjects,
-        progress=not args.no_progress and not args.json,
     )
     if args.json:
         print(json.dumps(res, indent=2))

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
+from bitnetlm import progress
 from bitnetlm.runtime.args import OFFLINE, add_runtime_arguments, runtime_from_args
 
 # llama.cpp's defaults for the sampling flags
@@ -78,6 +80,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         help="print prompt/generation tokens/s and time to first token on stderr",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
+    progress.add_argument(p)  # loading: a full-precision GGUF's dequantization, a zoo model's first use
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -125,14 +128,16 @@ def generate_text(
     runtime=None,
     **kwargs,
 ):
-    """Generate for `prompt`, writing text to `stream` as it arrives (None: silent); returns GenerationResult."""
+    """Generate for `prompt`, writing text to `stream` as it arrives and a newline at the end (None: silent);
+    verbose: then the statistics on `err` (stderr), on a line of their own. Returns the GenerationResult."""
     import time
 
     from bitnetlm.generate import format_stats, prompt_to_ids, stream_generate
     from bitnetlm.generate.generate import _result
 
     t0 = time.perf_counter()
-    ids = prompt_to_ids(tokenizer, prompt, system=system, chat=chat)
+    with chat_template_errors(tokenizer):
+        ids = prompt_to_ids(tokenizer, prompt, system=system, chat=chat)
     chunks = []
     for c in stream_generate(model, tokenizer, ids, params, ctx_size=ctx_size, runtime=runtime, **kwargs):
         chunks.append(c)
@@ -140,9 +145,25 @@ def generate_text(
             stream.write(c.text)
             stream.flush()
     res = _result(chunks, len(ids), t0)
+    if stream is not None:
+        stream.write("\n")  # ends the text's line before anything else reaches the terminal
+        stream.flush()
     if verbose:
         print(format_stats(res), file=err or sys.stderr)
     return res
+
+
+@contextlib.contextmanager
+def chat_template_errors(tokenizer):
+    """Inside: an error the chat template raises (jinja2's: a sandbox SecurityError, a syntax error, the
+    template's own raise_exception) is a ValueError naming the tokenizer it came from."""
+    try:
+        yield
+    except Exception as e:
+        if type(e).__module__.split(".")[0] != "jinja2":
+            raise
+        where = getattr(tokenizer, "source", None) or "the tokenizer"
+        raise ValueError(f"{where}: the chat template failed: {type(e).__name__}: {e}") from None
 
 
 def _read_prompt(args) -> str:
@@ -193,9 +214,6 @@ def run(args) -> int:
             "total_s": res.total_s,
         }
         print(json.dumps(out, ensure_ascii=False))
-    else:
-        sys.stdout.write("\n")
-        sys.stdout.flush()
     return 0
 
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 
+from bitnetlm import progress
+
 
 def add_arguments(p) -> None:
-    p.add_argument("path", help="model directory, .gguf or .onnx file")
+    p.add_argument("path", help="model directory, .gguf or .onnx file, zoo name or Hub id")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--no-tensors", action="store_true", help="omit the tensor table")
+    progress.add_argument(p)  # a zoo model assembled at first use
 
 
 def run(args) -> int:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 
+from bitnetlm import progress
+
 
 def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument(
         "--path", metavar="NAME", help="print the local path NAME resolves to (downloads Hub models)"
     )
+    progress.add_argument(p)  # --path: a zoo model assembled at first use
 
 
 def _size(n: int | None) -> str:
@@ -39,9 +42,9 @@ def models_table() -> list[dict]:
 
 def run(args) -> int:
     if args.path:
-        from bitnetlm import zoo
+        from bitnetlm.loading import resolve_path
 
-        print(zoo.resolve(args.path))
+        print(resolve_path(args.path))
         return 0
     rows = models_table()
     if args.json:

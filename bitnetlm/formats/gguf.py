@@ -60,14 +60,10 @@ def gguf_name(ours: str) -> str:
 
 
 def _progress(items: list, desc: str):
-    """A tqdm bar on stderr when it is a terminal (long conversions), else the plain list."""
-    import sys
+    """A bar over a long loop (loading dequantizes every tensor, writing encodes every layer)."""
+    from bitnetlm import progress
 
-    if not sys.stderr.isatty() or len(items) < 2:
-        return items
-    from tqdm import tqdm
-
-    return tqdm(items, desc=desc, unit="tensor" if desc.startswith("loading") else "layer", leave=False)
+    return progress.bar(items, desc=desc, unit="tensor" if desc.startswith("loading") else "layer")
 
 
 # ---- q/k row permutation of llama.cpp's llama converter ---------------------------------------------

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from bitnetlm import progress
 from bitnetlm.formats import atomic
 from bitnetlm.formats.names import IGNORED_SUFFIXES, hf_name, layer_modules
 from bitnetlm.models import CausalLM, ModelConfig, build_empty_model
@@ -140,7 +141,8 @@ def load_hf(path: str | os.PathLike, mode: str = "infer", dtype: torch.dtype = t
     check_layer_count(cfg, ts.where, src)
     model = build_empty_model(cfg, mode)
     sd: dict[str, torch.Tensor] = {}
-    for name, kind in layer_modules(cfg.num_hidden_layers, cfg.has_sub_norms):
+    modules = list(layer_modules(cfg.num_hidden_layers, cfg.has_sub_norms))
+    for name, kind in progress.bar(modules, desc=f"loading {path.name}", unit="tensor"):
         key = hf_name(name, cfg.arch) + ".weight"
         module = model.get_submodule(name)
         if kind != "proj":
@@ -202,7 +204,8 @@ def state_dict_hf(model: CausalLM, dtype: torch.dtype | None = None) -> dict[str
     """Our model's tensors under HF names, ternary projections in the offline packed autobitlinear layout."""
     cfg = model.config
     out: dict[str, torch.Tensor] = {}
-    for name, kind in layer_modules(cfg.num_hidden_layers, cfg.has_sub_norms):
+    modules = list(layer_modules(cfg.num_hidden_layers, cfg.has_sub_norms))
+    for name, kind in progress.bar(modules, desc="packing", unit="tensor"):
         m = model.get_submodule(name)
         key = hf_name(name, "bitnet" if cfg.arch == "1bitllm" else cfg.arch)
         if kind == "proj" and isinstance(m, BitLinear):

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bitnetlm import progress
 from bitnetlm.formats import atomic
 from bitnetlm.formats.safetensors_header import read_header
 from bitnetlm.quant.packing import PackingFormat, pack_base3, pack_hf, unpack_base3
@@ -107,7 +108,7 @@ def save_native(
         from bitnetlm.quant.packing import unpack_hf
 
         cfg = read_config(tmp / "d")
-        for key in list(sd):
+        for key in progress.bar(list(sd), desc="base-3 packing", unit="tensor"):
             if key.endswith(".weight") and sd[key].dtype == torch.uint8:
                 n_out = _out_features(key, cfg)
                 sd[key] = pack_base3(unpack_hf(sd[key], n_out))

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bitnetlm import progress
 from bitnetlm.formats import atomic
 
 OPSET = 25
@@ -174,7 +175,7 @@ def build_onnx(model):
     neg = g.op("Where", [allowed, g.const(_f32(0.0)), g.const(_f32(-np.inf))])  # additive mask [T, S]
     heads_shape = lambda n: g.op("Concat", [b_dim, t_dim, g.const(_i64([n, d]))], axis=0)  # noqa: E731
     scale = g.const(_f32(1.0 / np.sqrt(d)))
-    for i, layer in enumerate(model.layers):
+    for i, layer in progress.bar(list(enumerate(model.layers)), desc="building the ONNX graph", unit="layer"):
         for kind in ("key", "value"):
             inputs.append(
                 h_.make_tensor_value_info(

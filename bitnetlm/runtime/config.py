@@ -58,24 +58,31 @@ def kv_cache_dtype(value) -> torch.dtype | None:
     return KV_CACHE_DTYPES[_kv_name(value)]
 
 
+def available_devices() -> list[str]:
+    """The devices bitnet-lm can run on here: cpu, and cuda:N for each visible GPU."""
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return ["cpu", *(f"cuda:{i}" for i in range(n))]
+
+
 def resolve_device(device) -> torch.device:
-    """`auto` -> cuda when a GPU is present, else cpu; anything else is checked against what this machine has."""
+    """`auto` -> cuda when a GPU is present, else cpu; anything else is checked against what this machine has
+    (a ValueError naming the devices available, also for mps, metal, xpu, ... which bitnet-lm does not run on)."""
     if device in (None, "", "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    have = ", ".join(available_devices())
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ValueError(f"--device {device!r}: expected auto, cpu, cuda or cuda:N") from None
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device!r}: bitnet-lm runs on cpu or cuda[:N]; available here: {have}")
     if dev.type == "cpu":
         return dev
-    if dev.type == "cuda" and torch.cuda.is_available():
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(
-                f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
-            )
-        return dev
-    have = "cpu, cuda" if torch.cuda.is_available() else "cpu"
-    raise ValueError(f"device {device!r} is not available here (available: {have})")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device!r} is not available here (available: {have})")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device!r}: no such GPU here (available: {have})")
+    return dev
 
 
 @dataclass(frozen=True)

@@ -203,12 +203,12 @@ def _prepare_into(
 ) -> dict:
     import zlib
 
-    from tqdm import tqdm
+    from bitnetlm.progress import bar as progress_bar
 
     by_doc = n_docs >= cfg.doc_split_min_docs
     writers = {s: _ShardWriter(stage, s, dtype, cfg.shard_tokens) for s in ("train", "val")}
     total_bytes = sum(f.stat().st_size for f in files)
-    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", disable=not progress)
+    bar = progress_bar(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", show=progress)
     batch: list[str] = []
 
     def flush_batch():

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bitnetlm.progress import bar as bar_of
 from bitnetlm.train.distill import logits_of
 
 LETTERS = "ABCD"
@@ -43,7 +44,7 @@ def perplexity(
     ctx: int | None = None,
     stride: int | None = None,
     batch_size: int = 4,
-    progress: bool = False,
+    progress: bool = True,
 ) -> dict:
     """Perplexity of a token sequence with a sliding window.
 
@@ -51,10 +52,9 @@ def perplexity(
     did not, so with stride < ctx every token after the first is predicted exactly once, with at least
     ctx - stride tokens of context (the transformers "strided perplexity" recipe; with stride == ctx the
     first token of each window has no context and is not scored, as there).
-    Returns {"perplexity", "nll" (nats/token), "tokens" (scored), "ctx", "stride"}.
+    Returns {"perplexity", "nll" (nats/token), "tokens" (scored), "ctx", "stride"}. progress: a bar when
+    `bitnetlm.progress` draws them (stderr a terminal).
     """
-    from tqdm import tqdm
-
     ids = torch.as_tensor(ids, dtype=torch.long).flatten()
     n = ids.numel()
     if n < 2:
@@ -81,7 +81,7 @@ def perplexity(
     was = model.training
     model.eval()
     nll, count = 0.0, 0
-    bar = tqdm(total=len(windows), desc="perplexity", unit="win", disable=not progress)
+    bar = bar_of(total=len(windows), desc="perplexity", unit="window", show=progress)
     i = 0
     while i < len(windows):
         # batch consecutive windows of the same length
@@ -189,15 +189,13 @@ def multiple_choice(
     shots: int = 0,
     batch_size: int = 8,
     ctx: int | None = None,
-    progress: bool = False,
+    progress: bool = True,
 ) -> dict:
     """Zero/few-shot letter scoring: the answer is the letter among " A".." D" with the highest next-token logit.
 
     Few-shot examples are the first `shots` other questions of the same topic. Prompts longer than the
     context are cut from the left. Returns {"accuracy", "correct", "n", "by_topic": {topic: accuracy}}.
     """
-    from tqdm import tqdm
-
     ctx = ctx or context_length(model)
     letter_ids = []
     for L in LETTERS:
@@ -220,7 +218,7 @@ def multiple_choice(
     model.eval()
     correct: list[bool] = []
     letters = torch.tensor(letter_ids, device=dev)
-    for i in tqdm(range(0, len(prompts), batch_size), desc="multiple choice", disable=not progress):
+    for i in bar_of(range(0, len(prompts), batch_size), desc="multiple choice", unit="batch", show=progress):
         batch = prompts[i : i + batch_size]
         width = max(len(p) for p in batch)
         # right padding is harmless with causal attention: we read each row at its own last real token
@@ -255,7 +253,7 @@ def evaluate(
     limit: int | None = None,
     shots: int = 0,
     subjects=None,
-    progress: bool = False,
+    progress: bool = True,
     **options,
 ) -> dict:
     """`bitnet eval` as a function: load a model with bitnetlm.load (a RuntimeConfig `runtime` or its fields in

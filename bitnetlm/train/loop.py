@@ -358,17 +358,11 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------------
     def fit(self) -> dict:
-        from tqdm import tqdm
+        from bitnetlm import progress
 
         cfg = self.cfg
-        bar = tqdm(
-            total=cfg.max_steps,
-            initial=self.step,
-            desc="train",
-            unit="step",
-            disable=not (cfg.progress and self.info.is_main),
-            dynamic_ncols=True,
-        )
+        show = cfg.progress and self.info.is_main
+        bar = progress.bar(total=cfg.max_steps, initial=self.step, desc="train", unit="step", show=show)
         stopped_early = False
         t0, tok0 = time.perf_counter(), self.tokens_seen
         last = {}

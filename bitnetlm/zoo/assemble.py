@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import glob
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -67,10 +66,10 @@ def needs_download(parts: Path, out: Path) -> bool:
 
 
 def _progress(total: int, desc: str):
-    """A tqdm bar on stderr when it is a terminal."""
-    from tqdm import tqdm
+    """The bar of the first use (bitnetlm.progress: on stderr when it is a terminal, off with --no-progress)."""
+    from bitnetlm import progress
 
-    return tqdm(total=total, desc=desc, unit="step", leave=False, disable=not sys.stderr.isatty())
+    return progress.bar(total=total, desc=desc, unit="step")
 
 
 def _part(parts: Path, fname: str, sources: dict, fetched: Path, name: str, bar) -> Path | None:
