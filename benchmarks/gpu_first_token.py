@@ -120,8 +120,8 @@ def child_generate(path: str) -> None:
     sys.path.insert(0, ROOT)
     import bitnetlm.loading
     from bitnetlm.commands.generate import DEFAULTS, load_model_and_tokenizer
-    from bitnetlm.runtime.cuda.engine import CudaEngine
     from bitnetlm.generate import graph, stream_generate
+    from bitnetlm.runtime.cuda.engine import CudaEngine
 
     t_import = time.perf_counter()
     spent = dict(tokenizer_s=0.0, engine_s=0.0, captures_s=0.0)
@@ -171,8 +171,9 @@ def child_serve(path: str, prompt: int, max_batch: int = 8) -> None:
     import torch
 
     sys.path.insert(0, ROOT)
-    from bitnetlm.generate import graph
     from bitnetlm.serve.graph_rows import GraphRows
+
+    from bitnetlm.generate import graph
 
     t_import = time.perf_counter()
     model = _load_cuda(path)

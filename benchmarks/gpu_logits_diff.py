@@ -26,9 +26,9 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def child(out: str, batches: list[int], steps: int, head: str, kv: str) -> None:
     """This process's package (first on sys.path): the logits of every (batch, step) into `out`."""
-    from bitnetlm.runtime.cuda.engine import CudaEngine, EngineConfig
     from bitnetlm.models import ModelConfig
     from bitnetlm.models.cache import parse_kv_cache_dtype
+    from bitnetlm.runtime.cuda.engine import CudaEngine, EngineConfig
 
     cfg = ModelConfig()
     ecfg = EngineConfig(

@@ -63,12 +63,12 @@ def main():
     ap.add_argument("--out", default="/tmp")
     ap.add_argument("--tag", default="bf16")
     a = ap.parse_args()
+    from bitnetlm.generate.graph import graph_engine
     from make_checkpoint import write_checkpoint
 
-    from bitnetlm.generate.graph import graph_engine
+    from bitnetlm.models.cache import parse_kv_cache_dtype
     from bitnetlm.runtime.cuda.graph_sampler import graph_sampler
     from bitnetlm.sampling.sampler import RowRandom
-    from bitnetlm.models.cache import parse_kv_cache_dtype
 
     d = os.path.join(ROOT, ".assets", "bench-2b4t")
     write_checkpoint(d, "2b4t")

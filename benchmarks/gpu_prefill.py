@@ -41,8 +41,8 @@ def replay_ms(eng, ids: list[int], reps: int) -> float:
 
 
 def replay_table(args) -> None:
-    from bitnetlm.runtime.cuda.engine import prefill_len
     from bitnetlm.runtime.cuda.bench import random_engine
+    from bitnetlm.runtime.cuda.engine import prefill_len
 
     lengths = [int(x) for x in args.lengths.split(",")]
     eng = random_engine(8, max(4096, 2 * max(lengths)), head=args.head, kv_cache_dtype=args.kv_cache_dtype)

@@ -19,10 +19,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.gpu_attention import _graph_us  # noqa: E402  (us a call, captured once, replayed; best of 3)
-from bitnetlm.sampling import reductions  # noqa: E402
-from bitnetlm.runtime.cuda.graph_sampler import GraphSampler  # noqa: E402
-from bitnetlm.sampling.sampler import RowRandom, SamplingParams, row_tensors  # noqa: E402
 from bitnetlm.runtime.cuda.bench import _events_ms  # noqa: E402
+from bitnetlm.runtime.cuda.graph_sampler import GraphSampler  # noqa: E402
+from bitnetlm.sampling import reductions  # noqa: E402
+from bitnetlm.sampling.sampler import RowRandom, SamplingParams, row_tensors  # noqa: E402
 
 STEPS, CALLS = 20, 10
 KINDS = {

@@ -146,8 +146,8 @@ def run_chain(
                 **kw,
             )
 
-    from bitnetlm.runtime.cuda.engine import capture
     from bitnetlm.kernels.triton.tune import _replay_ms
+    from bitnetlm.runtime.cuda.engine import capture
 
     g, _ = capture(body)  # compiled and warmed up eagerly first
     for _ in range(10):

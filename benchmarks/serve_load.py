@@ -223,8 +223,9 @@ def main(argv=None) -> int:
     label = model
     env_extra = {}
     if model is None:
-        import bitnetlm
         from serve_parts import tiny_model_and_tokenizer
+
+        import bitnetlm
 
         m, tok = tiny_model_and_tokenizer(max_len=1024, layers=4, hidden=256)
         tmp = tempfile.TemporaryDirectory()

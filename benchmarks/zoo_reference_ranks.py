@@ -36,8 +36,8 @@ def main() -> int:
 
     from bitnetlm import zoo
     from bitnetlm.bench import machine_name
-    from bitnetlm.text.tokenizer import Tokenizer
     from bitnetlm.loading import load_model
+    from bitnetlm.text.tokenizer import Tokenizer
 
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     tmp = tempfile.TemporaryDirectory()

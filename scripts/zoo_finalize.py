@@ -56,8 +56,8 @@ def _ternary_params(cfg) -> int:
 
 def tiny(out_dir: str, card_template: str) -> None:
     import bitnetlm
-    from bitnetlm.text.tokenizer import Tokenizer
     from bitnetlm.models import ModelConfig, build_model
+    from bitnetlm.text.tokenizer import Tokenizer
 
     res = json.loads(Path(out_dir, "results.json").read_text())
     cfg = ModelConfig.from_hf(json.loads(Path(out_dir, "bitnet-tiny-config.json").read_text()))

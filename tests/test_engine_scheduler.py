@@ -13,7 +13,9 @@ class _Detok:  # the scheduler never reads text: a sequence needs a detokenizer 
 
 
 def _request(n_prompt: int, max_tokens: int = 8, n: int = 1) -> list[Sequence]:
-    g = Group(GenerationRequest(list(range(3, 3 + n_prompt)), SamplingParams(max_tokens=max_tokens), n), print)
+    g = Group(
+        GenerationRequest(list(range(3, 3 + n_prompt)), SamplingParams(max_tokens=max_tokens), n), print
+    )
     g.seqs = [Sequence(g, i, _Detok(), set(), None) for i in range(n)]
     return g.seqs
 

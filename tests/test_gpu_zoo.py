@@ -45,7 +45,9 @@ def test_bitnet_tiny_greedy_on_cuda_equals_the_cpu_reference(zoo_dirs):
     ref = [greedy_with_cache(cpu, torch.tensor([p]), 64)[0].tolist() for p in prompts]
     sp = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     assert [generate(model, tok, p, sp).tokens for p in prompts] == ref
-    assert getattr(kept_runner(model), "eng", None) is not None, "generate on CUDA did not take the graph path"
+    assert getattr(kept_runner(model), "eng", None) is not None, (
+        "generate on CUDA did not take the graph path"
+    )
     assert [r.tokens for r in batch_generate(model, tok, prompts, sp)] == ref
 
 

@@ -97,7 +97,10 @@ def _within(mod: str, pkg: str) -> bool:
 
 def test_no_import_circles():
     # a package's __init__ that re-exports its own modules is not a circle of the code's layers
-    graph = {m: {d for d in deps if not (m.startswith(d + ".") and d != "bitnetlm")} for m, deps in _graph().items()}
+    graph = {
+        m: {d for d in deps if not (m.startswith(d + ".") and d != "bitnetlm")}
+        for m, deps in _graph().items()
+    }
     assert _cycles(graph) == []
 
 

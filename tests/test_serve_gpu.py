@@ -88,7 +88,9 @@ def test_engine_on_cuda_matches_offline_generate(path):
     for _ in range(32):
         assert done.acquire(timeout=300)
     eng.shutdown()
-    if not eager:  # the captured sampler ran, for several kinds of rows, each storing its outputs into its ring
+    if (
+        not eager
+    ):  # the captured sampler ran, for several kinds of rows, each storing its outputs into its ring
         assert eng.runner.sampler is not None and len(eng.runner.sampler.samplers) > 1
         assert all(gs.exports for gs in eng.runner.sampler.samplers.values())
     if stops:  # steps queued before the last one's tokens were read
