@@ -5,7 +5,7 @@ The GPU machine's image (Python 3.12, PyTorch, Triton, transformers, pytest and 
 gguf and openai. pip's resolver finds those packages' whole closure for that Python here, and the packages the
 image already has are left out, because a second version on PYTHONPATH would shadow the image's. Resolving each
 time, not pinning a list, keeps up with new dependencies: fastapi 0.165 began importing opentelemetry, and the
-serve tests could not be imported there until this script resolved it (stop 67).
+serve tests could not be imported there until this script resolved it (2026-12-04).
 
 On the GPU machine, with `.whl/py312` carried:
     pip install -q --no-index --no-deps --target /tmp/site .whl/py312/*.whl; export PYTHONPATH=/tmp/site:$PWD
@@ -36,7 +36,7 @@ WANTED = [
     "pytest-xdist",
     "pytest-timeout",
 ]
-# Packages of the image (the device tool's KINDS.md, read 2026-11-17) that the closure above can reach.
+# Packages of the GPU machine's image (its package list, read 2026-11-17) that the closure above can reach.
 DEVICE_HAS = {
     "annotated-doc", "anyio", "attrs", "certifi", "charset-normalizer", "click", "execnet", "filelock", "fsspec",
     "h11", "httpcore", "httpx", "huggingface-hub", "hypothesis", "idna", "iniconfig", "jinja2", "markupsafe",

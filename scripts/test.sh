@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install everything the test suite needs on a fresh machine, fetch the real test assets, run the tests.
-# This is the README's test command and what .ci/run calls. GPU tests (marked `gpu`) run on the device machine;
+# This is the README's test command and what .ci/run calls. GPU tests (marked `gpu`) run on a CUDA machine;
 # llama.cpp tests (marked `llamacpp`) need scripts/build_llama_bench.sh's build first.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Ship the SmolLM2 teacher to the GPU machine compactly: its GGUF blocks, split by layers, dequantized there.
 
-The device machine has no `gguf` package and a call carries at most 64 MiB, while the Q4_1 GGUF is 98 MB. We keep
-the quantized bytes exactly (Q8_0 embedding, Q4_1 projections, F32 norms) as uint8 tensors in safetensors "parts"
-(split at a layer boundary so each call carries one part), and dequantize them with numpy on arrival. The result
+The GPU training machine has no `gguf` package and takes at most 64 MiB of files a run, while the Q4_1 GGUF is 98 MB.
+We keep the quantized bytes exactly (Q8_0 embedding, Q4_1 projections, F32 norms) as uint8 tensors in safetensors
+"parts" (split at a layer boundary so each run takes one part), and dequantize them with numpy on arrival. The result
 is checked against transformers' own GGUF loader (the oracle) in tests/test_zoo_teacher.py.
 
     python scripts/zoo_teacher_parts.py split GGUF CONFIG_JSON OUT_DIR --split-layer 6

@@ -45,7 +45,7 @@ def _run(args, launcher=None):
     p = run_cli(args, launcher=launcher, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = p.communicate(timeout=600)
     # torchrun's own report takes the last ~2,500 characters; the workers' lines (a rare gloo teardown abort,
-    # "terminate called without an active exception", stop 67) come before it
+    # "terminate called without an active exception", seen once on 2026-12-04) come before it
     assert p.returncode == 0, err[-12000:]
     return out
 

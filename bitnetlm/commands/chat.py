@@ -1,7 +1,7 @@
 """bitnet chat -m MODEL: interactive chat with the model's chat template (library: chat_session).
 
 Reads one user message per line from stdin (works from a pipe as well as a terminal). Commands:
-/exit or /quit (or end of input) ends the session, /reset forgets the conversation (keeps --system).
+/exit or /quit (or end of input) ends the chat, /reset forgets the conversation (keeps --system).
 """
 
 from __future__ import annotations

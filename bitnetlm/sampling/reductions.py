@@ -1,12 +1,12 @@
 """The samplers' reductions over each row's vocabulary, wide on CUDA: argmax, logsumexp, and a top-k row's draw.
 
 PyTorch runs argmax and log_softmax over a row in one thread block: at batch 1 on an H200 (128k vocabulary) 26.5
-and 28.9 us, of a greedy sampler graph's 65.7 (benchmarks/gpu_sampler.py, docs/PERF_LOG.md stop 55). On CUDA both
+and 28.9 us, of a greedy sampler graph's 65.7 (benchmarks/gpu_sampler.py, docs/PERF_LOG.md, 2026-12-02). On CUDA both
 come from one Triton pass over the row's chunks spread over the GPU (`kernels.triton.sampler.logit_stats`, 4.2
 us), and a row with a top-k draws its token (temperature, top-p, min-p, the draw) in one launch after its top-k
 (`candidate_draw`) instead of some twenty small ones. Top-k stays torch.topk: a top-k over chunks of the row,
 then over their winners, measured 0.84x / 0.47x its speed (k 40, batch 1 / 32), and one that sorts chunks 0.52x
-/ 0.23x (docs/PERF_LOG.md stops 55 and 57). Elsewhere (CPU, no Triton) they are PyTorch's own ops. The results are
+/ 0.23x (docs/PERF_LOG.md, 2026-12-02 and 12-03). Elsewhere (CPU, no Triton) they are PyTorch's own ops. The results are
 the same (argmax: the first index of the maximum; the draw: the host sampler's ops' token), but for a logsumexp's
 last bits.
 """
@@ -76,7 +76,7 @@ def candidate_draw(x: torch.Tensor, t, u: torch.Tensor) -> torch.Tensor:
 
 # The top-k classes `warm` compiles the draw for (the kernel's block: the power of 2 >= k, at least 16): top-k 1-128,
 # which holds llama.cpp's 40, transformers' 50, and 20 and 100. Each class costs about 0.8-1.0 s of a start with an
-# empty Triton cache and 0.01 s with a full one (H200, docs/PERF_LOG.md stop 58); a larger top-k compiles its class on
+# empty Triton cache and 0.01 s with a full one (H200, docs/PERF_LOG.md, 2026-12-03); a larger top-k compiles its class on
 # first use.
 WARM_TOPK = (16, 32, 64, 128)
 

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 PREFILL_ALIGN = 128  # prefill attention runs on lengths padded to a multiple of this (see prefill_attention)
 # ... or, for prompts this short, to the first of these that holds them: a 49-token prompt padded to 128 rows
-# took 3.0 ms to prefill on an H200, as long as 128 tokens (int8 head, float8 cache; docs/PERF_LOG.md stop 63)
+# took 3.0 ms to prefill on an H200, as long as 128 tokens (int8 head, float8 cache; docs/PERF_LOG.md, 2026-12-03)
 PREFILL_SHORT = (16, 32, 64)
 
 
@@ -54,7 +54,7 @@ def prefill_attention(q, k, v, start: int = 0, gqa: bool = False) -> torch.Tenso
     (`prefill_len`). A chunk continuing a cached prompt: causal aligned to the last key (query i
     sees keys 0..start+i), which flash attention runs natively with GQA; a dense mask took memory-efficient or
     math attention (a 512-token chunk after 512 cached: 14.8-15.1 against 5.27-5.64 ms, benchmarks/gpu_bench.py
-    --depths 0,512, H200, docs/PERF_LOG.md stop 51)."""
+    --depths 0,512, H200, docs/PERF_LOG.md, 2026-12-02)."""
     if not start:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     from torch.nn.attention.bias import causal_lower_right

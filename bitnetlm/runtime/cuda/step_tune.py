@@ -44,7 +44,7 @@ _SETTLE: list = []  # the graphs settle_graphs captured (kept for the life of th
 def settle_graphs() -> None:
     """Put this process, once, in the state a user's engine is in: several CUDA graphs captured.
 
-    Seen on an H200 (docs/PERF_LOG.md, stop 43, `benchmarks/gpu_step_order.py`): the first steps a process
+    Seen on an H200 (docs/PERF_LOG.md, 2026-11-29, `benchmarks/gpu_step_order.py`): the first steps a process
     captures can replay up to 3% faster (a batch-8 step 1.107 against 1.140 ms) than those timed after a few
     more captures, whatever those capture, even one small kernel each; the slower speed then stays. An engine in
     use captures several graphs (prefill and decode steps), so the faster speed is not what a user gets, and in
