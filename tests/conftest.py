@@ -13,7 +13,7 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 @pytest.fixture(scope="session")
 def oracle_dirs(tmp_path_factory):
-    """variant -> (our checkpoint dir, transformers oracle dir), built once per session by transformers."""
+    """variant -> (our checkpoint dir, transformers oracle dir), built once per test run by transformers."""
     from oracle import VARIANTS, make_checkpoint
 
     base = tmp_path_factory.mktemp("oracle")
