@@ -15,7 +15,7 @@
  * Batch-invariant: every sum of a row (norms, attention from its first visible key, projections, the float heads of
  * bitnet_cpu.h) runs in an order fixed by that row alone, so a row's result is bit-identical whatever the other rows
  * of the call hold, their number, and the left padding of a batched prefill.
- * Not re-entrant and not to be run beside another call of the library from another thread (shared pool).
+ * Calls from several threads are safe, each with its own work buffer: they take turns on the shared thread pool.
  */
 #ifndef BITNET_DECODE_H
 #define BITNET_DECODE_H
