@@ -77,11 +77,7 @@ static const bn_kernels *table(int isa) {
     }
 }
 
-int64_t bn_prefetch_bytes = 8192; /* best of 1-16 KiB for decode on the 2-core EPYC (benchmarks/cpu_decode.py) */
-
 int bn_set_isa(int isa) {
-    const char *pf = getenv("BITNETLM_PREFETCH");
-    if (pf && *pf) bn_prefetch_bytes = atol(pf) < 0 ? 0 : atol(pf);
     if (isa == BN_ISA_AUTO) {
         isa = bn_isa_best();
         const char *e = getenv("BITNETLM_CPU_ISA");
@@ -336,6 +332,7 @@ typedef struct {
     const float *x;
     int64_t m, k, n;
     const uint16_t *wb;
+    const float *wf;
     const int8_t *wi;
     const float *ws;
     float *y;
@@ -349,6 +346,7 @@ static void head_range(void *c, int64_t lo, int64_t hi) {
     head_ctx *h = c;
     int64_t r0 = lo * HEAD_UNIT, r1 = hi * HEAD_UNIT < h->n ? hi * HEAD_UNIT : h->n;
     if (h->wb) K()->head_bf16(h->x, h->m, h->k, h->wb, r0, r1, h->y, h->n);
+    else if (h->wf) K()->head_f32(h->x, h->m, h->k, h->wf, r0, r1, h->y, h->n);
     else K()->head_i8(h->xq, h->sx, h->m, h->k, h->wi, h->ws, r0, r1, h->y, h->n);
 }
 
@@ -385,12 +383,17 @@ static int run_head(head_ctx *h) {
 }
 
 int bn_gemm_bf16(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y) {
-    head_ctx h = {x, m, k, n, w, NULL, NULL, y, NULL, NULL};
+    head_ctx h = {x, m, k, n, w, NULL, NULL, NULL, y, NULL, NULL};
+    return run_head(&h);
+}
+
+int bn_gemm_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n, float *y) {
+    head_ctx h = {x, m, k, n, NULL, w, NULL, NULL, y, NULL, NULL};
     return run_head(&h);
 }
 
 int bn_gemm_i8row(const float *x, int64_t m, int64_t k, const int8_t *w, const float *wscale, int64_t n, float *y) {
-    head_ctx h = {x, m, k, n, NULL, w, wscale, y, NULL, NULL};
+    head_ctx h = {x, m, k, n, NULL, NULL, w, wscale, y, NULL, NULL};
     return run_head(&h);
 }
 

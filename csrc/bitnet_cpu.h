@@ -68,10 +68,13 @@ int bn_ternary_linear_multi_f32(const float *x, int64_t m, int64_t k, int count,
 int bn_ternary_linear_multi_f32_ld(const float *x, int64_t m, int64_t k, int count, const uint8_t *const *packed,
                                    const int64_t *n, const float *const *scale, float *const *y, int64_t ldy);
 
-/* float heads: y[m, n] = x[m, :] . W[n, :] for W in bf16 (uint16 bit patterns) or int8 with per-row scales
- * (y = wscale[n] * sum_k x[m, k] * q[n, k]); multithreaded over n. bf16: fp32 accumulation. int8: x is quantized
- * per row to int16 (error <= 1.5e-5 of max|x|) and the products summed exactly in int32 (vpmaddwd). */
+/* float heads: y[m, n] = x[m, :] . W[n, :] for W in bf16 (uint16 bit patterns), float32, or int8 with per-row
+ * scales (y = wscale[n] * sum_k x[m, k] * q[n, k]); multithreaded over n. bf16, float32: fp32 accumulation. int8: x
+ * is quantized per row to int16 (error <= 1.5e-5 of max|x|) and the products summed exactly in int32 (vpmaddwd).
+ * Batch-invariant: each y[i, :] is summed in an order fixed by k alone, so it is bit-identical whatever m is and
+ * whatever the other rows of x hold (a GEMM that blocks K by the row count would not be). */
 int bn_gemm_bf16(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y);
+int bn_gemm_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n, float *y);
 int bn_gemm_i8row(const float *x, int64_t m, int64_t k, const int8_t *w, const float *wscale, int64_t n, float *y);
 
 /* STREAM-like copy bandwidth helper: copies src to dst with the library's threads (bytes) */

@@ -12,7 +12,10 @@
  *       GQA: query head hq reads KV head hq / (n_heads / n_kv); fp32 scores and softmax
  *   h += o_proj(attn_sub_norm?(a)); x = rmsnorm(h, post_norm); h += down(ffn_sub_norm?(act(gate(x)) * up(x)))
  * act: relu2 = relu(g)^2 or silu. KV cache per layer [m, n_kv, S, D] in fp32 or bf16 (round to nearest even).
- * Not re-entrant and not to be run beside another call of the library from another thread (shared pool).
+ * Batch-invariant: every sum of a row (norms, attention from its first visible key, projections, the float heads of
+ * bitnet_cpu.h) runs in an order fixed by that row alone, so a row's result is bit-identical whatever the other rows
+ * of the call hold, their number, and the left padding of a batched prefill.
+ * Calls from several threads are safe, each with its own work buffer: they take turns on the shared thread pool.
  */
 #ifndef BITNET_DECODE_H
 #define BITNET_DECODE_H

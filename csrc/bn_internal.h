@@ -4,6 +4,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "bitnet_cpu.h"
 
@@ -32,8 +33,12 @@ typedef struct {
 
 typedef void (*bn_gemm_rows_fn)(const bn_gemm_args *g, int64_t r0, int64_t r1);
 typedef void (*bn_quant_fn)(const float *x, int64_t k, int8_t *xq, int64_t ldq, float *a, int32_t *xsum);
+/* float heads: y[i * ldy + r] = x[i, :] . w[r, :] for rows r in [r0, r1), each summed in an order that depends on k
+ * only (never on m or the row range), so a token's logits do not depend on the other tokens of the call */
 typedef void (*bn_head_bf16_fn)(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t r0, int64_t r1,
                                 float *y, int64_t ldy);
+typedef void (*bn_head_f32_fn)(const float *x, int64_t m, int64_t k, const float *w, int64_t r0, int64_t r1, float *y,
+                               int64_t ldy);
 /* int8 head: activations pre-quantized per row to int16 (xq, scale sx), weights int8 with row scales ws;
  * y = (sum over 4096-element chunks of float(exact int32 chunk sum)) * (ws[r] * sx[i]): the same on every path */
 #define BN_I8_CHUNK 4096
@@ -44,8 +49,17 @@ typedef struct {
     bn_gemm_rows_fn gemm_rows;
     bn_quant_fn quant_row;
     bn_head_bf16_fn head_bf16;
+    bn_head_f32_fn head_f32;
     bn_head_i8_fn head_i8;
 } bn_kernels;
+
+/* bf16 bits -> float32 (exact) */
+static inline float bn_bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
 
 /* cpu-2bit-v2 addressing: rows come in groups of 4 whose blocks are interleaved, so the 4-row decode kernel
  * reads one sequential stream (the hardware prefetcher follows it; four separate row streams it did not).
@@ -83,11 +97,14 @@ extern const bn_kernels bn_kernels_neon;
 void bn_quant_row_scalar(const float *x, int64_t k, int8_t *xq, int64_t ldq, float *a, int32_t *xsum);
 void bn_head_bf16_scalar(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t r0, int64_t r1, float *y,
                          int64_t ldy);
+void bn_head_f32_scalar(const float *x, int64_t m, int64_t k, const float *w, int64_t r0, int64_t r1, float *y,
+                        int64_t ldy);
 void bn_head_i8_scalar(const int16_t *xq, const float *sx, int64_t m, int64_t k, const int8_t *w, const float *ws,
                        int64_t r0, int64_t r1, float *y, int64_t ldy);
 
-/* software prefetch distance in bytes for the streaming (decode) kernels; 0 = off. BITNETLM_PREFETCH */
-extern int64_t bn_prefetch_bytes;
+/* software prefetch distance in bytes for the streaming (decode) kernels: the best of 1-16 KiB for decode on the
+ * 2-core EPYC (benchmarks/cpu_decode.py) */
+#define BN_PREFETCH_BYTES 8192
 
 /* thread pool (threads.c) */
 typedef void (*bn_range_fn)(void *ctx, int64_t begin, int64_t end);

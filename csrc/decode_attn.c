@@ -102,6 +102,9 @@ static float softmax_portable(float *row, int64_t n) {
 }
 
 /* ---- the task ---------------------------------------------------------------------------------------------- */
+/* The keys before a row's first visible one (a left-padded prompt's padding) are left out, not masked: the sums
+ * then run over the same keys in the same order (the vector lanes counted from the first visible key) as for the
+ * same tokens without padding, so a prompt's result does not depend on the other prompts it is batched with. */
 static void attn_task(const attn_ctx *A, int64_t task, scores_fn scores, softmax_fn softmax, values_fn values) {
     const bn_decode_config *c = A->c;
     int64_t D = c->head_dim, S = c->max_seq, H = c->n_heads;
@@ -109,18 +112,20 @@ static void attn_task(const attn_ctx *A, int64_t task, scores_fn scores, softmax
     int64_t g = task / A->tasks_per_row_group % c->n_kv;
     int64_t h0 = g * A->rep + task % A->tasks_per_row_group * A->per_task;
     int64_t nh = A->per_task < g * A->rep + A->rep - h0 ? A->per_task : g * A->rep + A->rep - h0;
-    int64_t n = A->slot[i] + 1, pos = A->slot[i], r = i / A->t;
+    int64_t pos = A->slot[i], r = i / A->t;
     int bf16 = c->kv_dtype == BN_KV_BF16;
     size_t esz = bf16 ? 2 : 4;
     const uint8_t *ok = A->valid + r * S;
-    int64_t base = (r * c->n_kv + g) * S * D; /* element offset of (cache row r, KV head g, slot 0) */
-    float *sc = A->scores + (i * H + h0) * S; /* nh rows of S */
+    int64_t j0 = 0; /* key j is visible if it holds a real token at or before this slot; a padding query sees itself */
+    while (j0 < pos && !ok[j0]) j0++;
+    int64_t n = pos + 1 - j0;
+    int64_t base = ((r * c->n_kv + g) * S + j0) * D; /* element offset of (cache row r, KV head g, slot j0) */
+    float *sc = A->scores + (i * H + h0) * S;        /* nh rows of S: key j0 + j's score at [j] */
     float inv[HEAD_BLOCK];
     scores(A->q + i * A->q_ld + h0 * D, nh, (const char *)A->kc + base * esz, bf16, n, D, S,
            1.0f / sqrtf((float)D), sc);
-    /* key j is visible if it holds a real token at or before this slot; a padding query sees itself */
     for (int64_t j = 0; j < n; j++)
-        if (!ok[j] && j != pos)
+        if (!ok[j0 + j] && j0 + j != pos)
             for (int64_t h = 0; h < nh; h++) sc[h * S + j] = -INFINITY;
     for (int64_t h = 0; h < nh; h++) inv[h] = 1.0f / softmax(sc + h * S, n);
     values(sc, nh, (const char *)A->vc + base * esz, bf16, n, D, S, inv, A->out + i * H * D + h0 * D);

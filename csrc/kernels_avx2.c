@@ -73,7 +73,7 @@ static void gemv_4rows(const bn_gemm_args *g, int64_t r, int64_t i) {
     __m256i acc0 = _mm256_setzero_si256(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
     const uint8_t *w = bn_row(g, r);
     const int8_t *x = g->xq + i * g->ldx;
-    const int64_t pf = bn_prefetch_bytes;
+    const int64_t pf = BN_PREFETCH_BYTES;
     /* int16 sums over up to I16_BLOCKS blocks before one widening vpmaddwd (bounds: see tile_1xT): fewer
      * instructions per weight byte, which is what bounds this loop when the cores, not memory, are slow */
     for (int64_t b0 = 0; b0 < g->nblk; b0 += I16_BLOCKS) {
@@ -255,7 +255,7 @@ static void head_bf16_avx2(const float *x, int64_t m, int64_t k, const uint16_t 
     int64_t k32 = k & ~(int64_t)31;
     for (int64_t r = r0; r < r1; r++) {
         const uint16_t *wr = w + r * k;
-        const int64_t pf = bn_prefetch_bytes;
+        const int64_t pf = BN_PREFETCH_BYTES;
         for (int64_t i = 0; i < m; i++) {
             const float *xi = x + i * k;
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -271,18 +271,53 @@ static void head_bf16_avx2(const float *x, int64_t m, int64_t k, const uint16_t 
 #undef BF
             }
             float acc = hsum_f32(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-            for (int64_t j = k32; j < k; j++) {
-                union { uint32_t u; float f; } cv = {(uint32_t)wr[j] << 16};
-                acc += xi[j] * cv.f;
-            }
+            for (int64_t j = k32; j < k; j++) acc += xi[j] * bn_bf16_to_f32(wr[j]);
             y[i * ldy + r] = acc;
         }
     }
 }
 
+/* rows r .. r + R - 1 of W against one activation row: two 8-lane accumulators per row over 16-float steps, then
+ * a scalar tail; R = 4 shares each activation load among four weight streams, R = 1 is the same sum for a row
+ * left over (each row's order is the same either way) */
+BN_INLINE void head_f32_rows(const float *xi, int64_t k, const float *w, int64_t r, float *y, const int R,
+                              int fetch) {
+    const int64_t pf = fetch ? BN_PREFETCH_BYTES : 0, k16 = k & ~(int64_t)15;
+    __m256 a0[4], a1[4];
+    for (int q = 0; q < R; q++) a0[q] = a1[q] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < k16; j += 16) {
+        __m256 x0 = _mm256_loadu_ps(xi + j), x1 = _mm256_loadu_ps(xi + j + 8);
+        for (int q = 0; q < R; q++) {
+            const float *wq = w + (r + q) * k + j;
+            if (pf) _mm_prefetch((const char *)wq + pf, _MM_HINT_T0); /* 16 floats: one 64-byte line */
+            a0[q] = _mm256_fmadd_ps(_mm256_loadu_ps(wq), x0, a0[q]);
+            a1[q] = _mm256_fmadd_ps(_mm256_loadu_ps(wq + 8), x1, a1[q]);
+        }
+    }
+    for (int q = 0; q < R; q++) {
+        const float *wq = w + (r + q) * k;
+        float acc = hsum_f32(_mm256_add_ps(a0[q], a1[q]));
+        for (int64_t j = k16; j < k; j++) acc += xi[j] * wq[j];
+        y[q] = acc;
+    }
+}
+
+static void head_f32_avx2(const float *x, int64_t m, int64_t k, const float *w, int64_t r0, int64_t r1, float *y,
+                          int64_t ldy) {
+    float out[4];
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4) /* the 4 rows stay in L1 while every activation row passes */
+        for (int64_t i = 0; i < m; i++) {
+            head_f32_rows(x + i * k, k, w, r, out, 4, i == 0);
+            for (int q = 0; q < 4; q++) y[i * ldy + r + q] = out[q];
+        }
+    for (; r < r1; r++)
+        for (int64_t i = 0; i < m; i++) head_f32_rows(x + i * k, k, w, r, y + i * ldy + r, 1, i == 0);
+}
+
 static void head_i8_avx2(const int16_t *xq, const float *sx, int64_t m, int64_t k, const int8_t *w, const float *ws,
                          int64_t r0, int64_t r1, float *y, int64_t ldy) {
-    const int64_t pf = bn_prefetch_bytes;
+    const int64_t pf = BN_PREFETCH_BYTES;
     for (int64_t r = r0; r < r1; r++) {
         const int8_t *wr = w + r * k;
         for (int64_t i = 0; i < m; i++) {
@@ -309,7 +344,7 @@ static void head_i8_avx2(const int16_t *xq, const float *sx, int64_t m, int64_t 
     }
 }
 
-const bn_kernels bn_kernels_avx2 = {gemm_rows_avx2, quant_row_avx2, head_bf16_avx2, head_i8_avx2};
+const bn_kernels bn_kernels_avx2 = {gemm_rows_avx2, quant_row_avx2, head_bf16_avx2, head_f32_avx2, head_i8_avx2};
 
 #if defined(__clang__)
 #pragma clang attribute pop

@@ -47,7 +47,7 @@ static void gemv_4rows(const bn_gemm_args *g, int64_t r, int64_t i) {
     __m512i acc0 = _mm512_setzero_si512(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
     const uint8_t *w0 = bn_row(g, r); /* r % 4 == 0: the group's blocks are one stream */
     const int8_t *x = g->xq + i * g->ldx;
-    const int64_t pf = bn_prefetch_bytes;
+    const int64_t pf = BN_PREFETCH_BYTES;
     for (int64_t b = 0; b < g->nblk; b++) {
         if (pf) {
             _mm_prefetch((const char *)(w0 + BN_BSTRIDE * b + pf), _MM_HINT_T0);
@@ -104,12 +104,16 @@ static void head_bf16(const float *x, int64_t m, int64_t k, const uint16_t *w, i
                       int64_t ldy) {
     bn_kernels_avx2.head_bf16(x, m, k, w, r0, r1, y, ldy);
 }
+static void head_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t r0, int64_t r1, float *y,
+                     int64_t ldy) {
+    bn_kernels_avx2.head_f32(x, m, k, w, r0, r1, y, ldy);
+}
 static void head_i8(const int16_t *xq, const float *sx, int64_t m, int64_t k, const int8_t *w, const float *ws,
                     int64_t r0, int64_t r1, float *y, int64_t ldy) {
     bn_kernels_avx2.head_i8(xq, sx, m, k, w, ws, r0, r1, y, ldy);
 }
 
-const bn_kernels bn_kernels_avx512 = {gemm_rows_avx512, quant_row, head_bf16, head_i8};
+const bn_kernels bn_kernels_avx512 = {gemm_rows_avx512, quant_row, head_bf16, head_f32, head_i8};
 
 #if defined(__clang__)
 #pragma clang attribute pop

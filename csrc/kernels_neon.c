@@ -76,10 +76,27 @@ static void head_bf16_neon(const float *x, int64_t m, int64_t k, const uint16_t 
     }
 }
 
+static void head_f32_neon(const float *x, int64_t m, int64_t k, const float *w, int64_t r0, int64_t r1, float *y,
+                          int64_t ldy) {
+    int64_t k4 = k & ~(int64_t)3;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *wr = w + r * k;
+        for (int64_t i = 0; i < m; i++) {
+            const float *xi = x + i * k;
+            float32x4_t acc = vdupq_n_f32(0.0f);
+            for (int64_t j = 0; j < k4; j += 4) acc = vfmaq_f32(acc, vld1q_f32(wr + j), vld1q_f32(xi + j));
+            float s = vaddvq_f32(acc);
+            float t = 0.0f;
+            if (k4 < k) bn_head_f32_scalar(xi + k4, 1, k - k4, wr + k4, 0, 1, &t, 1);
+            y[i * ldy + r] = s + t;
+        }
+    }
+}
+
 static void head_i8_neon(const int16_t *xq, const float *sx, int64_t m, int64_t k, const int8_t *w, const float *ws,
                          int64_t r0, int64_t r1, float *y, int64_t ldy) {
     bn_head_i8_scalar(xq, sx, m, k, w, ws, r0, r1, y, ldy);
 }
 
-const bn_kernels bn_kernels_neon = {gemm_rows_neon, quant_row_neon, head_bf16_neon, head_i8_neon};
+const bn_kernels bn_kernels_neon = {gemm_rows_neon, quant_row_neon, head_bf16_neon, head_f32_neon, head_i8_neon};
 #endif

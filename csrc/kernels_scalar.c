@@ -4,13 +4,6 @@
 
 #include "bn_internal.h"
 
-static inline float bn_bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 void bn_quant_row_scalar(const float *x, int64_t k, int8_t *xq, int64_t ldq, float *a, int32_t *xsum) {
     float m = 0.0f;
     for (int64_t i = 0; i < k; i++) {
@@ -67,6 +60,19 @@ void bn_head_bf16_scalar(const float *x, int64_t m, int64_t k, const uint16_t *w
     }
 }
 
+void bn_head_f32_scalar(const float *x, int64_t m, int64_t k, const float *w, int64_t r0, int64_t r1, float *y,
+                        int64_t ldy) {
+    for (int64_t r = r0; r < r1; r++) {
+        const float *wr = w + r * k;
+        for (int64_t i = 0; i < m; i++) {
+            const float *xi = x + i * k;
+            float acc = 0.0f;
+            for (int64_t j = 0; j < k; j++) acc += xi[j] * wr[j];
+            y[i * ldy + r] = acc;
+        }
+    }
+}
+
 void bn_head_i8_scalar(const int16_t *xq, const float *sx, int64_t m, int64_t k, const int8_t *w, const float *ws,
                        int64_t r0, int64_t r1, float *y, int64_t ldy) {
     for (int64_t r = r0; r < r1; r++) {
@@ -85,5 +91,6 @@ void bn_head_i8_scalar(const int16_t *xq, const float *sx, int64_t m, int64_t k,
     }
 }
 
-const bn_kernels bn_kernels_scalar = {gemm_rows_scalar, bn_quant_row_scalar, bn_head_bf16_scalar, bn_head_i8_scalar};
+const bn_kernels bn_kernels_scalar = {gemm_rows_scalar, bn_quant_row_scalar, bn_head_bf16_scalar, bn_head_f32_scalar,
+                                      bn_head_i8_scalar};
 

@@ -201,7 +201,7 @@ def test_float_heads_match_torch():
     w = torch.randn(301, 259, generator=gen)
     x = torch.randn(3, 259, generator=gen)
     wb = w.bfloat16()
-    torch.testing.assert_close(ops.gemm_bf16(x, wb), x @ wb.float().T, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(ops.gemm_float(x, wb), x @ wb.float().T, rtol=1e-5, atol=1e-4)
     q = torch.randint(-127, 128, (301, 259), generator=gen, dtype=torch.int8)
     ws = torch.rand(301, generator=gen) + 0.01
     want = (
@@ -219,7 +219,7 @@ def test_float_heads_match_torch():
         ops.gemm_i8row(xl, ql, torch.ones(5)), wl, rtol=1e-4, atol=1e-4 * wl.abs().max().item()
     )
     with cpuk.use_isa("scalar"):
-        torch.testing.assert_close(ops.gemm_bf16(x, wb), x @ wb.float().T, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(ops.gemm_float(x, wb), x @ wb.float().T, rtol=1e-5, atol=1e-4)
 
 
 def test_bad_packed_shape_is_a_clear_error():

@@ -357,3 +357,15 @@ def test_phase_timers(oracle_dirs, one_torch_thread):
         assert sum(phase_timers(False).values()) == 0  # read: zeroed
     finally:
         phase_timers(False)
+
+
+@pytest.mark.parametrize("head", ["bf16", "int8"])
+def test_compact_head_keeps_a_float_cache_and_the_fused_step(oracle_dirs, one_torch_thread, head):
+    """A model loaded with head_dtype bf16 / int8 (its embedding stored compactly) runs the fused step over a cache
+    of its activations' dtype, not of the compact embedding's storage."""
+    model = load_model(oracle_dirs["packed-autobitlinear"][0], backend="cpu", head_dtype=head).eval()
+    runner = CpuRunner(model, RuntimeConfig(), 1, 16)
+    assert runner.cache.k[0].dtype == torch.float32 and runner.fused is not None
+    prompt = torch.randint(3, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(2))
+    greedy_with_runner(runner, prompt, 4)
+    assert runner.fused.calls == 4

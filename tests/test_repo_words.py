@@ -11,13 +11,29 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PATTERN = re.compile(
-    r"\bstops? \d+\b|\bstop-\d+\b|\bdevice[ -](?:machine|tool)s?\b|\blent\b|\bCEO\b|\bsessions?\b", re.IGNORECASE
+    r"\bstops? \d+\b|\bstop-\d+\b|\bdevice[ -](?:machine|tool)s?\b|\blent\b|\bCEO\b|\bsessions?\b",
+    re.IGNORECASE,
 )
 ALLOWED = (
     'scope="session"',  # pytest's fixture scope
     "session-scoped",
 )
-TEXT = (".py", ".md", ".sh", ".c", ".h", ".toml", ".yaml", ".yml", ".txt", ".cfg", ".ini", ".html", ".js", ".css")
+TEXT = (
+    ".py",
+    ".md",
+    ".sh",
+    ".c",
+    ".h",
+    ".toml",
+    ".yaml",
+    ".yml",
+    ".txt",
+    ".cfg",
+    ".ini",
+    ".html",
+    ".js",
+    ".css",
+)
 
 
 def _tracked() -> list[Path]:
@@ -43,7 +59,13 @@ def test_no_work_log_words_in_tracked_files():
 
 
 def test_the_pattern_catches_what_it_must():
-    for bad in ("as stop 55 measured", "Stops 13-65", "the device machine lends", "lent to us", "this session"):
+    for bad in (
+        "as stop 55 measured",
+        "Stops 13-65",
+        "the device machine lends",
+        "lent to us",
+        "this session",
+    ):
         assert PATTERN.search(bad), bad
     for good in ('scope="session"', "stop_token_ids", "the stop string", "non-stop"):
         assert not PATTERN.search(good) or any(a in good for a in ALLOWED), good

@@ -110,35 +110,44 @@ class Attention(nn.Module):
                 cv.scatter_(2, idx, v.to(cv.dtype))
             k, v = cache.k[layer], cache.v[layer]
             if k.device.type == "cpu" and not torch.compiler.is_compiling():
-                # CPU decode: attend over the slots written so far only (later ones are masked out anyway)
+                # CPU: attend over the slots written so far only (later ones are masked out anyway), each row of a
+                # decode step over its own (torch's CPU attention sums differently with the number of keys: a row
+                # would otherwise compute something else beside longer rows)
+                if t == 1 and b > 1:
+                    o = torch.cat(
+                        [self._attend_row(q, k, v, mask, i, int(cache_pos[i, -1]) + 1) for i in range(b)]
+                    )
+                    return self._out(o, b, t)
                 n = int(cache_pos.max()) + 1
                 k, v, mask = k[:, :, :n], v[:, :, :n], mask[..., :n]
             k, v = k.to(q.dtype), v.to(q.dtype)
+        return self._out(self._attend(q, k, v, mask), b, t)
+
+    def _attend_row(self, q, k, v, mask, i: int, n: int) -> torch.Tensor:
+        """Row i's attention over its first n slots."""
+        sl = slice(i, i + 1)
+        return self._attend(q[sl], k[sl, :, :n].to(q.dtype), v[sl, :, :n].to(q.dtype), mask[sl, ..., :n])
+
+    def _attend(self, q, k, v, mask) -> torch.Tensor:
+        """Scaled dot-product attention of q [B, H, T, D] over k, v [B, Hkv, S, D] -> [B, H, T, D]."""
+        b, t = q.shape[0], q.shape[2]
         if self.n_kv != self.n_heads and mask is not None:
             # GQA without copying K/V per head: the `rep` query heads of one KV head become rep*T query rows
             rep = self.n_heads // self.n_kv
             qg = q.reshape(b, self.n_kv, rep * t, self.head_dim)  # [B, Hkv, rep*T, D]
             mg = mask[:, :, None].expand(b, 1, rep, t, mask.shape[-1]).reshape(b, 1, rep * t, mask.shape[-1])
-            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mg).reshape(
+            return F.scaled_dot_product_attention(qg, k, v, attn_mask=mg).reshape(
                 b, self.n_heads, t, self.head_dim
             )
-        else:
-            if self.n_kv != self.n_heads:
-                rep = self.n_heads // self.n_kv
-                k = (
-                    k[:, :, None]
-                    .expand(b, self.n_kv, rep, *k.shape[2:])
-                    .reshape(b, self.n_heads, *k.shape[2:])
-                )
-                v = (
-                    v[:, :, None]
-                    .expand(b, self.n_kv, rep, *v.shape[2:])
-                    .reshape(b, self.n_heads, *v.shape[2:])
-                )
-            if mask is None:
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1)
-            else:
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if self.n_kv != self.n_heads:
+            rep = self.n_heads // self.n_kv
+            k = k[:, :, None].expand(b, self.n_kv, rep, *k.shape[2:]).reshape(b, self.n_heads, *k.shape[2:])
+            v = v[:, :, None].expand(b, self.n_kv, rep, *v.shape[2:]).reshape(b, self.n_heads, *v.shape[2:])
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=t > 1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def _out(self, o: torch.Tensor, b: int, t: int) -> torch.Tensor:
         o = o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # [B, T, H*D]
         if self.attn_sub_norm is not None:
             o = self.attn_sub_norm(o)

@@ -3,14 +3,17 @@ and the CPU-side model options: the compact embedding + LM head (bf16 / int8) an
 
 A model runs fused when its projections are inference BitLinears on the "cpu" backend without biases, its
 norms fp32 RMSNorms, its activation relu2 or silu; otherwise (and for a step the C code does not take) the
-model's own layers run, through the same C projections.
+model's own layers run, through the same C projections. A float LM head runs in C either way (`logits`): a
+row's logits then do not depend on the other rows of the batch.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from bitnetlm.kernels import configure_threads
+from bitnetlm.kernels import cpu as cpu_kernels
 from bitnetlm.kernels.cpu.decode import PROJ, FusedStep, LayerTensors, StepShape, accepts
 from bitnetlm.kernels.cpu.decode import why_not as _kernel_why_not
 from bitnetlm.kernels.cpu.head import HEAD_DTYPES, CompactEmbedding, CompactHead
@@ -71,7 +74,7 @@ def fused_step(model) -> FusedStep | str:
 
 def fused_forward(
     model,
-    step: FusedStep,
+    step: FusedStep | None,
     ids,
     positions=None,
     cache=None,
@@ -80,24 +83,44 @@ def fused_forward(
     last_only: bool = False,
     return_hidden: bool = False,
 ):
-    """`model(ids, positions, cache, ...)` with its layers in one C call (the same arguments and results); the
-    model's own layers run where the step does not qualify (no cache the C code takes, autograd on)."""
+    """`model(ids, positions, cache, ...)` with its layers in one C call and its float LM head in C (the same
+    arguments and results); the model's own layers run where the step does not qualify (step None, or a cache or
+    shape the C code does not take), and the model's own forward without a cache or with autograd on."""
     b, t = ids.shape
+    if cache is None or torch.is_grad_enabled():
+        return model(ids, positions, cache, cache_pos, input_mask, last_only, return_hidden)
     if positions is None:
         positions = torch.arange(t, device=ids.device).expand(b, t)
     cache_pos = positions if cache_pos is None else cache_pos
-    ok = cache is not None and not torch.is_grad_enabled()
-    h = model.embed(ids) if ok else None
-    ok = ok and h.dtype == torch.float32
-    if not (ok and accepts(step.shape, step.n_layers, cache.k, cache.v, cache.valid, b, t, cache_pos)):
-        return model(ids, positions, cache, cache_pos, input_mask, last_only, return_hidden)
+    h = model.embed(ids)
     cos, sin = model.rope(positions, h.dtype)
     cache.mark(cache_pos, input_mask)
-    h = step(h, cos, sin, cache.k, cache.v, cache.valid, cache_pos)
+    fused = step is not None and h.dtype == torch.float32
+    if fused and accepts(step.shape, step.n_layers, cache.k, cache.v, cache.valid, b, t, cache_pos):
+        h = step(h, cos, sin, cache.k, cache.v, cache.valid, cache_pos)
+    else:  # CausalLM.forward's layers
+        mask = cache.attention_mask(cache_pos)
+        for i, layer in enumerate(model.layers):
+            h = layer(h, cos, sin, i, cache, cache_pos, mask)
     if last_only:
         h = h[:, -1:]
-    out = model.logits(h)
+    out = logits(model, h)
     return (out, h) if return_hidden else out
+
+
+def logits(model, h: torch.Tensor) -> torch.Tensor:
+    """`model.logits(h)` (final norm + LM head), a float32 or bf16 head through the C kernels. torch's float GEMM
+    picks its kernel, and with it each row's summation order, by the number of rows, so a row's logits would
+    depend on what else is in the batch; the C kernel sums every row alike (a compact head is C already)."""
+    w, head = model.lm_head_weight(), model.lm_head
+    plain = head is None or (type(head) is nn.Linear and head.bias is None)
+    if not (plain and h.dtype == torch.float32 and w.dtype in (torch.float32, torch.bfloat16)):
+        return model.logits(h)
+    if w.device.type != "cpu" or not w.is_contiguous() or not cpu_kernels.available():
+        return model.logits(h)
+    from bitnetlm.kernels.cpu import ops  # registers the custom ops: on first use
+
+    return ops.head_float(model.norm(h), w)
 
 
 class CpuRunner(EagerRunner):
@@ -110,8 +133,6 @@ class CpuRunner(EagerRunner):
         self.why_not = built if isinstance(built, str) else None
 
     def forward(self, ids, positions, cache, cache_pos=None, input_mask=None) -> torch.Tensor:
-        if self.fused is None:
-            return super().forward(ids, positions, cache, cache_pos, input_mask)
         out = fused_forward(
             self.model, self.fused, ids, positions, cache, cache_pos, input_mask, last_only=True
         )

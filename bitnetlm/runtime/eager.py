@@ -34,7 +34,7 @@ class EagerRunner:
         self.device = model_device(model)
         self.rows, self.max_seq_len = rows, max_seq_len
         self.vocab_size = model.config.vocab_size
-        act = model.embed_tokens.weight.dtype
+        act = model.norm.weight.dtype  # (the embedding's may be a compact head's int8 or bf16 storage)
         self.cache = model.new_cache(rows, max_seq_len, device=self.device, dtype=config.kv_dtype(act))
         self.lengths = [0] * rows  # positions each row holds
         self.carry: dict[int, int] = {}  # row -> its last sample(carry=True) token

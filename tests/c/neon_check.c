@@ -14,7 +14,8 @@
  *     even, clamp), bit for bit, with the padding zeroed, on both paths;
  *   - bn_ternary_linear_f32: float(X . T) * (s / a) from the oracle's X and a, bit for bit, both paths, 1 and 2
  *     threads;
- *   - bn_gemm_bf16: within the fp32 dot-product error bound (below) of a double-precision sum, both paths;
+ *   - bn_gemm_bf16, bn_gemm_f32: within the fp32 dot-product error bound (below) of a double-precision sum, both
+ *     paths, and each row alone bit-identical to the same row inside a call of several rows;
  *   - bn_gemm_i8row: NEON bit-identical to scalar, both within the int16 quantization bound of a double sum;
  *   - bn_decode_forward_f32 (one or two fused layers, decode and prefill): NEON bit-identical to scalar. On
  *     AArch64 the only instruction-set-dependent pieces of the step are its ternary projections (bit-exact
@@ -253,50 +254,62 @@ static double from_bf16(uint16_t h) {
     return f;
 }
 
-/* bf16 head. Tolerance: a float32 dot product of k terms, summed in any order (sequential, 4 lanes + a tree,
- * with or without fused multiply-adds), is within gamma_k * sum |x_j w_j| of the exact value, gamma_k =
- * k u / (1 - k u), u = 2^-24 (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., eq. 3.5 and sec.
- * 3.1: the bound holds for every order of summation). The double sum stands in for the exact one (its own error
- * is ~2^-29 of that bound). The order differs between the paths (scalar: one chain of rounded products; NEON:
- * 4 fma lanes, a horizontal add, a scalar tail), so they are not compared bit for bit. A lost or doubled term
- * (|x_j w_j| about sum / k) exceeds the bound while k^2 u < 1, i.e. for every k below 4096. */
-static void check_bf16(int64_t m, int64_t n, int64_t k, uint64_t case_id) {
+/* Float heads (bf16 or float32 weights). Tolerance: a float32 dot product of k terms, summed in any order
+ * (sequential, 4 lanes + a tree, with or without fused multiply-adds), is within gamma_k * sum |x_j w_j| of the
+ * exact value, gamma_k = k u / (1 - k u), u = 2^-24 (Higham, Accuracy and Stability of Numerical Algorithms, 2nd
+ * ed., eq. 3.5 and sec. 3.1: the bound holds for every order of summation). The double sum stands in for the exact
+ * one (its own error is ~2^-29 of that bound). The order differs between the paths (scalar: one chain of rounded
+ * products; NEON: 4 fma lanes, a horizontal add, a scalar tail), so they are not compared bit for bit. A lost or
+ * doubled term (|x_j w_j| about sum / k) exceeds the bound while k^2 u < 1, i.e. for every k below 4096. */
+static void check_float_head(int64_t m, int64_t n, int64_t k, uint64_t case_id, int f32) {
+    const char *name = f32 ? "bn_gemm_f32" : "bn_gemm_bf16";
     char shape[96];
     snprintf(shape, sizeof shape, "m=%lld n=%lld k=%lld", (long long)m, (long long)n, (long long)k);
     seed(5000 + case_id);
     float *x = xmalloc(sizeof(float) * (size_t)(m * k)), *y = xmalloc(sizeof(float) * (size_t)(m * n));
     uint16_t *w = xmalloc(sizeof(uint16_t) * (size_t)(n * k));
+    float *wf = xmalloc(sizeof(float) * (size_t)(n * k));
     for (int64_t e = 0; e < m * k; e++) x[e] = rand_f(-2.0f, 2.0f);
-    for (int64_t e = 0; e < n * k; e++) w[e] = to_bf16_trunc(rand_f(-1.0f, 1.0f));
+    for (int64_t e = 0; e < n * k; e++) {
+        w[e] = to_bf16_trunc(rand_f(-1.0f, 1.0f));
+        wf[e] = f32 ? rand_f(-1.0f, 1.0f) : (float)from_bf16(w[e]);
+    }
     double *want = xmalloc(sizeof(double) * (size_t)(m * n)), *tol = xmalloc(sizeof(double) * (size_t)(m * n));
     const double u = 1.0 / 16777216.0, gamma = (double)k * u / (1.0 - (double)k * u);
     for (int64_t i = 0; i < m; i++)
         for (int64_t j = 0; j < n; j++) {
             double s = 0.0, a = 0.0;
             for (int64_t e = 0; e < k; e++) {
-                double pr = (double)x[i * k + e] * from_bf16(w[j * k + e]);
+                double pr = (double)x[i * k + e] * wf[j * k + e];
                 s += pr;
                 a += fabs(pr);
             }
             want[i * n + j] = s;
             tol[i * n + j] = gamma * a;
         }
+    float *y1 = xmalloc(sizeof(float) * (size_t)n);
     for (int pi = 0; pi < 2; pi++)
         for (int ti = 0; ti < 2; ti++) {
             set_path(PATHS[pi], THREADS[ti]);
             memset(y, 0xff, sizeof(float) * (size_t)(m * n));
-            int rc = bn_gemm_bf16(x, m, k, w, n, y);
+            int rc = f32 ? bn_gemm_f32(x, m, k, wf, n, y) : bn_gemm_bf16(x, m, k, w, n, y);
             g_checks++;
-            if (rc != 0) report("bn_gemm_bf16 rc", PATHS[pi], THREADS[ti], shape, "-", "got %d want 0", rc);
+            if (rc != 0) report(name, PATHS[pi], THREADS[ti], shape, "-", "rc %d, want 0", rc);
             for (int64_t e = 0; e < m * n; e++)
                 if (!(fabs((double)y[e] - want[e]) <= tol[e])) {
                     char idx[48];
                     snprintf(idx, sizeof idx, "[%lld,%lld]", (long long)(e / n), (long long)(e % n));
-                    report("bn_gemm_bf16", PATHS[pi], THREADS[ti], shape, idx, "got %.9g want %.9g +- %.3g", y[e], want[e],
+                    report(name, PATHS[pi], THREADS[ti], shape, idx, "got %.9g want %.9g +- %.3g", y[e], want[e],
                            tol[e]);
                 }
+            /* batch invariance: each row alone gives the same bits as inside the m-row call */
+            for (int64_t i = 0; i < m; i++) {
+                f32 ? bn_gemm_f32(x + i * k, 1, k, wf, n, y1) : bn_gemm_bf16(x + i * k, 1, k, w, n, y1);
+                check_bits(f32 ? "bn_gemm_f32 row alone" : "bn_gemm_bf16 row alone", PATHS[pi], THREADS[ti], shape,
+                           "", y1, y + i * n, 1, n);
+            }
         }
-    free(x); free(y); free(w); free(want); free(tol);
+    free(x); free(y); free(y1); free(w); free(wf); free(want); free(tol);
 }
 
 /* int8 head: the NEON path reuses the scalar kernel today; it must stay bit-identical to it (bitnet_cpu.h: "the
@@ -561,9 +574,10 @@ int main(int argc, char **argv) {
     static const int64_t heads[][3] = {{1, 1, 1}, {1, 5, 3},  {2, 7, 5},   {3, 17, 31},  {1, 33, 127},
                                        {9, 16, 128}, {2, 40, 300}, {1, 20, 2560}, {3, 9, 4097}};
     for (size_t a = 0; a < sizeof heads / sizeof heads[0]; a++) {
-        check_bf16(heads[a][0], heads[a][1], heads[a][2], id++);
+        check_float_head(heads[a][0], heads[a][1], heads[a][2], id++, 0);
+        check_float_head(heads[a][0], heads[a][1], heads[a][2], id++, 1);
         check_i8row(heads[a][0], heads[a][1], heads[a][2], id++);
-        cases += 2;
+        cases += 3;
     }
 
     /* fused decode (b rows, t = 1) and prefill (t > 1) */

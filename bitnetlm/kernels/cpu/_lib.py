@@ -53,6 +53,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "bn_ternary_linear_multi_f32": (_i32, [_vp, _i64, _i64, _i32, _vp, _vp, _vp, _vp]),
         "bn_ternary_linear_multi_f32_ld": (_i32, [_vp, _i64, _i64, _i32, _vp, _vp, _vp, _vp, _i64]),
         "bn_gemm_bf16": (_i32, [_vp, _i64, _i64, _vp, _i64, _vp]),
+        "bn_gemm_f32": (_i32, [_vp, _i64, _i64, _vp, _i64, _vp]),
         "bn_gemm_i8row": (_i32, [_vp, _i64, _i64, _vp, _vp, _i64, _vp]),
         "bn_parallel_copy": (None, [_vp, _vp, _i64]),
         "bn_parallel_read": (ctypes.c_uint64, [_vp, _i64]),

@@ -70,10 +70,10 @@ class CompactHead(nn.Module):
             from bitnetlm.kernels import cpu
 
             if cpu.available():
-                from bitnetlm.kernels.cpu.ops import head_bf16, head_i8
+                from bitnetlm.kernels.cpu.ops import head_float, head_i8
 
                 if self.scale is None:
-                    return head_bf16(h, self.weight)
+                    return head_float(h, self.weight)
                 return head_i8(h, self.weight, self.scale)
         if self.scale is None:
             return torch.nn.functional.linear(h.to(torch.bfloat16), self.weight).float()

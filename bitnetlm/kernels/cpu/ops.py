@@ -143,16 +143,21 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(x.shape), a.reshape(*x.shape[:-1], 1)
 
 
-def gemm_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """float32 x [..., K] @ bf16 W[N, K]^T in float32 (the bf16 LM head without a float32 weight copy)."""
-    if w.dtype != torch.bfloat16 or w.dim() != 2 or not w.is_contiguous():
-        raise ValueError(f"gemm_bf16: weight must be contiguous bf16 [N, K], found {w.dtype} {list(w.shape)}")
+def gemm_float(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """float32 x [..., K] @ W[N, K]^T in float32 for a bf16 or float32 W (a float LM head). Every row of x is summed
+    in one fixed order whatever the number of rows, so its logits do not depend on the other rows (torch's float
+    GEMM picks its kernel, and with it the summation order, by the row count)."""
+    fns = {torch.bfloat16: "bn_gemm_bf16", torch.float32: "bn_gemm_f32"}
+    if w.dtype not in fns or w.dim() != 2 or not w.is_contiguous():
+        raise ValueError(
+            f"gemm_float: weight must be contiguous bf16 or float32 [N, K], found {w.dtype} {list(w.shape)}"
+        )
     k = x.shape[-1]
     if w.shape[1] != k:
-        raise ValueError(f"gemm_bf16: x has K={k}, weight has K={w.shape[1]}")
+        raise ValueError(f"gemm_float: x has K={k}, weight has K={w.shape[1]}")
     x2 = _as_f32_2d(x)
     y = torch.empty((x2.shape[0], w.shape[0]), dtype=torch.float32)
-    lib().bn_gemm_bf16(x2.data_ptr(), x2.shape[0], k, w.data_ptr(), w.shape[0], y.data_ptr())
+    getattr(lib(), fns[w.dtype])(x2.data_ptr(), x2.shape[0], k, w.data_ptr(), w.shape[0], y.data_ptr())
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
@@ -210,12 +215,12 @@ def _(xq, packed, out_features):
     return xq.new_empty((*xq.shape[:-1], out_features), dtype=torch.int32)
 
 
-@torch.library.custom_op("bitnetlm::cpu_gemm_bf16", mutates_args=())
-def cpu_gemm_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return gemm_bf16(x, w)
+@torch.library.custom_op("bitnetlm::cpu_gemm_float", mutates_args=())
+def cpu_gemm_float(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return gemm_float(x, w)
 
 
-@cpu_gemm_bf16.register_fake
+@cpu_gemm_float.register_fake
 def _(x, w):
     return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.float32)
 
@@ -246,8 +251,8 @@ def linear_multi(x, packed, scales, out_features):
     return ternary_linear_multi(x, packed, scales, out_features)
 
 
-def head_bf16(x, w):
-    return cpu_gemm_bf16(x, w) if _compiling() else gemm_bf16(x, w)
+def head_float(x, w):
+    return cpu_gemm_float(x, w) if _compiling() else gemm_float(x, w)
 
 
 def head_i8(x, w, wscale):
