@@ -1,7 +1,7 @@
 """CPU kernel backend "cpu": the C library in csrc/ (AVX-512 VNNI / AVX2 / NEON / scalar, multithreaded).
 
 Layout PackingFormat.CPU_2BIT ("cpu-2bit-v2", see layout.py). Without the built library (no compiler at
-install time, or BITNETLM_DISABLE_CEXT=1) `BACKEND.is_available()` is False and dispatch falls back to
+install time) `BACKEND.is_available()` is False and dispatch falls back to
 the reference backend.
 
 Threads: `set_num_threads(n)` (default: physical cores; env BITNETLM_NUM_THREADS). Instruction set:

@@ -1,7 +1,6 @@
 """Finding and loading the C kernel library (csrc/, built by setup.py) through ctypes.
 
 The library is plain C with no Python headers: `bitnetlm/kernels/_bitnet_cpu<EXT_SUFFIX>`.
-Set BITNETLM_DISABLE_CEXT=1 to pretend it is absent (the package then uses the reference backend).
 """
 
 from __future__ import annotations
@@ -71,9 +70,6 @@ def load() -> ctypes.CDLL | None:
     if _tried:
         return _lib
     _tried = True
-    if os.environ.get("BITNETLM_DISABLE_CEXT", "") not in ("", "0"):
-        _error = "disabled by BITNETLM_DISABLE_CEXT"
-        return None
     path = library_path()
     if path is None:
         _error = "the C kernel library was not built (pip install -e . needs a C compiler)"

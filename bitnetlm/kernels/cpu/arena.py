@@ -5,14 +5,13 @@ stop at every page boundary and the TLB misses constantly; on 2 MiB transparent 
 read measurably faster (benchmarks/cpu_kernels.py). Linux only grants huge pages to ranges marked with
 madvise(MADV_HUGEPAGE) (the common "madvise" THP mode) before they are first touched, so weights are copied
 into large arenas marked that way. Each tensor is a 64-byte aligned view into an arena; elsewhere (no Linux,
-THP off, BITNETLM_HUGEPAGES=0) the same code simply gives ordinary memory.
+THP off) the same code simply gives ordinary memory.
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
-import os
 import sys
 import threading
 
@@ -28,7 +27,7 @@ _madvise = None
 
 
 def enabled() -> bool:
-    return sys.platform.startswith("linux") and os.environ.get("BITNETLM_HUGEPAGES", "1") != "0"
+    return sys.platform.startswith("linux")
 
 
 def _advise(buf: torch.Tensor) -> None:
