@@ -7,7 +7,7 @@
 Each variant runs in its own subprocess so that peak memory (CUDA: max_memory_allocated; CPU: peak RSS
 growth over the process after model construction) belongs to it alone. Same model shape, same data, same
 optimizer (AdamW), same precision (bf16 autocast by default on CUDA; on CPU fp32 unless --precision bf16).
-Prints a markdown table naming the machine; the ratio row is QAT tokens/s / plain tokens/s.
+Prints a markdown table naming the machine and the date; the ratio row is QAT tokens/s / plain tokens/s.
 """
 
 from __future__ import annotations
@@ -20,26 +20,14 @@ import subprocess
 import sys
 import time
 
-
-def _machine(device: str) -> str:
-    import torch
-
-    if device.startswith("cuda"):
-        return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-    from bitnetlm.bench import cpu_model_name
-
-    return f"{cpu_model_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+import common
 
 
-def run_variant(args) -> dict:
-    import torch
+def model_config(args):
+    """The model both variants train: a bitnet block of the requested size, ternary for QAT."""
+    from bitnetlm.models import ModelConfig
 
-    from bitnetlm.models import ModelConfig, build_model
-    from bitnetlm.train.loop import init_weights
-
-    torch.manual_seed(0)
-    dev = torch.device(args.device)
-    cfg = ModelConfig(
+    return ModelConfig(
         arch="bitnet",
         vocab_size=args.vocab,
         hidden_size=args.hidden,
@@ -52,8 +40,18 @@ def run_variant(args) -> dict:
         eos_token_id=None,
         quant="ternary" if args.variant == "qat" else "none",
     )
+
+
+def run_variant(args) -> dict:
+    import torch
+
+    from bitnetlm.models import build_model
+    from bitnetlm.train.loop import init_weights
+
+    torch.manual_seed(0)
+    dev = torch.device(args.device)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    model = build_model(cfg, mode="train" if args.variant == "qat" else "fp").to(dev)
+    model = build_model(model_config(args), mode="train" if args.variant == "qat" else "fp").to(dev)
     init_weights(model)
     if args.compile:
         model = torch.compile(model)
@@ -95,11 +93,11 @@ def run_variant(args) -> dict:
         "peak_mib": peak,
         "params": sum(p.numel() for p in model.parameters()),
         "precision": "bf16 autocast" if bf16 else "fp32",
-        "machine": _machine(args.device),
+        "threads": torch.get_num_threads(),
     }
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"])
@@ -116,7 +114,30 @@ def main() -> int:
     p.add_argument("--compile", action="store_true", help="torch.compile both models")
     p.add_argument("--variant", choices=["qat", "plain"], help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="print the raw results as JSON")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def print_table(args, plain: dict, qat: dict) -> None:
+    common.header(
+        f"Training throughput ({qat['precision']})",
+        gpu=args.device.startswith("cuda"),
+        details=f"model: bitnet block, hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, "
+        f"{qat['params'] / 1e6:.1f}M params; batch {args.batch} x {args.seq_len} tokens, AdamW, {args.steps} timed "
+        f"steps after {args.warmup} warm-up{', torch.compile' if args.compile else ''}; device {args.device}"
+        + (f", {qat['threads']} torch threads" if args.device == "cpu" else ""),
+    )
+    rows = [
+        [name, f"{r['tokens_per_s']:,.0f}", f"{r['step_ms']:.1f}", f"{r['peak_mib']:,.0f}"]
+        for r, name in ((plain, "plain (nn.Linear)"), (qat, "QAT (ternary BitLinear, W1.58A8 STE)"))
+    ]
+    ratio = f"**{qat['tokens_per_s'] / plain['tokens_per_s']:.2f}x**"
+    rows.append(["**QAT / plain**", ratio, "", f"**{qat['peak_mib'] / max(plain['peak_mib'], 1e-9):.2f}x**"])
+    print(common.table(["variant", "tokens/s", "ms/step", "peak memory (MiB)"], rows))
+
+
+def main() -> int:
+    args = parse_args()
+    common.use_checkout()
     if args.device is None:
         import torch
 
@@ -139,22 +160,8 @@ def main() -> int:
         results[variant] = json.loads(out.strip().splitlines()[-1])
     if args.json:
         print(json.dumps(results, indent=2))
-        return 0
-    plain, qat = results["plain"], results["qat"]
-    print(f"Training throughput on {qat['machine']} ({qat['precision']})")
-    print(
-        f"model: bitnet block, hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, "
-        f"{qat['params'] / 1e6:.1f}M params; batch {args.batch} x {args.seq_len} tokens, AdamW, "
-        f"{args.steps} timed steps after {args.warmup} warm-up{' , torch.compile' if args.compile else ''}\n"
-    )
-    print("| variant | tokens/s | ms/step | peak memory (MiB) |")
-    print("|---|---:|---:|---:|")
-    for r, name in ((plain, "plain (nn.Linear)"), (qat, "QAT (ternary BitLinear, W1.58A8 STE)")):
-        print(f"| {name} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | {r['peak_mib']:,.0f} |")
-    print(
-        f"| **QAT / plain** | **{qat['tokens_per_s'] / plain['tokens_per_s']:.2f}x** | | "
-        f"**{qat['peak_mib'] / max(plain['peak_mib'], 1e-9):.2f}x** |"
-    )
+    else:
+        print_table(args, results["plain"], results["qat"])
     return 0
 
 

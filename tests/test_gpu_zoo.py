@@ -67,7 +67,7 @@ def test_zoo_model_on_cuda_follows_the_cpu_reference(zoo_dirs, name, run):
     Its tokens may part ways with the float32 CPU reference's at a near tie: one flipped int8 activation code
     moves later logits by more than float noise. smollm2 with its random embedding has top-2 gaps down to 0.003
     logits, and the CPU reference's own cached decode, teacher-forced by its uncached forward, ranks 2nd at
-    worst and first at 89-97% of its positions (benchmarks/zoo_reference_ranks.py, 64 tokens a prompt). So the
+    worst and first at 89-97% of its positions (benchmarks/quality.py --tables zoo, 64 tokens a prompt). So the
     check is teacher-forced: over the GPU's own 48 tokens, the float32 reference ranks each of them within the
     run's worst rank and first at its share of positions (bf16 activations, an int8 head and a float8 cache round
     more, so their bounds are looser). A wrong kernel (a

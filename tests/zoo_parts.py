@@ -1,6 +1,6 @@
 """smollm2-135m-1.58 without its teacher's embedding: the zoo's real ternary parts (bitnetlm/zoo/parts/) with a
 seeded random Q8_0 embedding, assembled by the zoo's own `assemble` (tests/test_gpu_zoo.py;
-benchmarks/zoo_reference_ranks.py).
+benchmarks/quality.py --tables zoo).
 
 The real embedding comes from the teacher's wheel on PyPI at first use (bitnetlm/zoo/sources.py), which a machine
 without network cannot fetch.

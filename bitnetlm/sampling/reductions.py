@@ -1,7 +1,7 @@
 """The samplers' reductions over each row's vocabulary, wide on CUDA: argmax, logsumexp, and a top-k row's draw.
 
 PyTorch runs argmax and log_softmax over a row in one thread block: at batch 1 on an H200 (128k vocabulary) 26.5
-and 28.9 us, of a greedy sampler graph's 65.7 (benchmarks/gpu_sampler.py, docs/PERF_LOG.md, 2026-12-02). On CUDA both
+and 28.9 us, of a greedy sampler graph's 65.7 (docs/PERF_LOG.md, 2026-12-02). On CUDA both
 come from one Triton pass over the row's chunks spread over the GPU (`kernels.triton.sampler.logit_stats`, 4.2
 us), and a row with a top-k draws its token (temperature, top-p, min-p, the draw) in one launch after its top-k
 (`candidate_draw`) instead of some twenty small ones. Top-k stays torch.topk: a top-k over chunks of the row,

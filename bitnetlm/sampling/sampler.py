@@ -433,7 +433,7 @@ def raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int = 0, lse
     [B, top_n] (None, None when top_n is 0). lse: the rows' logsumexp, when known. On CUDA: logits minus their
     logsumexp (`reductions`: one wide pass, where log_softmax runs a block a row); elsewhere log_softmax, one
     fused pass (with a logsumexp, several: a CPU greedy step took 0.33-0.37 ms against 0.22-0.32,
-    benchmarks/bench_generate.py, docs/PERF_LOG.md, 2026-12-02)."""
+    docs/PERF_LOG.md, 2026-12-02)."""
     if lse is None and reductions.wide(logits):
         lse = reductions.argmax_logsumexp(logits)[1]
     if lse is None:

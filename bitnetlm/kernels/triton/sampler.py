@@ -21,7 +21,7 @@ from bitnetlm.kernels.triton.ends import vocab_chunks
 
 
 # The chunk count follows the batch; not specializing on it leaves one compile per merge width (NCP) for batches
-# 1..32 (4 with SAMPLE and 4 without, not 6 and 6), as fast (H200, benchmarks/gpu_sampler.py, docs/PERF_LOG.md).
+# 1..32 (4 with SAMPLE and 4 without, not 6 and 6), as fast (H200, docs/PERF_LOG.md).
 @triton.jit(do_not_specialize=["NC"])
 def _logit_stats_kernel(
     x_ptr,

@@ -55,7 +55,7 @@ class TuneSettings:
     graph does not pay: it favoured single-launch paths that are slower inside the graph); "off" = the first
     candidate, no timing (tests). cache: the disk cache of timed choices (None: none). user_tables: the folder of
     the user's step-tune tables, what `bitnet tune` writes (None: none). step_tables: consult the step-tune tables
-    (False: the timing alone, as benchmarks/gpu_step_tune.py starts from). verbose: print every timing."""
+    (False: the timing alone, as benchmarks/gpu_tune.py starts from). verbose: print every timing."""
 
     mode: str = "chain"
     cache: Path | None = None

@@ -53,7 +53,7 @@ def prefill_attention(q, k, v, start: int = 0, gqa: bool = False) -> torch.Tenso
     builds a plan for every new sequence length (tens of ms each), which is why the engine pads prefill lengths
     (`prefill_len`). A chunk continuing a cached prompt: causal aligned to the last key (query i
     sees keys 0..start+i), which flash attention runs natively with GQA; a dense mask took memory-efficient or
-    math attention (a 512-token chunk after 512 cached: 14.8-15.1 against 5.27-5.64 ms, benchmarks/gpu_bench.py
+    math attention (a 512-token chunk after 512 cached: 14.8-15.1 against 5.27-5.64 ms, benchmarks/gpu.py
     --depths 0,512, H200, docs/PERF_LOG.md, 2026-12-02)."""
     if not start:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)

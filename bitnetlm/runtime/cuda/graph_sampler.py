@@ -3,7 +3,7 @@
 The ops of `sampling.sample` (logit_bias, temperature, top-k / top-p / min-p, the inverse-CDF draw, the raw
 log-probabilities) over the step graph's logits, reading every row's parameters and its uniforms from device
 tensors: one replay a step instead of some 30 launches and their Python, which made the host, not the GPU, the
-bound of a sampled decode (benchmarks/gpu_generate.py). The tokens equal the host sampler's for the same
+bound of a sampled decode (benchmarks/gpu.py). The tokens equal the host sampler's for the same
 logits and the same uniforms (each row's RowRandom hands the whole request's draws over up front). Requests
 with penalties keep the host sampler: those need the growing output on the host.
 """

@@ -1,4 +1,4 @@
-"""Tiles tuned in the whole captured decode step (`bitnet tune`, `benchmarks/gpu_step_tune.py`).
+"""Tiles tuned in the whole captured decode step (`bitnet tune`, `benchmarks/gpu_tune.py`).
 
 The tuner (tune.py) times each projection's candidates in a chain of calls of that projection alone. In the step
 each kernel starts (programmatic dependent launch) while a different one drains, and whether its programs find
@@ -44,7 +44,7 @@ _SETTLE: list = []  # the graphs settle_graphs captured (kept for the life of th
 def settle_graphs() -> None:
     """Put this process, once, in the state a user's engine is in: several CUDA graphs captured.
 
-    Seen on an H200 (docs/PERF_LOG.md, 2026-11-29, `benchmarks/gpu_step_order.py`): the first steps a process
+    Seen on an H200 (docs/PERF_LOG.md, 2026-11-29): the first steps a process
     captures can replay up to 3% faster (a batch-8 step 1.107 against 1.140 ms) than those timed after a few
     more captures, whatever those capture, even one small kernel each; the slower speed then stays. An engine in
     use captures several graphs (prefill and decode steps), so the faster speed is not what a user gets, and in
@@ -59,7 +59,7 @@ def settle_graphs() -> None:
 
 
 def small_graph(device: str | torch.device = "cuda") -> torch.cuda.CUDAGraph:
-    """A captured graph of one small kernel (settle_graphs; gpu_step_order.py's `tiny`)."""
+    """A captured graph of one small kernel (settle_graphs)."""
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         # from the graph's own pool, so alive as long as g is, whoever replays it
