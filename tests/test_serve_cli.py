@@ -1,4 +1,5 @@
-"""`bitnet serve` as a real process: env-var flags, /health 503 -> 200, API key, SIGTERM drains a running stream."""
+"""`bitnet serve` as a real process: env-var flags, /health 503 -> 200, API key, SIGTERM drains a running stream;
+start-up failures (a bad option, a port in use, a model that cannot load) as one line and a non-zero exit."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -122,3 +124,84 @@ def test_bitnet_serve_process_health_auth_and_graceful_drain(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _cli(argv: list[str], capsys) -> tuple[int, list[str]]:
+    from bitnetlm import cli
+
+    rc = cli.main(argv)
+    return rc, capsys.readouterr().err.strip().splitlines()
+
+
+BAD_FLAGS = [
+    (["--prefill-chunk", "0"], "--prefill-chunk 0"),
+    (["--prefill-chunk", "-3"], "--prefill-chunk -3"),
+    (["--max-queue", "-1"], "--max-queue -1"),
+    (["--max-body-bytes", "0"], "--max-body-bytes 0"),
+    (["--graceful-timeout", "-1"], "--graceful-timeout -1"),
+    (["--graceful-timeout", "nan"], "--graceful-timeout nan"),
+    (["--graceful-timeout", "inf"], "--graceful-timeout inf"),
+    (["--port", "70000"], "--port 70000"),
+    (["--port", "-1"], "--port -1"),
+    (["--max-batch", "0"], "--max-batch 0"),
+    (["-c", "-5"], "--ctx-size -5"),
+    (["--log-level", "loud"], "--log-level 'loud'"),
+]
+
+
+@pytest.mark.timeout(120)  # an option accepted by mistake would serve (and so wait) forever
+@pytest.mark.parametrize("flags,named", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_every_numeric_flag_is_checked_before_the_port_opens(flags, named, capsys):
+    rc, err = _cli(["serve", "-m", "/nonexistent", "--port", "0", *flags], capsys)
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"bitnet serve: error: {named}"), err
+
+
+@pytest.mark.timeout(120)
+def test_a_flag_from_the_environment_is_checked_too(monkeypatch, capsys):
+    monkeypatch.setenv("BITNET_PREFILL_CHUNK", "0")
+    rc, err = _cli(["serve", "-m", "/nonexistent", "--port", "0"], capsys)
+    assert rc == 2 and err == ["bitnet serve: error: --prefill-chunk 0: expected an integer >= 1"]
+
+
+@pytest.mark.timeout(120)
+def test_a_port_in_use_is_one_line_naming_the_address(capsys):
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    try:
+        rc, err = _cli(["serve", "-m", "/nonexistent", "--port", str(port)], capsys)
+    finally:
+        busy.close()
+    assert rc == 2 and err == [
+        f"bitnet serve: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    ]
+
+
+def test_a_model_that_cannot_load_ends_the_process_with_one_line():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run(
+        [sys.executable, "-m", "bitnetlm.cli", "serve", "-m", "/nonexistent/model", "--port", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,  # before, the server kept running with /health saying "error"
+    )
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("bitnet serve: error: /nonexistent/model: no such file or directory"), r.stderr
+
+
+def test_a_context_beyond_the_model_is_refused(tmp_path):
+    from bitnetlm.serve import start
+
+    model, tok = tiny_model_and_tokenizer(max_len=256)
+    with pytest.raises(ValueError, match=r"--ctx-size 100000: the model's context is 256 tokens"):
+        start(model, tok, port=0, max_seq_len=100000)
+    bitnetlm.save(model, tmp_path / "tiny", tokenizer=tok)
+    h = start(path=tmp_path / "tiny", port=0, max_seq_len=100000, backend="reference", log_level="warning")
+    h.thread.join(60)  # the server stops by itself: it has nothing to serve
+    assert not h.thread.is_alive()
+    assert h.error == "--ctx-size 100000: the model's context is 256 tokens; give at most 256"

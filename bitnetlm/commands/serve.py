@@ -7,6 +7,7 @@ BITNET_API_KEY=...); a flag on the command line wins over the variable. Library 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from bitnetlm.runtime.args import (
     RUNTIME_FLAGS,
@@ -30,7 +31,14 @@ SERVER_FLAGS = [
         None,
         "model id the API reports and accepts",
     ),
-    (("--max-queue",), "max_queue", int, 64, "sequences that may wait for a row; more get 429 + Retry-After"),
+    (
+        ("--max-queue",),
+        "max_queue",
+        int,
+        64,
+        "sequences that may wait for a row; more get 429 + Retry-After (a request that needs more than "
+        "--max-batch + --max-queue sequences gets 400)",
+    ),
     (("--prefill-chunk",), "prefill_chunk", int, 512, "prompt tokens prefilled per engine step"),
     (
         ("--cors-origins",),
@@ -40,7 +48,14 @@ SERVER_FLAGS = [
         "comma-separated origins allowed by CORS (default: CORS off)",
     ),
     (("--max-body-bytes",), "max_body_bytes", int, 1 << 20, "largest request body accepted (413 beyond)"),
-    (("--graceful-timeout",), "graceful_timeout_s", float, 30.0, "seconds running requests get on shutdown"),
+    (
+        ("--graceful-timeout",),
+        "graceful_timeout_s",
+        float,
+        30.0,
+        "seconds running requests get on shutdown; then they end with an error (a stream: an error event and "
+        "[DONE])",
+    ),
     (("--log-level",), "log_level", str, "info", "uvicorn log level: debug, info, warning, error"),
 ]
 # every flag of the command: (flags, dest) pairs, for the environment variables' names
@@ -80,13 +95,17 @@ def resolve(args: argparse.Namespace) -> dict:
 
 
 def run(args) -> int:
+    """Every option is checked before the port is bound (ValueError: exit status 2); a model that cannot be
+    loaded stops the server with one line and exit status 1."""
     from bitnetlm.runtime.config import RuntimeConfig
-    from bitnetlm.serve.server import serve
+    from bitnetlm.serve.server import ModelLoadError, serve
 
     o = resolve(args)
-    if o["port"] is not None and not 0 <= o["port"] < 65536:
-        raise ValueError(f"--port must be in [0, 65535], found {o['port']}")
     cors = [s.strip() for s in (o.pop("cors_origins") or "").split(",") if s.strip()]
     runtime = RuntimeConfig(**{f: o.pop(f) for f in list(o) if f in RuntimeConfig.__dataclass_fields__})
-    serve(o.pop("model"), runtime=runtime, cors_origins=cors, **o)
+    try:
+        serve(o.pop("model"), runtime=runtime, cors_origins=cors, **o)
+    except ModelLoadError as e:
+        print(f"bitnet serve: error: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0

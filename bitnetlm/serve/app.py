@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,10 +25,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from bitnetlm.runtime.config import RuntimeConfig
 from bitnetlm.serve import protocol as P
 from bitnetlm.serve.engine import Engine, EngineConfig
+from bitnetlm.serve.offload import Offload
+from bitnetlm.serve.relay import Run
 from bitnetlm.serve.routes import router
 
 log = logging.getLogger("bitnetlm.serve")
 OPEN_PATHS = ("/health", "/", "/index.html")  # no data behind them: the chat page asks for the key itself
+
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 
 
 @dataclass
@@ -41,33 +48,89 @@ class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     graceful_timeout_s: float = 30.0  # on shutdown: how long running requests may take to finish
+    keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this long
+    tokenizer_threads: int = 2  # threads parsing, tokenizing and detokenizing requests beside the event loop
     log_level: str = "info"
+
+    def __post_init__(self):
+        # checked here, before anything binds or loads: a zero prefill chunk would hang every request
+        e = self.engine
+        for flag, v, low, high in (
+            ("--port", self.port, 0, 65535),
+            ("--max-body-bytes", self.max_body_bytes, 1, None),
+            ("--max-queue", e.max_queue, 0, None),
+            ("--prefill-chunk", e.prefill_chunk, 1, None),
+            ("max_prompts", self.max_prompts, 1, None),
+            ("tokenizer_threads", self.tokenizer_threads, 1, None),
+            ("retry_after_s", e.retry_after_s, 0, None),
+        ):
+            if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
+                want = f"in [{low}, {high}]" if high is not None else f">= {low}"
+                raise ValueError(f"{flag} {v!r}: expected an integer {want}")
+        for flag, v in (("--graceful-timeout", self.graceful_timeout_s), ("keep_alive_s", self.keep_alive_s)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ValueError(f"{flag} {v!r}: expected a number of seconds >= 0")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"--log-level {self.log_level!r}: expected one of {', '.join(LOG_LEVELS)}")
+
+
+def check_context(model, runtime: RuntimeConfig) -> None:
+    """A context beyond the model's own is refused: positions past it are untrained, and the KV cache it asks
+    for could be far larger than the model (the runtime allocates all of it up front)."""
+    n_ctx = model.config.max_position_embeddings
+    if runtime.max_seq_len is not None and runtime.max_seq_len > n_ctx:
+        raise ValueError(
+            f"--ctx-size {runtime.max_seq_len}: the model's context is {n_ctx} tokens; give at most {n_ctx}"
+        )
+
+
+def _reason(e: BaseException) -> str:
+    """A failure as one line: the message of the errors a user can fix, else the type and its first line."""
+    text = str(e).strip().splitlines()
+    first = text[0] if text else ""
+    if isinstance(e, (ValueError, OSError)) and first:
+        return first
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
 
 
 class _State:
-    """What the routes reach through app.state.bitnet: the config, the engine once loaded, or why it is not."""
+    """What the routes reach through app.state.bitnet: the config, the engine once loaded, or why it is not; the
+    thread pool for a request's CPU work; the running generations (to end them at shutdown)."""
 
-    def __init__(self, cfg: ServerConfig):
+    def __init__(self, cfg: ServerConfig, on_load_error: Callable[[], None] | None = None):
         self.cfg = cfg
         self.engine: Engine | None = None
         self.tokenizer = None
         self.error: str | None = None
         self.started = int(time.time())
+        self.offload = Offload(cfg.tokenizer_threads)
+        self.runs: weakref.WeakSet[Run] = weakref.WeakSet()
+        self.on_load_error = on_load_error
 
     def start_engine(self, model, tokenizer) -> None:
         if tokenizer is None:
             raise ValueError("serving needs a tokenizer (tokenizer.json next to the model)")
-        self.tokenizer = tokenizer
         c = self.cfg
+        check_context(model, c.runtime)
+        self.tokenizer = tokenizer
         self.engine = Engine(model, tokenizer, c.engine, model_name=c.model_name, runtime=c.runtime)
 
     def load(self, loader: Callable[[], tuple[Any, Any]]) -> None:
+        """Load and start the engine (on a thread of its own); a failure is kept as one line and, where the
+        server was given an `on_load_error`, stops it: a server that cannot serve should not look alive."""
         try:
             self.start_engine(*loader())
             log.info("model %s loaded; serving", self.cfg.model_name)
         except Exception as e:
-            log.exception("loading the model failed")
-            self.error = f"{type(e).__name__}: {e}"
+            log.debug("loading the model failed", exc_info=True)
+            self.error = _reason(e)
+            if self.on_load_error is not None:
+                self.on_load_error()
+
+    def cut(self, message: str) -> None:
+        """End every running generation now with `message` (streams: an error event and [DONE])."""
+        for run in list(self.runs):
+            run.cut(message)
 
 
 def _error(e: P.APIError) -> JSONResponse:
@@ -79,9 +142,11 @@ def create_app(
     model=None,
     tokenizer=None,
     loader: Callable[[], tuple[Any, Any]] | None = None,
+    on_load_error: Callable[[], None] | None = None,
 ) -> FastAPI:
-    """The ASGI app. Give (model, tokenizer) or a `loader` run in a thread at startup (/health is 503 until then)."""
-    st = _State(cfg)
+    """The ASGI app. Give (model, tokenizer) or a `loader` run in a thread at startup (/health is 503 until then;
+    `on_load_error` is called if it fails)."""
+    st = _State(cfg, on_load_error)
 
     async def lifespan(app):
         if loader is not None:
@@ -91,6 +156,7 @@ def create_app(
         yield
         if st.engine is not None:  # uvicorn has already waited for open requests; drain whatever is left
             await asyncio.to_thread(st.engine.shutdown, True, cfg.graceful_timeout_s)
+        st.offload.close()
 
     app = FastAPI(title="bitnet-lm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.bitnet = st
@@ -113,7 +179,8 @@ def create_app(
 
 async def _http_error(request, e):
     kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-    return _error(P.APIError(e.status_code, str(e.detail), type=kind))
+    # the exception's headers go out with it: a 405 names the allowed methods in Allow
+    return _error(P.APIError(e.status_code, str(e.detail), type=kind, headers=e.headers))
 
 
 async def _internal(request, e: Exception):

@@ -31,6 +31,7 @@ from bitnetlm.serve.requests import (  # (the request and event types, also impo
     Failed,
     Finished,
     GenerationRequest,
+    NeverFits,
     QueueFull,
 )
 
@@ -45,6 +46,7 @@ __all__ = [
     "Failed",
     "Finished",
     "GenerationRequest",
+    "NeverFits",
     "QueueFull",
 ]
 
@@ -102,6 +104,7 @@ class Engine:
     def submit(self, req: GenerationRequest, sink: Callable[[Any], None]) -> int:
         """Queue `req`; `sink(event)` is called from the engine thread with Chunk / Finished / Failed events."""
         self._validate(req)
+        self.check_fits(req.n)
         with self._lock:
             if not self._accepting:
                 raise EngineClosed("server is shutting down")
@@ -115,6 +118,20 @@ class Engine:
             self._live.add(gid)
             self._lock.notify_all()
         return gid
+
+    @property
+    def capacity(self) -> int:
+        """The most sequences the engine holds at once: a row for each running one, the queue full."""
+        return self.max_batch + self.config.max_queue
+
+    def check_fits(self, sequences: int, what: str = "") -> None:
+        """NeverFits when `sequences` exceed `capacity`: such a request would get QueueFull even from an idle
+        engine, forever."""
+        if sequences > self.capacity:
+            raise NeverFits(
+                f"the request needs {sequences} sequences{what}, more than this server ever holds at once: "
+                f"{self.capacity} (--max-batch {self.max_batch} + --max-queue {self.config.max_queue})"
+            )
 
     def _validate(self, req: GenerationRequest) -> None:
         n_prompt, p = len(req.prompt_ids), req.params

@@ -2,8 +2,10 @@
 
 Request bodies are checked in two passes: first every top-level key must be a parameter we implement (anything
 else -> 400 `unsupported_parameter` naming it), then pydantic validates types and ranges (-> 400
-`invalid_request_error` naming the field). Parameters OpenAI defines but we cannot honour (tools, echo, suffix,
-json response_format, ...) are accepted only at their neutral value, otherwise rejected by name.
+`invalid_request_error` naming the field). Types are strict, as JSON gives them: a boolean is not an integer
+(`max_tokens: true`), a string is not a number, a number is not a boolean. Parameters OpenAI defines but we
+cannot honour (tools, echo, suffix, json response_format, ...) are accepted only at their neutral value,
+otherwise rejected by name.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 MAX_STOP = 16  # OpenAI allows 4; more is harmless and some agents send more
 MAX_LOGPROBS = 20
 MAX_N = 16
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
 
 
 class APIError(Exception):
@@ -39,15 +42,18 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Strict(BaseModel):
+    """A request object: unknown keys refused, values taken only as the JSON type they are declared as."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class _Sampling(_Strict):
     """Parameters shared by /v1/completions and /v1/chat/completions."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -78,6 +84,13 @@ class _Sampling(BaseModel):
             raise ValueError(f"at most {MAX_STOP} stop sequences, found {len(v)}")
         if any(s == "" for s in v):
             raise ValueError("stop sequences must be non-empty strings")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v):
+        if v is not None and not SEED_MIN <= v <= SEED_MAX:
+            raise ValueError(f"a seed must be an integer in [{SEED_MIN}, {SEED_MAX}], found {v}")
         return v
 
     @field_validator("logit_bias")
@@ -117,14 +130,12 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -171,6 +182,12 @@ def parse_request(cls: type[_Sampling], body: Any) -> _Sampling:
     req = parse_simple(cls, body)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    if req.seed is not None and req.seed + req.n - 1 > SEED_MAX:  # choice i samples with seed + i
+        raise APIError(
+            400, f"Invalid value for 'seed': with n={req.n} the seed must be at most {SEED_MAX - req.n + 1} "
+            f"(choice i samples with seed + i, and a seed is at most {SEED_MAX}), found {req.seed}",
+            param="seed",
+        )  # fmt: skip
     bad = [k for k, (ok, _) in _NEUTRAL.items() if k in body and not ok(getattr(req, k))]
     if isinstance(req, CompletionRequest) and req.best_of not in (None, req.n):
         bad.append("best_of")
@@ -183,8 +200,7 @@ def parse_request(cls: type[_Sampling], body: Any) -> _Sampling:
     return req
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -192,8 +208,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[int]
 

@@ -11,6 +11,8 @@ With tens of streams both hold the GIL that the engine thread needs for its next
 (On an H200 with 1-32 clients this measured a tie with one wake-up and one write per event, and costs no
 more at 32 streams: docs/PERF_LOG.md.)
 A client that disconnects is noticed by a watcher on the ASGI receive channel, which puts `GONE` in the queue.
+At shutdown, a run still going when the graceful timeout expires is `cut`: it ends with a Failed event (a stream
+with an error event and [DONE]) instead of a connection dropped mid-body.
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ from bitnetlm.serve.requests import (
     Failed,
     Finished,
     GenerationRequest,
+    NeverFits,
     QueueFull,
 )
 
 GONE = object()  # queued by the disconnect watcher
+CUT = object()  # queued by `Run.cut`, with the Failed event that ends the run
 
 # Characters that str.splitlines (and so httpx's aiter_lines) breaks a line at, which JSON leaves raw outside ASCII:
 # escaped, so that a data line holding one (a sampled token's text can) stays one line for every SSE client.
@@ -108,6 +112,8 @@ class Run:
 
     def submit(self, prompts: list[list[int]], params, n: int, param: str = "prompt") -> None:
         try:
+            what = f" ({len(prompts)} prompts x n={n})" if len(prompts) > 1 else f" (n={n})"
+            self.engine.check_fits(len(prompts) * n, what)
             for i, ids in enumerate(prompts):
 
                 def sink(ev, i=i):
@@ -124,6 +130,9 @@ class Run:
                 code="queue_full",
                 headers={"Retry-After": str(e.retry_after)},
             ) from None
+        except NeverFits as e:
+            self.cancel()
+            raise P.APIError(400, str(e), param="n") from None
         except ContextTooLong as e:
             self.cancel()
             raise P.APIError(400, str(e), param=param, code="context_length_exceeded") from None
@@ -138,6 +147,11 @@ class Run:
         for g in self.gids:
             self.engine.cancel(g)
 
+    def cut(self, message: str) -> None:
+        """End the run now with a Failed(503) event (on the run's event loop): the engine work is cancelled."""
+        if self.open:
+            self.queue.put_nowait((CUT, Failed(message, status=503)))
+
     async def batches(self, request) -> AsyncIterator[list[tuple[int, Any]]]:
         """Lists of (prompt index, event), each what had arrived, until every group finished; cancels
         everything if the client disconnects."""
@@ -151,6 +165,9 @@ class Run:
                 for i, ev in got:
                     if ev is GONE:
                         return  # client gone: the finally clause cancels the engine work
+                    if i is CUT:
+                        yield [*batch, (0, ev)]
+                        return  # the finally clause cancels the engine work
                     if isinstance(ev, (Finished, Failed)):
                         self.open -= 1
                     batch.append((i, ev))

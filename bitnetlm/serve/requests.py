@@ -7,7 +7,16 @@ from dataclasses import dataclass
 
 from bitnetlm.engine.sequence import Failed, Finished, GenerationRequest
 
-__all__ = ["Chunk", "ContextTooLong", "EngineClosed", "Failed", "Finished", "GenerationRequest", "QueueFull"]
+__all__ = [
+    "Chunk",
+    "ContextTooLong",
+    "EngineClosed",
+    "Failed",
+    "Finished",
+    "GenerationRequest",
+    "NeverFits",
+    "QueueFull",
+]
 
 
 @dataclass
@@ -29,6 +38,11 @@ class QueueFull(Exception):
 
 class ContextTooLong(ValueError):
     pass
+
+
+class NeverFits(ValueError):
+    """More sequences than the engine ever holds at once (every row running and the queue full): waiting would
+    not help, so this is the request's fault, not a busy server's."""
 
 
 class EngineClosed(Exception):

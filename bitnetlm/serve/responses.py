@@ -61,7 +61,8 @@ def _choice(idx: int, text: str, lps: list | None, finish: str | None, chat: boo
 
 
 async def stream(request, run: Run, rid, model_name, n, n_prompt, chat, include_usage) -> AsyncIterator[str]:
-    """Server-sent events: a chunk per visible text delta (and finish), then usage if asked for, then [DONE]."""
+    """Server-sent events: a chunk per visible text delta (and finish), then usage if asked for, then [DONE]; a
+    failed or cut generation ends with an error event and [DONE]."""
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
     completion = 0
@@ -91,9 +92,9 @@ async def stream(request, run: Run, rid, model_name, n, n_prompt, chat, include_
                     out.append(frame([c]))
             elif isinstance(ev, Finished):
                 completion += ev.completion_tokens
-            elif isinstance(ev, Failed):
+            elif isinstance(ev, Failed):  # an error event, then the end every SSE client waits for
                 err = {"message": ev.message, "type": "server_error", "param": None, "code": None}
-                yield "".join(out) + sse({"error": err})
+                yield "".join(out) + sse({"error": err}) + "data: [DONE]\n\n"
                 return
         if out:
             yield "".join(out)

@@ -3,7 +3,6 @@ the web chat page. Each turns a request into token ids + SamplingParams for the 
 
 from __future__ import annotations
 
-import json
 from importlib import resources
 from typing import Any
 
@@ -12,6 +11,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 
 from bitnetlm.sampling import SamplingParams
 from bitnetlm.serve import protocol as P
+from bitnetlm.serve.body import read_body
 from bitnetlm.serve.engine import Engine
 from bitnetlm.serve.relay import Run
 from bitnetlm.serve.responses import respond
@@ -44,21 +44,8 @@ def _check_model(request: Request, name: str | None) -> None:
 
 
 async def _read_json(request: Request) -> Any:
-    limit = _state(request).cfg.max_body_bytes
-    cl = request.headers.get("content-length")
-    if cl is not None and cl.isdigit() and int(cl) > limit:
-        raise P.APIError(413, f"request body is {cl} bytes; the limit is {limit}", code="request_too_large")
-    buf = bytearray()
-    async for part in request.stream():
-        buf += part
-        if len(buf) > limit:
-            raise P.APIError(
-                413, f"request body exceeds the limit of {limit} bytes", code="request_too_large"
-            )
-    try:
-        return json.loads(buf)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise P.APIError(400, f"request body is not valid JSON: {e}") from None
+    st = _state(request)
+    return await st.offload.json(await read_body(request, st.cfg.max_body_bytes))
 
 
 def _params(req: P._Sampling, max_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
@@ -81,16 +68,9 @@ def _params(req: P._Sampling, max_tokens: int, logprobs: bool, top_logprobs: int
     )
 
 
-def _chat_ids(tokenizer, messages: list[P.ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-    msgs = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
-    try:
-        return tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=True)
-    except Exception as ex:  # template errors (raise_exception) are the caller's fault
-        raise P.APIError(400, f"chat template: {ex}", param="messages") from None
-
-
 async def _generate(request: Request, e: Engine, ids, params: SamplingParams, req, chat: bool):
     run = Run(e)
+    _state(request).runs.add(run)
     run.submit(ids, params, req.n, param="messages" if chat else "prompt")
     n_prompt = sum(len(x) for x in ids)
     return await respond(request, run, _state(request).cfg.model_name, req, n_prompt, params.logprobs, chat)
@@ -138,15 +118,15 @@ async def models(request: Request):
 
 @router.post("/tokenize")
 async def tokenize(request: Request):
-    e, tok = _engine(request), _state(request).tokenizer
+    e, st = _engine(request), _state(request)
     req = P.parse_simple(P.TokenizeRequest, await _read_json(request))
     _check_model(request, req.model)
     if (req.prompt is None) == (req.messages is None):
         raise P.APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
     if req.prompt is not None:
-        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        [ids] = await st.offload.encode(st.tokenizer, [req.prompt], req.add_special_tokens)
     else:
-        ids = _chat_ids(tok, req.messages, req.add_generation_prompt)
+        ids = await st.offload.chat(st.tokenizer, req.messages, req.add_generation_prompt)
     return {"tokens": ids, "count": len(ids), "max_model_len": e.max_model_len}
 
 
@@ -158,7 +138,8 @@ async def detokenize(request: Request):
     bad = [t for t in req.tokens if not 0 <= t < e.vocab_size]
     if bad:
         raise P.APIError(400, f"token ids outside [0, {e.vocab_size}): {bad[:8]}", param="tokens")
-    return {"prompt": _state(request).tokenizer.decode(req.tokens)}
+    st = _state(request)
+    return {"prompt": await st.offload.decode(st.tokenizer, req.tokens)}
 
 
 @router.post("/v1/completions")
@@ -169,11 +150,14 @@ async def completions(request: Request):
     prompts = req.prompts()
     if len(prompts) > st.cfg.max_prompts:
         raise P.APIError(400, f"at most {st.cfg.max_prompts} prompts per request", param="prompt")
-    ids = [st.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    encoded = iter(await st.offload.encode(st.tokenizer, [p for p in prompts if isinstance(p, str)]))
+    ids = [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
+    max_tokens = req.max_tokens
+    if max_tokens is None:  # null: the rest of the context, as for chat (and in vLLM)
+        max_tokens = max(1, e.max_model_len - max(map(len, ids)))
     k = req.logprobs
-    return await _generate(
-        request, e, ids, _params(req, req.max_tokens, k is not None, k or 0), req, chat=False
-    )
+    params = _params(req, max_tokens, k is not None, k or 0)
+    return await _generate(request, e, ids, params, req, chat=False)
 
 
 @router.post("/v1/chat/completions")
@@ -183,7 +167,7 @@ async def chat_completions(request: Request):
     _check_model(request, req.model)
     if req.top_logprobs and not req.logprobs:
         raise P.APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    ids = _chat_ids(st.tokenizer, req.messages, req.add_generation_prompt)
+    ids = await st.offload.chat(st.tokenizer, req.messages, req.add_generation_prompt)
     max_tokens = req.effective_max_tokens()
     if max_tokens is None:
         max_tokens = max(1, e.max_model_len - len(ids))

@@ -1,21 +1,38 @@
 """Running the HTTP server: `serve()` (the library form of `bitnet serve`) in the foreground, `start()` on a
-background thread (tests, notebooks)."""
+background thread (tests, notebooks).
+
+Start-up fails fast and in one line: options are checked before the port is bound, a port that cannot be bound
+is named, and a model that cannot load stops the server (`serve` raises ModelLoadError; the port opens first so
+that /health can say "loading" meanwhile). At shutdown, requests get the graceful timeout to finish; those still
+running then end with an error (a stream: an error event and [DONE]) before uvicorn would cut their connections.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import dataclasses
 import os
+import socket
 import sys
 import threading
 import time
 
+import uvicorn
+import uvicorn.config
+
 from bitnetlm.runtime import config_for
 from bitnetlm.runtime.config import RuntimeConfig
-from bitnetlm.serve.app import ServerConfig, create_app
+from bitnetlm.serve.app import ServerConfig, check_context, create_app
 from bitnetlm.serve.engine import Engine, EngineConfig
 
 _RUNTIME = {f.name for f in dataclasses.fields(RuntimeConfig)}
 _ENGINE = {f.name for f in dataclasses.fields(EngineConfig)}
+CUT_MARGIN_S = 5.0  # past the graceful timeout: how long cut requests get to send their last events
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be loaded (or its engine started); the server has stopped. The message is one line."""
 
 
 class ServerHandle:
@@ -31,6 +48,11 @@ class ServerHandle:
     def engine(self) -> Engine | None:
         return self.server.config.app.state.bitnet.engine
 
+    @property
+    def error(self) -> str | None:
+        """Why the model could not be loaded (the server then stops by itself), or None."""
+        return self.server.config.app.state.bitnet.error
+
     def stop(self, timeout: float = 60) -> None:
         self.server.should_exit = True
         self.thread.join(timeout)
@@ -42,27 +64,65 @@ class ServerHandle:
         self.stop()
 
 
-def _uvicorn_server(app, cfg: ServerConfig):
-    import uvicorn
+class _Server(uvicorn.Server):
+    """uvicorn's server, whose shutdown cuts the requests still running when the graceful timeout expires."""
 
+    async def shutdown(self, sockets=None) -> None:
+        st = self.config.app.state.bitnet
+        grace = st.cfg.graceful_timeout_s
+        why = f"the server is shutting down: the request did not finish within the graceful timeout ({grace:g} s)"
+        timer = asyncio.get_running_loop().call_later(grace, st.cut, why)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+
+def _log_config(level: str) -> dict:
+    """uvicorn's logging, with the package's own loggers on the same handler at the same level."""
+    out = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    out["loggers"]["bitnetlm"] = {
+        "handlers": ["default"],
+        "level": uvicorn.config.LOG_LEVELS[level],
+        "propagate": False,
+    }
+    return out
+
+
+def _make_server(cfg: ServerConfig, model=None, tokenizer=None, loader=None) -> _Server:
+    def stop():  # the model cannot load: nothing to serve
+        server.should_exit = True
+
+    app = create_app(cfg, model, tokenizer, loader, on_load_error=stop)
     ucfg = uvicorn.Config(
         app,
         log_level=cfg.log_level,
-        timeout_graceful_shutdown=cfg.graceful_timeout_s,
+        log_config=_log_config(cfg.log_level),
+        # uvicorn cancels what still runs at its deadline; ours (the graceful timeout) ends it properly first
+        timeout_graceful_shutdown=cfg.graceful_timeout_s + CUT_MARGIN_S,
+        timeout_keep_alive=cfg.keep_alive_s,
         limit_concurrency=None,
         h11_max_incomplete_event_size=64 * 1024,  # header size limit
-        access_log=cfg.log_level == "debug",
+        access_log=cfg.log_level in ("debug", "trace"),
     )
-    return uvicorn.Server(ucfg)
+    server = _Server(ucfg)
+    return server
 
 
-def _bind(host: str, port: int):
-    import socket
-
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket listening on (host, port); ValueError naming the address when that fails (in use, no such host).
+    Listening from here on, not from when uvicorn has started: a client that connects in between (after the
+    "listening on" line) waits in the backlog instead of being refused."""
     fam = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(fam, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)  # uvicorn's backlog
+    except OSError as e:
+        sock.close()
+        addr = f"[{host}]:{port}" if fam == socket.AF_INET6 else f"{host}:{port}"
+        raise ValueError(f"cannot listen on {addr}: {e.strerror or e}") from None
     sock.set_inheritable(True)
     return sock
 
@@ -71,8 +131,7 @@ def start_server(
     cfg: ServerConfig, model=None, tokenizer=None, loader=None, wait: bool = True
 ) -> ServerHandle:
     """Start a server on a background thread (port 0 = any free port); returns once it accepts connections."""
-    app = create_app(cfg, model, tokenizer, loader)
-    server = _uvicorn_server(app, cfg)
+    server = _make_server(cfg, model, tokenizer, loader)
     sock = _bind(cfg.host, cfg.port)
     server.install_signal_handlers = lambda: None  # not on the main thread
     t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="bitnet-http", daemon=True)
@@ -84,9 +143,9 @@ def start_server(
 
 
 def run_server(cfg: ServerConfig, model=None, tokenizer=None, loader=None) -> None:
-    """Serve in the foreground until SIGINT/SIGTERM, then drain running requests and exit."""
-    app = create_app(cfg, model, tokenizer, loader)
-    server = _uvicorn_server(app, cfg)
+    """Serve in the foreground until SIGINT/SIGTERM, then drain running requests and exit. ModelLoadError when
+    the model cannot be loaded."""
+    server = _make_server(cfg, model, tokenizer, loader)
     sock = _bind(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
     print(
@@ -101,6 +160,9 @@ def run_server(cfg: ServerConfig, model=None, tokenizer=None, loader=None) -> No
             flush=True,
         )
     server.run(sockets=[sock])
+    error = server.config.app.state.bitnet.error
+    if error is not None:
+        raise ModelLoadError(error)
 
 
 def _split(kw: dict) -> tuple[dict, dict, dict]:
@@ -140,8 +202,9 @@ def serve(
 
     Keywords: the RuntimeConfig's (device, dtype, backend, threads, head_dtype, kv_cache_dtype, enforce_eager,
     max_batch, max_seq_len), the engine's (max_queue, prefill_chunk) and the server's (host, port, api_key,
-    cors_origins, max_body_bytes, graceful_timeout_s, log_level); see `bitnet serve --help`. The port opens at
-    once; /health answers 503 until the model has loaded.
+    cors_origins, max_body_bytes, graceful_timeout_s, keep_alive_s, tokenizer_threads, log_level); see
+    `bitnet serve --help`. The port opens at once; /health answers 503 until the model has loaded. ValueError for
+    a bad option or a port that cannot be bound, ModelLoadError when the model cannot be loaded.
     """
     name = model_name or (os.path.basename(os.path.normpath(os.fspath(model))) if model else "bitnet")
     rt, eng, server = _split(kw)
@@ -167,4 +230,6 @@ def start(
         runtime = (runtime or RuntimeConfig()).replace(**rt)
         return start_server(_config(model_name, runtime, eng, server), loader=_loader(path, runtime))
     runtime = config_for(model, runtime).replace(**rt)
-    return start_server(_config(model_name, runtime, eng, server), model, tokenizer)
+    cfg = _config(model_name, runtime, eng, server)
+    check_context(model, runtime)
+    return start_server(cfg, model, tokenizer)
