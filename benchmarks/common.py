@@ -1,5 +1,5 @@
 """What every benchmark script shares: this checkout's package on the path, the machine's name, the date, markdown
-tables, comma-separated arguments and held-out text.
+tables, comma-separated arguments, held-out text, and the CPU's memory bandwidth and a random-weight checkpoint.
 
 Scripts run as `python benchmarks/NAME.py` (so this folder is first on sys.path) and call `use_checkout()` before
 importing bitnetlm, so that they time this tree's package, not an installed one. Nothing here imports bitnetlm or
@@ -13,6 +13,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -115,3 +116,76 @@ def heldout(tok, texts: str | os.PathLike, tokens: int) -> list[list[int]]:
     for f in files:
         out.append(tok.encode(f.read_text(encoding="utf-8"))[-tokens:])
     return out
+
+
+# ---- CPU: memory bandwidth, resident memory, the random-weight checkpoint --------------------------------------
+def best_seconds(fn, reps: int) -> float:
+    """The fastest of `reps` calls of fn() in seconds (a shared machine's other load only ever slows a call)."""
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def copy_bandwidth(threads: int, mib: int = 512, reps: int = 5) -> float:
+    """GB/s of the C library's parallel memcpy on `threads` threads, bytes read + written (STREAM's copy)."""
+    use_checkout()
+    import torch
+
+    from bitnetlm.kernels import cpu
+
+    cpu.set_num_threads(threads)
+    src = torch.ones(mib << 20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    lib = cpu._lib.load()
+    t = best_seconds(lambda: lib.bn_parallel_copy(dst.data_ptr(), src.data_ptr(), src.numel()), reps)
+    return 2 * src.numel() / t / 1e9
+
+
+def read_bandwidth(threads: int, mib: int = 512, reps: int = 5) -> float:
+    """GB/s of the C library's parallel read-only sweep (a sum of 64-bit words) on `threads` threads: decode's own
+    access pattern, so its ceiling. Worth measuring next to each row: a VM's bandwidth drifts by tens of percent."""
+    use_checkout()
+    import torch
+
+    from bitnetlm.kernels import cpu
+
+    cpu.set_num_threads(threads)
+    src = torch.ones(mib << 20, dtype=torch.uint8)
+    lib = cpu._lib.load()
+    t = best_seconds(lambda: lib.bn_parallel_read(src.data_ptr(), src.numel()), reps)
+    return src.numel() / t / 1e9
+
+
+def rss_bytes(peak: bool = False) -> int:
+    """This process's resident memory now, or its peak (Linux; 0 elsewhere). The peak is the kernel's VmHWM, not
+    getrusage's ru_maxrss, which a child process inherits from the parent that forked it."""
+    key = "VmHWM:" if peak else "VmRSS:"
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def shape_checkpoint(path: str | os.PathLike, shape: str, tokenizer: str | os.PathLike) -> Path:
+    """A checkpoint of `shape` with random weights in the real packed HF format at `path` (written by
+    make_checkpoint.py when absent) with `tokenizer`'s files copied beside it."""
+    import shutil
+
+    from make_checkpoint import write_checkpoint
+
+    path = write_checkpoint(path, shape)
+    if not (path / "tokenizer.json").is_file():
+        src = Path(tokenizer)
+        if not (src / "tokenizer.json").is_file():
+            raise SystemExit(f"--tokenizer {src}: no tokenizer.json there (python scripts/fetch_assets.py)")
+        for f in src.iterdir():
+            if f.is_file():
+                shutil.copy(f, path / f.name)
+    return path

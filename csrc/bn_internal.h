@@ -103,7 +103,7 @@ void bn_head_i8_scalar(const int16_t *xq, const float *sx, int64_t m, int64_t k,
                        int64_t r0, int64_t r1, float *y, int64_t ldy);
 
 /* software prefetch distance in bytes for the streaming (decode) kernels: the best of 1-16 KiB for decode on the
- * 2-core EPYC (benchmarks/cpu_decode.py) */
+ * 2-core EPYC (benchmarks/cpu.py) */
 #define BN_PREFETCH_BYTES 8192
 
 /* thread pool (threads.c) */

@@ -160,7 +160,7 @@ def test_thread_counts_agree():
 
 
 def test_bandwidth_helpers_touch_every_byte():
-    """The benchmarks' bandwidth helpers (benchmarks/cpu_decode.py): the parallel copy reproduces the source and
+    """The benchmarks' bandwidth helpers (benchmarks/common.py): the parallel copy reproduces the source and
     the parallel read's word sum equals torch's, for sizes that are not a multiple of the 1 MiB thread chunk or
     of the 8-byte word (the tail bytes past the last word are not read), at 1 and 3 threads."""
     lib = cpuk._lib.load()

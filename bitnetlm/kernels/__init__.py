@@ -119,7 +119,7 @@ def torch_threads_beside_c(model: torch.nn.Module):
     """Inside: torch's own ops on one thread while `model`'s C kernels run on their pool (as `configure_threads`
     sets for good); the previous count is restored on exit. libgomp's workers spin for milliseconds after each
     parallel torch op and take the cores from the kernel threads (2-core EPYC, 2B4T: 11% more decode tokens/s
-    with it, benchmarks/cpu_generate.py)."""
+    with it in `generate`, 2026-11-28; benchmarks/cpu.py --tables generate)."""
     n = torch.get_num_threads()
     if n == 1 or not uses_c_kernels(model):
         yield

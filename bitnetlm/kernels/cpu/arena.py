@@ -2,7 +2,7 @@
 
 Why: decode reads ~1 GB of weights per token at memory bandwidth. With 4 KiB pages the hardware prefetchers
 stop at every page boundary and the TLB misses constantly; on 2 MiB transparent huge pages the same kernels
-read measurably faster (benchmarks/cpu_kernels.py). Linux only grants huge pages to ranges marked with
+read measurably faster (benchmarks/cpu_profile.py --kernels). Linux only grants huge pages to ranges marked with
 madvise(MADV_HUGEPAGE) (the common "madvise" THP mode) before they are first touched, so weights are copied
 into large arenas marked that way. Each tensor is a 64-byte aligned view into an arena; elsewhere (no Linux,
 THP off) the same code simply gives ordinary memory.
