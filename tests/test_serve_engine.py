@@ -98,3 +98,28 @@ def test_limits_and_draining_shutdown(mt):
     assert all(isinstance(c.events[-1], Finished) and len(c.tokens()) == 6 for c in cs)
     with pytest.raises(EngineClosed):
         eng.submit(GenerationRequest(tok.encode("late"), p), Collector())
+
+
+def test_a_request_the_core_cannot_take_fails_alone(mt, monkeypatch):
+    """A request whose start raises inside the engine thread (here: its seeded generator) ends with a Failed event;
+    the engine goes on serving the others."""
+    model, tok = mt
+    eng = Engine(model, tok, runtime=RuntimeConfig(max_batch=2))
+    try:
+        real = eng.core.add
+
+        def add(req, sink, max_tokens=None):
+            if req.params.seed == 13:
+                raise RuntimeError("seed out of range")
+            return real(req, sink, max_tokens)
+
+        monkeypatch.setattr(eng.core, "add", add)
+        p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        bad, good = Collector(), Collector()
+        eng.submit(GenerationRequest(tok.encode("fox"), SamplingParams(max_tokens=4, seed=13)), bad)
+        eng.submit(GenerationRequest(tok.encode("dog"), p), good)
+        assert bad.done.wait(60) and good.done.wait(60)
+        assert isinstance(bad.events[-1], Failed) and "seed out of range" in bad.events[-1].message
+        assert good.tokens() == generate(model, tok, tok.encode("dog"), p).tokens
+    finally:
+        eng.shutdown()

@@ -216,7 +216,7 @@ class Engine:
                 incoming, self._incoming = self._incoming, []
                 cancels, self._cancel = self._cancel, {}
             for gid, req, sink in incoming:
-                self._groups[gid] = self.core.add(req, self._sink(gid, sink))
+                self._admit(gid, req, sink)
             self._apply_cancels(cancels)
             try:
                 self.core.step()
@@ -225,6 +225,18 @@ class Engine:
                 self._fail_running(f"internal error during generation: {type(e).__name__}: {e}")
         with self._lock:
             self._lock.notify_all()
+
+    def _admit(self, gid: int, req: GenerationRequest, sink: Callable[[Any], None]) -> None:
+        """A submitted request into the core; one it cannot take fails alone, and the engine goes on."""
+        try:
+            self._groups[gid] = self.core.add(req, self._sink(gid, sink))
+        except Exception as e:
+            log.error("engine: request %d could not start:\n%s", gid, traceback.format_exc())
+            self._ended(gid)
+            try:
+                sink(Failed(f"the request could not start: {type(e).__name__}: {e}", status=400))
+            except Exception:  # a broken client callback must not stop the engine
+                log.exception("engine: event sink failed for request %d", gid)
 
     def _sink(self, gid: int, sink: Callable[[Any], None]) -> Callable[[Any], None]:
         """The core's events for request `gid` as the server's: a Chunk per token, then Finished or Failed."""
