@@ -42,7 +42,9 @@ def _tracked() -> list[Path]:
     except (OSError, subprocess.CalledProcessError):
         pytest.fail("git ls-files failed: this test reads the repository's tracked files")
     me = Path(__file__).resolve().relative_to(ROOT).as_posix()  # (this file spells the words out)
-    return [ROOT / f for f in out.splitlines() if f != me and (f.endswith(TEXT) or "/" not in f and "." not in f)]
+    return [
+        ROOT / f for f in out.splitlines() if f != me and (f.endswith(TEXT) or "/" not in f and "." not in f)
+    ]
 
 
 def test_no_work_log_words_in_tracked_files():
