@@ -136,6 +136,26 @@ def load_for_generation(name: str | os.PathLike | None, runtime: RuntimeConfig |
     return model.eval(), tok
 
 
+def load_speculative(spec, runtime: RuntimeConfig | None, tokenizer):
+    """`spec` (a SpeculativeConfig or None) with its draft model loaded where it names one (`load_draft`)."""
+    if spec is None or not isinstance(spec.draft, (str, os.PathLike)):
+        return spec
+    return spec.replace(draft=load_draft(spec.draft, runtime, tokenizer))
+
+
+def load_draft(name: str | os.PathLike, runtime: RuntimeConfig | None, tokenizer):
+    """A draft model for speculative decoding: loaded as the target is (`runtime`), and refused unless its
+    tokenizer is the target's `tokenizer` (token ids must mean the same text in both)."""
+    model, tok = load_for_generation(name, runtime)
+    if tok is not None and tokenizer is not None and tok.backend.get_vocab() != tokenizer.backend.get_vocab():
+        raise ValueError(
+            f"--draft-model {name}: its tokenizer differs from the target model's ({tok.vocab_size} vs "
+            f"{tokenizer.vocab_size} tokens, or the same count with other ids); a draft model must share the "
+            "target's tokenizer"
+        )
+    return model
+
+
 def save(
     model,
     out_dir: str | os.PathLike,

@@ -10,7 +10,12 @@ import argparse
 import json
 import sys
 
-from bitnetlm.commands.generate import add_model_arguments, chat_template_errors, sampling_params
+from bitnetlm.commands.generate import (
+    add_model_arguments,
+    chat_template_errors,
+    sampling_params,
+    speculative_from_args,
+)
 from bitnetlm.runtime.args import OFFLINE, runtime_from_args
 
 HELP = "commands: /exit (or /quit, end of input) ends, /reset forgets the conversation, /help shows this"
@@ -50,10 +55,12 @@ def chat_session(
     json_lines: bool = False,
     interactive: bool = False,
     runtime=None,
+    speculative=None,
 ) -> list[dict]:
     """Run a chat over the user messages in `lines` (an iterable of str); returns the conversation.
 
-    Each answer is streamed to `out` (a JSON line per turn with json_lines=True).
+    Each answer is streamed to `out` (a JSON line per turn with json_lines=True); `speculative`: a
+    SpeculativeConfig (drafts verified in one pass; same answers).
     """
     from bitnetlm.generate import format_stats, make_params
     from bitnetlm.generate.generate import _engine, _result, context_length
@@ -101,7 +108,9 @@ def chat_session(
 
         t0 = time.perf_counter()
         chunks = []
-        for c in _engine(model, tokenizer, [ids], [p], ctx_size=ctx, runtime=runtime):
+        for c in _engine(
+            model, tokenizer, [ids], [p], ctx_size=ctx, runtime=runtime, speculative=speculative
+        ):
             chunks.append(c)
             if not json_lines and c.text:
                 out.write(c.text)
@@ -129,9 +138,10 @@ def chat_session(
 
 
 def run(args) -> int:
-    from bitnetlm.loading import load_for_generation
+    from bitnetlm.loading import load_for_generation, load_speculative
 
     runtime = runtime_from_args(args, OFFLINE)
+    spec = speculative_from_args(args)
     model, tok = load_for_generation(args.model, runtime)
     if not tok.chat_template:
         raise ValueError(f"{args.model}: the tokenizer has no chat_template; use `bitnet generate` instead")
@@ -152,6 +162,7 @@ def run(args) -> int:
         json_lines=args.json,
         interactive=interactive,
         runtime=runtime,
+        speculative=load_speculative(spec, runtime, tok),
     )
     return 0
 

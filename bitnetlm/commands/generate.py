@@ -13,6 +13,47 @@ from bitnetlm.runtime.args import OFFLINE, add_runtime_arguments, runtime_from_a
 # llama.cpp's defaults for the sampling flags
 DEFAULTS = dict(max_tokens=256, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repetition_penalty=1.0)
 
+# (flags, dest, type, default, help) of speculative decoding, shared with `bitnet serve`
+SPECULATIVE_FLAGS = [
+    (
+        ("-md", "--draft-model", "--model-draft"),
+        "draft_model",
+        str,
+        None,
+        "speculative decoding with this draft model (same tokenizer as the model); outputs are unchanged",
+    ),
+    (
+        ("--lookup", "--prompt-lookup-max"),
+        "lookup",
+        int,
+        0,
+        "speculative decoding by prompt lookup: draft what followed the last N tokens earlier in the text "
+        "(N from this down to --lookup-min; 0 = off); outputs are unchanged",
+    ),
+    (("--lookup-min", "--prompt-lookup-min"), "lookup_min", int, 1, "shortest n-gram prompt lookup matches"),
+    (
+        ("--draft-max", "--num-draft-tokens"),
+        "draft_max",
+        int,
+        4,
+        "most tokens drafted per step (speculative decoding)",
+    ),
+]
+
+
+def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding")
+    for flags, dest, typ, default, text in SPECULATIVE_FLAGS:
+        g.add_argument(*flags, dest=dest, type=typ, default=default, help=f"{text} (default: {default})")
+
+
+def speculative_from_args(args):
+    """The SpeculativeConfig the flags ask for (its draft model named, not loaded: `load_speculative`), or None."""
+    from bitnetlm.engine.speculative import SpeculativeConfig
+
+    spec = SpeculativeConfig(args.draft_max, args.lookup, args.lookup_min, args.draft_model)
+    return spec if spec.enabled else None
+
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """Flags shared by generate and chat: model, sampling and the runtime group."""
@@ -73,6 +114,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--system", "-sys", default=None, help="system prompt (uses the chat template)")
     add_runtime_arguments(p, OFFLINE)
+    add_speculative_arguments(p)
     p.add_argument(
         "--verbose",
         "-v",
@@ -182,10 +224,11 @@ def _read_prompt(args) -> str:
 
 
 def run(args) -> int:
-    from bitnetlm.loading import default_model_name, load_for_generation
+    from bitnetlm.loading import default_model_name, load_for_generation, load_speculative
 
     prompt = _read_prompt(args)
     runtime = runtime_from_args(args, OFFLINE)
+    spec = speculative_from_args(args)
     model, tok = load_for_generation(args.model, runtime)
     res = generate_text(
         model,
@@ -198,6 +241,7 @@ def run(args) -> int:
         stream=None if args.json else sys.stdout,
         verbose=args.verbose,
         runtime=runtime,
+        speculative=load_speculative(spec, runtime, tok),
     )
     if args.json:
         out = {
@@ -213,6 +257,8 @@ def run(args) -> int:
             "ttft_s": res.ttft_s,
             "total_s": res.total_s,
         }
+        if res.draft_tokens:
+            out.update(draft_tokens=res.draft_tokens, accepted_tokens=res.accepted_tokens)
         print(json.dumps(out, ensure_ascii=False))
     return 0
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from bitnetlm.commands.generate import SPECULATIVE_FLAGS
 from bitnetlm.runtime.args import (
     RUNTIME_FLAGS,
     add_runtime_arguments,
@@ -57,6 +58,7 @@ SERVER_FLAGS = [
         "[DONE])",
     ),
     (("--log-level",), "log_level", str, "info", "uvicorn log level: debug, info, warning, error"),
+    *SPECULATIVE_FLAGS,
 ]
 # every flag of the command: (flags, dest) pairs, for the environment variables' names
 FLAGS = [(f, d, t, dflt, h) for f, d, t, dflt, h in SERVER_FLAGS] + [

@@ -12,6 +12,7 @@ import torch
 from bitnetlm.engine.metrics import Metrics
 from bitnetlm.engine.scheduler import Scheduler, SchedulerConfig
 from bitnetlm.engine.sequence import GenerationRequest, Group, Sequence
+from bitnetlm.engine.speculative import SpeculativeConfig, Speculator
 from bitnetlm.engine.worker import Worker
 from bitnetlm.sampling import RowRandom
 from bitnetlm.text.detok import StreamDetokenizer
@@ -19,7 +20,13 @@ from bitnetlm.text.detok import StreamDetokenizer
 
 class EngineCore:
     def __init__(
-        self, runner, tokenizer, eos_ids=(), prefill_chunk: int = 512, metrics: Metrics | None = None
+        self,
+        runner,
+        tokenizer,
+        eos_ids=(),
+        prefill_chunk: int = 512,
+        metrics: Metrics | None = None,
+        speculative: SpeculativeConfig | None = None,
     ):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, found {prefill_chunk}")
@@ -27,7 +34,8 @@ class EngineCore:
         self.eos_ids = {int(i) for i in eos_ids if i is not None}
         batched = runner.batched_prefill
         self.scheduler = Scheduler(SchedulerConfig(runner.rows, prefill_chunk, batched, not batched))
-        self.worker = Worker(runner, self.scheduler, metrics)
+        self.speculator = speculator(runner, speculative, metrics)
+        self.worker = Worker(runner, self.scheduler, metrics, self.speculator)
         self.inflight = None  # the decode step whose tokens are still on their way to the host
         self.steps = 0
         self.overlapped = 0  # steps queued before the last step's tokens (or a prompt's first) were read
@@ -52,6 +60,7 @@ class EngineCore:
         g.cancelled = True
         for s in g.seqs:
             self.scheduler.finish(s)
+            self.worker.forget(s)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.inflight is not None
@@ -61,8 +70,11 @@ class EngineCore:
         self.steps += 1
         w = self.worker
         plan = self.scheduler.schedule()
-        pipelined = self.runner.pipelined and not any(
-            s.params.needs_penalties for s in self.scheduler.running.values()
+        # (penalties need every step's tokens on the host; so does a speculating step's acceptance)
+        pipelined = (
+            self.runner.pipelined
+            and self.speculator is None
+            and not any(s.params.needs_penalties for s in self.scheduler.running.values())
         )
         if self.inflight is not None and not pipelined:  # this step's decode needs the tokens on the host
             old, self.inflight = self.inflight, None
@@ -85,3 +97,22 @@ class EngineCore:
 
     def running(self) -> list[Sequence]:
         return list(self.scheduler.running.values())
+
+
+def speculator(runner, config: SpeculativeConfig | None, metrics: Metrics | None = None) -> Speculator | None:
+    """The speculator of `config` over `runner` (a draft model gets a runner of its own with the same rows), or
+    None when it speculates not."""
+    if config is None or not config.enabled:
+        return None
+    draft = None
+    if config.draft is not None:
+        from bitnetlm.runtime import config_for, make_runner
+
+        dm = config.draft
+        if dm.config.vocab_size != runner.vocab_size:
+            raise ValueError(
+                f"draft model: its vocabulary has {dm.config.vocab_size} tokens, the target's {runner.vocab_size}; "
+                "a draft model must share the target's tokenizer"
+            )
+        draft = make_runner(dm, config_for(dm), runner.rows, runner.max_seq_len)
+    return Speculator(config, runner, draft, metrics)

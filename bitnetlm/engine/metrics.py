@@ -63,6 +63,16 @@ class Metrics:
             "e2e_request_latency_seconds": "Histogram of end-to-end request latency in seconds.",
         }
 
+    def speculating(self) -> None:
+        """Add speculative decoding's counters (vLLM's names)."""
+        for name, text in (
+            ("spec_decode_num_drafts_total", "Number of spec decoding drafts."),
+            ("spec_decode_num_draft_tokens_total", "Number of draft tokens."),
+            ("spec_decode_num_accepted_tokens_total", "Number of accepted tokens."),
+        ):
+            self.counters.setdefault(name, 0)
+            self.help[name] = text
+
     def inc(self, name: str, v: float = 1) -> None:
         with self.lock:
             self.counters[name] += v

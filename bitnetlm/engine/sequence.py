@@ -94,6 +94,7 @@ class Sequence:
         self.last_token_at: float | None = None
         self.done = False
         self.finish_reason: str | None = None
+        self.drafted = self.accepted = 0  # speculative decoding: draft tokens scored, and accepted
 
     @property
     def params(self) -> SamplingParams:

@@ -40,8 +40,9 @@ def spec(s: Sequence) -> SampleSpec:
 
 
 class Worker:
-    def __init__(self, runner, scheduler: Scheduler, metrics: Metrics | None = None):
+    def __init__(self, runner, scheduler: Scheduler, metrics: Metrics | None = None, speculator=None):
         self.runner, self.scheduler, self.metrics = runner, scheduler, metrics
+        self.speculator = speculator  # (engine/speculative.py) drafts and verifies, when speculating
         self.batched_prefills = 0  # forwards that prefilled several prompts at once
 
     def execute(self, plan: Plan, pipelined: bool) -> tuple[Queued | None, Queued | None]:
@@ -57,6 +58,11 @@ class Worker:
             pend = r.sample([spec(s) for s in seqs], torch.stack([lg for _, lg in ready]), carry=pipelined)
             first = self._queued(pend, seqs, pipelined)
         dec = [s for s in plan.decode if not s.done and s.budget > 0]
+        if dec and self.speculator is not None and not pipelined:
+            drafts = self.speculator.propose(dec)
+            dec = [s for s in dec if s not in drafts]
+            for s, d in drafts.items():  # (after the others' decode would be as good: different rows)
+                self._emit_verified(s, *self.speculator.verify(s, d))
         if dec:
             tokens = [None if s.pending else s.tokens[-1] for s in dec]
             positions = [s.n_cached - 1 for s in dec]
@@ -109,6 +115,21 @@ class Worker:
                 top = list(zip(got.top_ids[i][:k], got.top_logprobs[i][:k], strict=True))
             self._advance(s, got.tokens[i], got.logprobs[i], top, now)
 
+    def _emit_verified(self, s: Sequence, tokens: list[int], logprobs: list[float], tops: list) -> None:
+        """A verified draft's tokens out, one by one, until the sequence ends."""
+        now = time.perf_counter()
+        for t, lp, top in zip(tokens, logprobs, tops, strict=True):
+            if s.done:
+                break
+            if top is not None:
+                top = top[: s.params.top_logprobs]
+            self._advance(s, t, lp, top, now)
+
+    def forget(self, s: Sequence) -> None:
+        """s ended (finished or aborted): per-sequence state elsewhere goes."""
+        if self.speculator is not None:
+            self.speculator.release(s)
+
     def _advance(self, s: Sequence, token: int, logprob: float, top, now: float) -> None:
         g, m = s.group, self.metrics
         text = s.push(token)
@@ -125,6 +146,7 @@ class Worker:
         emit(g, Token(s, len(s.generated), token, text, logprob, top, s.finish_reason, now))
         if s.finish_reason is not None:
             self.scheduler.finish(s)
+            self.forget(s)
             g.remaining -= 1
             if g.remaining == 0 and not g.cancelled:
                 if m is not None:

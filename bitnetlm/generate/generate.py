@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from bitnetlm.engine.sequence import GenerationRequest, Token
+from bitnetlm.engine.speculative import SpeculativeConfig
 from bitnetlm.kernels import torch_threads_beside_c
 from bitnetlm.runtime.config import RuntimeConfig
 from bitnetlm.sampling import SamplingParams
@@ -46,6 +47,8 @@ class GenerationChunk:
     generation_tps: float = 0.0  # decode tokens / s for this row, after the first token
     ttft_s: float = 0.0  # seconds from the start of the call to this row's first token
     top_logprobs: list[tuple[int, float]] | None = None
+    draft_tokens: int = 0  # speculative decoding: this row's draft tokens scored so far ...
+    accepted_tokens: int = 0  # ... and accepted
 
 
 class GenerationResult(str):
@@ -159,6 +162,8 @@ def _chunk(ev: Token, index: int, t0: float, prompt_tps: float) -> GenerationChu
         generation_tps=(n - 1) / (ev.time - first) if n > 1 and ev.time > first else 0.0,
         ttft_s=first - t0,
         top_logprobs=ev.top,
+        draft_tokens=s.drafted,
+        accepted_tokens=s.accepted,
     )
 
 
@@ -170,6 +175,7 @@ def _engine(
     ctx_size: int | None = None,
     runtime: RuntimeConfig | None = None,
     prefill_chunk: int = PREFILL_CHUNK,
+    speculative: SpeculativeConfig | None = None,
 ) -> Iterator[GenerationChunk]:
     """The generation loop of every offline call: the engine core over the model's runner, stepped here."""
     from bitnetlm.engine.core import EngineCore
@@ -182,7 +188,7 @@ def _engine(
         return
     need = max(len(prompts[i]) + budgets[i] for i in todo)
     runner = runner_for(model, runtime, rows=len(todo), max_seq_len=need)
-    core = EngineCore(runner, tok, _eos_ids(model, tok), prefill_chunk=prefill_chunk)
+    core = EngineCore(runner, tok, _eos_ids(model, tok), prefill_chunk=prefill_chunk, speculative=speculative)
     events: list = []
     index = {}  # request id -> its prompt's index
     for i in todo:
@@ -223,6 +229,7 @@ def stream_generate(
     prefill_chunk: int = PREFILL_CHUNK,
     runtime: RuntimeConfig | None = None,
     enforce_eager: bool = False,
+    speculative: SpeculativeConfig | None = None,
     **kwargs,
 ) -> Iterator[GenerationChunk]:
     """Yield one GenerationChunk per generated token; the last one has finish_reason set.
@@ -231,11 +238,21 @@ def stream_generate(
     kwargs: SamplingParams fields (max_tokens, temperature, top_k, top_p, min_p, seed, stop, ...).
     runtime: how to run the model (default: what `bitnetlm.load` was given for it); on CUDA the decode steps
     replay captured graphs, and enforce_eager=True runs the model's own forward instead (as vLLM's).
+    speculative: draft and verify several tokens a step (prompt lookup or a draft model; same outputs).
     """
     p = make_params(params, **kwargs)
     ids = prompt_to_ids(tok, prompt, system=system, chat=chat)
     rt = _runtime(runtime, enforce_eager)
-    yield from _engine(model, tok, [ids], [p], ctx_size=ctx_size, runtime=rt, prefill_chunk=prefill_chunk)
+    yield from _engine(
+        model,
+        tok,
+        [ids],
+        [p],
+        ctx_size=ctx_size,
+        runtime=rt,
+        prefill_chunk=prefill_chunk,
+        speculative=speculative,
+    )
 
 
 def _result(chunks: list[GenerationChunk], n_prompt: int, t0: float) -> GenerationResult:
@@ -252,6 +269,8 @@ def _result(chunks: list[GenerationChunk], n_prompt: int, t0: float) -> Generati
         generation_tps=last.generation_tps if last else 0.0,
         ttft_s=last.ttft_s if last else 0.0,
         total_s=time.perf_counter() - t0,
+        draft_tokens=last.draft_tokens if last else 0,
+        accepted_tokens=last.accepted_tokens if last else 0,
     )
 
 
@@ -267,6 +286,7 @@ def generate(
     verbose: bool = False,
     runtime: RuntimeConfig | None = None,
     enforce_eager: bool = False,
+    speculative: SpeculativeConfig | None = None,
     **kwargs,
 ) -> GenerationResult:
     """Generate a completion; returns the text (a str subclass with .tokens, .finish_reason, timings...)."""
@@ -274,7 +294,8 @@ def generate(
     p = make_params(params, **kwargs)
     ids = prompt_to_ids(tok, prompt, system=system, chat=chat)
     chunks = []
-    for c in _engine(model, tok, [ids], [p], ctx_size=ctx_size, runtime=_runtime(runtime, enforce_eager)):
+    rt = _runtime(runtime, enforce_eager)
+    for c in _engine(model, tok, [ids], [p], ctx_size=ctx_size, runtime=rt, speculative=speculative):
         chunks.append(c)
         if verbose:
             print(c.text, end="", flush=True)
@@ -296,6 +317,7 @@ def batch_generate(
     ctx_size: int | None = None,
     runtime: RuntimeConfig | None = None,
     enforce_eager: bool = False,
+    speculative: SpeculativeConfig | None = None,
     **kwargs,
 ) -> list[GenerationResult]:
     """Generate for several prompts at once (one KV row each); each result equals generating it alone."""
@@ -310,15 +332,19 @@ def batch_generate(
     ids = [prompt_to_ids(tok, p, system=system, chat=chat) for p in prompts]
     per_row: list[list[GenerationChunk]] = [[] for _ in prompts]
     rt = _runtime(runtime, enforce_eager)
-    for c in _engine(model, tok, ids, plist, ctx_size=ctx_size, runtime=rt):
+    for c in _engine(model, tok, ids, plist, ctx_size=ctx_size, runtime=rt, speculative=speculative):
         per_row[c.index].append(c)
     return [_result(ch, len(i), t0) for ch, i in zip(per_row, ids, strict=True)]
 
 
 def format_stats(r) -> str:
-    """The --verbose line: prompt and generation throughput and time to first token."""
-    return (
+    """The --verbose line: prompt and generation throughput, time to first token (and draft acceptance)."""
+    line = (
         f"prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.2f} tokens/s | "
         f"generation: {r.generation_tokens} tokens, {r.generation_tps:.2f} tokens/s | "
         f"time to first token: {r.ttft_s * 1000:.1f} ms | finish: {r.finish_reason}"
     )
+    drafted = getattr(r, "draft_tokens", 0)
+    if drafted:
+        line += f" | draft: {r.accepted_tokens}/{drafted} accepted ({r.accepted_tokens / drafted:.0%})"
+    return line

@@ -77,6 +77,13 @@ class Runner(Protocol):
     def reset(self, row: int) -> None:
         """Forget what `row` holds (a new sequence starts in it)."""
 
+    def verify(self, row: int, tokens: Sequence[int], start: int) -> torch.Tensor:
+        """`tokens` at positions start.. into `row` -> float32 logits [T, V] after each (speculative decoding
+        scores a draft in one pass)."""
+
+    def truncate(self, row: int, n: int) -> None:
+        """Forget `row`'s positions from n on (rejected draft tokens)."""
+
     def decode(
         self, rows: Sequence[int], tokens: Sequence[int | None], positions: Sequence[int]
     ) -> torch.Tensor:

@@ -132,11 +132,11 @@ class CpuRunner(EagerRunner):
         self.fused = None if isinstance(built, str) else built
         self.why_not = built if isinstance(built, str) else None
 
-    def forward(self, ids, positions, cache, cache_pos=None, input_mask=None) -> torch.Tensor:
+    def forward(self, ids, positions, cache, cache_pos=None, input_mask=None, every=False) -> torch.Tensor:
         out = fused_forward(
-            self.model, self.fused, ids, positions, cache, cache_pos, input_mask, last_only=True
+            self.model, self.fused, ids, positions, cache, cache_pos, input_mask, last_only=not every
         )
-        return out[:, -1]
+        return out if every else out[:, -1]
 
 
 def set_head_dtype(model, dtype: str | None) -> None:

@@ -41,12 +41,17 @@ class EagerRunner:
         self._last: tuple[torch.Tensor, dict[int, int]] | None = None  # the last decode's logits and rows
 
     # ---- the model's forward (the CPU runner replaces its layers) -------------------------------------
-    def forward(self, ids, positions, cache: KVCache, cache_pos=None, input_mask=None) -> torch.Tensor:
-        """Logits [B, V] after the last token of each row of ids [B, T]."""
+    def forward(self, ids, positions, cache: KVCache, cache_pos=None, input_mask=None, every=False):
+        """Logits [B, V] after the last token of each row of ids [B, T] (every: [B, T, V], after each)."""
         out = self.model(
-            ids, positions=positions, cache=cache, cache_pos=cache_pos, input_mask=input_mask, last_only=True
+            ids,
+            positions=positions,
+            cache=cache,
+            cache_pos=cache_pos,
+            input_mask=input_mask,
+            last_only=not every,
         )
-        return out[:, -1]
+        return out if every else out[:, -1]
 
     def _view(self, lo: int, hi: int) -> KVCache:
         """The cache's rows [lo, hi): slices share storage, so writes land in the runner's cache."""
@@ -101,6 +106,20 @@ class EagerRunner:
             self.cache.valid[r, :n] = True
             self.lengths[r] = n
         return logits.float()
+
+    @torch.inference_mode()
+    def verify(self, row: int, tokens: Sequence[int], start: int) -> torch.Tensor:
+        t = len(tokens)
+        self._check(row, start + t)
+        ids = torch.tensor([list(tokens)], device=self.device)
+        pos = torch.arange(start, start + t, device=self.device)[None]
+        logits = self.forward(ids, pos, self._view(row, row + 1), every=True)[0]
+        self.lengths[row] = start + t
+        return logits.float()
+
+    def truncate(self, row: int, n: int) -> None:
+        self.cache.valid[row, n:] = False
+        self.lengths[row] = min(self.lengths[row], n)
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         c = self.cache

@@ -21,6 +21,7 @@ from typing import Any
 from bitnetlm.engine.core import EngineCore
 from bitnetlm.engine.metrics import Metrics
 from bitnetlm.engine.sequence import Group, Token
+from bitnetlm.engine.speculative import SpeculativeConfig
 from bitnetlm.engine.worker import emit
 from bitnetlm.runtime import config_for, make_runner
 from bitnetlm.runtime.config import RuntimeConfig
@@ -58,6 +59,19 @@ class EngineConfig:
     max_queue: int = 64  # sequences allowed to wait for a row; beyond that submit() raises QueueFull
     prefill_chunk: int = 512  # prompt tokens prefilled per engine step (bounds decode stalls)
     retry_after_s: int = 1  # Retry-After sent with 429
+    # speculative decoding (engine/speculative.py): a draft model (path, zoo name or loaded model) or prompt
+    # lookup's longest n-gram (0: off), down to lookup_min; at most draft_max tokens drafted a step
+    draft_model: Any = None
+    draft_max: int = 4
+    lookup: int = 0
+    lookup_min: int = 1
+
+    def speculative(self, runtime: RuntimeConfig, tokenizer) -> SpeculativeConfig | None:
+        """The SpeculativeConfig these options ask for (a draft model given by name is loaded), or None."""
+        from bitnetlm.loading import load_speculative
+
+        spec = SpeculativeConfig(self.draft_max, self.lookup, self.lookup_min, self.draft_model)
+        return load_speculative(spec, runtime, tokenizer) if spec.enabled else None
 
 
 class Engine:
@@ -82,7 +96,8 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         eos = set(model.config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", []) or [])
         self.metrics = Metrics(model_name)
-        self.core = EngineCore(self.runner, tokenizer, eos, cfg.prefill_chunk, self.metrics)
+        spec = cfg.speculative(rt, tokenizer)
+        self.core = EngineCore(self.runner, tokenizer, eos, cfg.prefill_chunk, self.metrics, spec)
         sched = self.core.scheduler
         self.metrics.gauges["num_requests_running"] = lambda: self.stats()["running"]
         self.metrics.gauges["num_requests_waiting"] = lambda: self.stats()["waiting"]

@@ -140,6 +140,20 @@ class CudaRunner:
         self.lengths[row] = start + len(tokens)
         return out
 
+    @torch.no_grad()
+    def verify(self, row: int, tokens: Sequence[int], start: int) -> torch.Tensor:
+        self._unsteady()
+        tok = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, T]
+        pos = torch.full((1,), start, dtype=torch.int32, device=self.device)
+        if start == 0:
+            raise ValueError("verify continues a cached prompt (start > 0)")
+        out = self.eng.forward(tok, pos, row0=row, start=start, last_only=False)  # [T, V]
+        self.lengths[row] = start + len(tokens)
+        return out
+
+    def truncate(self, row: int, n: int) -> None:
+        self.lengths[row] = min(self.lengths[row], n)  # (the row attends to positions 0..pos only)
+
     def prefill_many(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         return torch.stack([self.prefill(r, p) for r, p in zip(rows, prompts, strict=True)])
 
