@@ -25,6 +25,7 @@ import time
 import torch
 
 from bitnetlm import progress
+from bitnetlm.generate.args import add_speculative_arguments, speculative_from_args
 from bitnetlm.models.shapes import SHAPES
 from bitnetlm.runtime.args import add_runtime_arguments, int_list, runtime_from_args
 
@@ -169,6 +170,54 @@ def time_decode(model, n_gen: int, device: torch.device, vocab: int, gen: torch.
     return time.perf_counter() - t0
 
 
+def time_verify(model, n: int, device: torch.device, vocab: int, gen: torch.Generator, depth: int = 0):
+    """One pass scoring n tokens after the cached ones (speculative decoding's verify: logits at each)."""
+    depth = max(depth, 1)  # (a verify continues a cached prompt)
+    runner = _runner(model, n, depth, vocab, gen)
+    ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
+    _sync(device)
+    t0 = time.perf_counter()
+    runner.verify(0, ids, depth)
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def bench_speculative(
+    model, tok, prompt: str, n_gen: int, spec, repetitions: int = 3, label: str = "", threads: int = 0
+) -> list[dict]:
+    """Greedy generation of n_gen tokens after `prompt`, without and with speculative decoding `spec`: one row
+    each, with the drafts' acceptance and the tokens emitted per target pass on the second."""
+    from bitnetlm.generate import generate
+
+    rows = []
+    for name, sp in ((f"tg{n_gen} (prompt)", None), (f"sg{n_gen} ({_spec_name(spec)})", spec)):
+        runs, res = [], None
+        for _ in range(repetitions + 1):  # (the first warms up)
+            res = generate(
+                model, tok, prompt, max_tokens=n_gen, temperature=0, ignore_eos=True, speculative=sp
+            )
+            runs.append(res.generation_tps)
+        runs = runs[1:]
+        row = dict(model=label, test=name, threads=threads, tokens_per_s=statistics.mean(runs))
+        row.update(std=statistics.stdev(runs) if len(runs) > 1 else 0.0, runs=runs, tokens=res.tokens)
+        if sp is not None:
+            passes = res.generation_tokens - res.accepted_tokens  # each pass emits its accepted tokens + one
+            row.update(draft_tokens=res.draft_tokens, accepted_tokens=res.accepted_tokens)
+            row.update(acceptance=res.accepted_tokens / max(1, res.draft_tokens))
+            row.update(tokens_per_pass=res.generation_tokens / max(1, passes))
+            row.update(
+                speedup=row["tokens_per_s"] / rows[0]["tokens_per_s"],
+                same_output=res.tokens == rows[0]["tokens"],
+            )
+        rows.append(row)
+    return rows
+
+
+def _spec_name(spec) -> str:
+    how = f"lookup {spec.lookup_min}-{spec.lookup}" if spec.lookup else "draft model"
+    return f"{how}, k<={spec.num_tokens}"
+
+
 def bench(
     model,
     n_prompt=(128, 512),
@@ -179,9 +228,10 @@ def bench(
     label: str = "",
     warmup: bool = True,
     depths=(0,),
+    n_verify=(),
 ) -> list[dict]:
-    """Run ppN / tgN at each depth (cached tokens before the test) for each thread count; returns one dict per
-    (threads, test, depth)."""
+    """Run ppN / tgN / vN (a verify pass of N tokens) at each depth (cached tokens before the test) for each
+    thread count; returns one dict per (threads, test, depth)."""
     device = torch.device(device)
     threads = list(threads or default_threads())
     vocab = model.config.vocab_size
@@ -195,6 +245,7 @@ def bench(
             time_prefill(model, 16, device, vocab, gen)
         tests = [(f"pp{n}", n, time_prefill) for n in n_prompt if n > 0]
         tests += [(f"tg{n}", n, time_decode) for n in n_gen if n > 0]
+        tests += [(f"v{n}", n, time_verify) for n in n_verify if n > 0]
         for (name, n, fn), d in ((t, d) for t in tests for d in depths):
             speeds = [n / fn(model, n, device, vocab, gen, d) for _ in range(repetitions)]
             name_d = f"{name} @ d{d}" if d else name  # llama-bench's names
@@ -329,6 +380,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="--device cuda: KV-cache types of the ternary rows, comma-separated auto|bf16|fp8 (default: auto)",
     )
+    p.add_argument(
+        "--n-verify",
+        type=int_list,
+        default=[],
+        help="verify passes of N tokens (speculative decoding's cost per pass; compare with tgN), comma-separated",
+    )
+    p.add_argument(
+        "-f",
+        "--prompt-file",
+        default=None,
+        help="with --lookup or --draft-model: greedy generation of -n tokens after this text, without and with "
+        "speculative decoding (speedup, acceptance, tokens per target pass)",
+    )
+    add_speculative_arguments(p)
     add_runtime_arguments(p, ("device", "backend"))
     p.add_argument("--json", action="store_true", help="print results as JSON")
     progress.add_argument(p)
@@ -346,6 +411,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"bitnet bench: -t/--threads takes counts >= 1, found {args.threads}", file=sys.stderr)
         return 2
     args.device = str(runtime_from_args(args, ("device", "backend")).torch_device)  # auto; absent: one line
+    spec = speculative_from_args(args)
+    if bool(spec) != bool(args.prompt_file) or (spec and not args.model):
+        print("bitnet bench: -f/--prompt-file goes with --lookup or --draft-model, and -m", file=sys.stderr)
+        return 2
     if args.device.startswith("cuda"):  # the CUDA half lives with the Triton kernels
         from bitnetlm.runtime.cuda.bench import run_cuda
 
@@ -370,10 +439,62 @@ def run(args: argparse.Namespace) -> int:
         args.device,
         label,
         depths=args.n_depth,
+        n_verify=args.n_verify,
     )
+    spec_rows = _speculative(args, model, label) if spec else []
     if args.json:
-        print(json.dumps({"machine": machine_name(), "results": rows}, indent=2))
-    else:
-        print(f"machine: {machine_name()}\n")
-        print(markdown(rows))
+        print(json.dumps({"machine": machine_name(), "results": rows + spec_rows}, indent=2))
+        return 0
+    print(f"machine: {machine_name()}\n")
+    print(markdown(rows))
+    for line in verify_costs(rows):
+        print(line)
+    if spec_rows:
+        print("\n" + speculative_markdown(spec_rows))
     return 0
+
+
+def _speculative(args, model, label: str) -> list[dict]:
+    from bitnetlm.loading import load_speculative, load_tokenizer
+
+    tok = load_tokenizer(args.model)
+    spec = load_speculative(speculative_from_args(args), None, tok)
+    with open(args.prompt_file, encoding="utf-8") as f:
+        prompt = f.read()
+    threads = (args.threads or default_threads())[-1]  # (the last count `bench` set)
+    return bench_speculative(model, tok, prompt, args.n_gen[0], spec, args.repetitions, label, threads)
+
+
+def verify_costs(rows: list[dict]) -> list[str]:
+    """A line per vN row: what one verify pass costs in decode steps (the tgN row of the same threads and depth)."""
+    out = []
+    for v in (r for r in rows if r["test"].startswith("v")):
+        tg = [
+            r
+            for r in rows
+            if r["test"].startswith("tg") and (r["threads"], r["depth"]) == (v["threads"], v["depth"])
+        ]
+        if tg:
+            n = int(v["test"].split()[0][1:])
+            steps = (n / v["tokens_per_s"]) * tg[0]["tokens_per_s"]
+            out.append(
+                f"{v['test']}, {v['threads']} threads: one pass of {n} tokens costs {steps:.2f} decode steps"
+            )
+    return out
+
+
+def speculative_markdown(rows: list[dict]) -> str:
+    out = [
+        "| model | threads | test | t/s | speedup | acceptance | tokens/pass | same output |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        extra = (
+            f"{r['speedup']:.2f}x | {r['acceptance']:.0%} | {r['tokens_per_pass']:.2f} | {r['same_output']}"
+            if "speedup" in r
+            else "1.00x | | 1.00 |"
+        )
+        out.append(
+            f"| {r['model']} | {r['threads']} | {r['test']} | {r['tokens_per_s']:.2f} ± {r['std']:.2f} | {extra} |"
+        )
+    return "\n".join(out)

@@ -82,6 +82,44 @@ def test_lookup_greedy_unchanged(request, which, prompt):
         assert r.logprobs == pytest.approx(base.logprobs, rel=2e-2, abs=2e-3)  # (bf16 activations)
 
 
+@pytest.mark.parametrize(
+    "variant", ["fp", "online", "packed-autobitlinear", "packed-bitlinear", "1bitllm", "llama"]
+)
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_oracle_checkpoints_greedy_unchanged(oracle_dirs, tiny, variant, backend):
+    """Every checkpoint variant, on both CPU backends: token-id prompts (vocabulary 512) that repeat."""
+    from bitnetlm.loading import load_model
+
+    model = load_model(oracle_dirs[variant][0], backend=backend).eval()
+    tok = tiny[1]  # (decodes the ids; the checkpoints have no tokenizer)
+    g = torch.Generator().manual_seed(1)
+    prompts = [(torch.randint(3, 512, (9,), generator=g).tolist() * 3)[:-2] for _ in range(3)]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (24, 13, 30)]
+    spec = SpeculativeConfig(num_tokens=4, lookup=3)
+    alone = batch_generate(model, tok, prompts, params)
+    both = batch_generate(model, tok, prompts, params, speculative=spec)
+    assert [b.tokens for b in both] == [a.tokens for a in alone]
+    assert sum(b.accepted_tokens for b in both) > 0
+    r = generate(model, tok, prompts[0], params[2], speculative=SpeculativeConfig(num_tokens=3, draft=model))
+    assert (
+        r.tokens == generate(model, tok, prompts[0], params[2]).tokens and r.accepted_tokens == r.draft_tokens
+    )
+
+
+def test_smollm2_greedy_unchanged(tmp_path, one_torch_thread):
+    """The second zoo model (its real ternary parts, a seeded random embedding: no network here)."""
+    from zoo_parts import smollm2_random_embedding
+
+    model, tok = bitnetlm.load(str(smollm2_random_embedding(tmp_path)))
+    for prompt in (GROUNDED, REPETITIVE):
+        base = generate(model, tok, prompt, max_tokens=32, temperature=0, ignore_eos=True)
+        r = generate(
+            model, tok, prompt, max_tokens=32, temperature=0, ignore_eos=True,
+            speculative=SpeculativeConfig(num_tokens=5, lookup=4, adaptive=False),
+        )  # fmt: skip
+        assert r.tokens == base.tokens and r.draft_tokens > 0
+
+
 def test_lookup_greedy_penalties_stops_and_batches(tiny):
     model, tok = tiny
     spec = SpeculativeConfig(num_tokens=5, lookup=4, adaptive=False)
@@ -280,3 +318,23 @@ def test_speculative_flags(capsys):
     ):
         assert main(["generate", "-m", "bitnet-tiny", "Hi", "-n", "2", *argv]) == 2, argv
         assert want in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_speculative_greedy_unchanged(dtype):
+    """The CUDA-graph engine's verify pass and rollback: greedy tokens with prompt lookup and with a draft model
+    equal its own without, alone and batched."""
+    from bitnetlm.runtime import kept_runner
+
+    model, tok = bitnetlm.load("bitnet-tiny", device="cuda", dtype=dtype)
+    prompts = [REPETITIVE, GROUNDED, "Emma Woodhouse, handsome, clever, and rich,"]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (40, 33, 47)]
+    base = batch_generate(model, tok, prompts, params)
+    assert getattr(kept_runner(model), "eng", None) is not None
+    for spec in (SpeculativeConfig(num_tokens=5, lookup=3, adaptive=False), SpeculativeConfig(draft=model)):
+        got = batch_generate(model, tok, prompts, params, speculative=spec)
+        assert [g.tokens for g in got] == [b.tokens for b in base]
+        assert sum(g.accepted_tokens for g in got) > 0
+        one = generate(model, tok, prompts[0], params[0], speculative=spec)
+        assert one.tokens == base[0].tokens

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bitnetlm.commands.generate import SPECULATIVE_FLAGS
+from bitnetlm.generate.args import SPECULATIVE_FLAGS
 from bitnetlm.runtime.args import (
     RUNTIME_FLAGS,
     add_runtime_arguments,

@@ -31,8 +31,8 @@ from bitnetlm.sampling import RowRandom, reductions
 from bitnetlm.sampling.sampler import _penalised, filtered, raw_logprobs, row_tensors
 
 WINDOW = 8  # verifies a row's acceptance rate is judged over
-MIN_RATE = 0.2  # below this share of accepted draft tokens a row pauses speculating ...
-PAUSE = 32  # ... for this many steps
+MIN_RATE = 0.4  # below this share of accepted draft tokens a row pauses speculating ...
+PAUSE = 16  # ... for this many steps, doubled at each pause in a row
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,7 @@ class RowState:
     k: int
     history: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted) of its last verifies
     paused: int = 0
+    pauses: int = 0  # pauses in a row (a window at MIN_RATE or above resets it)
     draft_len: int = 0
     random: RowRandom | None = None  # the draft model's own draws (sampled rows)
 
@@ -253,8 +254,11 @@ class Speculator:
         st.k = min(self.config.num_tokens, st.k + 1) if accepted == drafted else max(1, accepted + 1)
         st.history = [*st.history[-(WINDOW - 1) :], (drafted, accepted)]
         tried = sum(a for a, _ in st.history)
-        if len(st.history) == WINDOW and sum(b for _, b in st.history) < MIN_RATE * tried:
-            st.paused, st.history = PAUSE, []
+        if len(st.history) == WINDOW:
+            if sum(b for _, b in st.history) < MIN_RATE * tried:
+                st.paused, st.history, st.pauses = PAUSE << min(st.pauses, 6), [], st.pauses + 1
+            else:
+                st.pauses = 0
 
 
 def _penalised_row(logits: torch.Tensor, s: Sequence, output) -> torch.Tensor:

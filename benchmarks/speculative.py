@@ -1,0 +1,121 @@
+"""Speculative decoding on the CPU: single-stream greedy tokens/s without and with prompt lookup on the zoo's
+models and real text, and what one verify pass costs against one decode step. Markdown tables.
+
+    python benchmarks/speculative.py                          # both zoo models, every prompt, k 4 and 8
+    python benchmarks/speculative.py --models bitnet-tiny --draft-max 4 --tokens 128 --threads 2
+
+Prompts are input-grounded, built from Jane Austen (.assets/austen) and this package's own Python source: copy a
+passage, copy it with an edit, restate a function, continue a numbered list, and one free continuation (not
+grounded: what lookup costs where it finds little). Each row is greedy generation of --tokens tokens (ignore_eos),
+the baseline measured in the same run; speculative output is checked token for token against it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import common
+from common import int_list, str_list
+
+
+def prompts() -> dict[str, str]:
+    """name -> prompt text."""
+    austen = (common.ASSETS / "austen" / "prideprejudice.txt").read_text(encoding="utf-8")
+    para = " ".join(austen[20000:20700].split())
+    src = (common.ROOT / "bitnetlm" / "engine" / "scheduler.py").read_text(encoding="utf-8")
+    fn = src[src.index("    def schedule(self)") : src.index("    def _plan_prefill")]
+    edited = para.replace("Elizabeth", "Lizzy")
+    return {
+        "copy a passage": f"Original text:\n{para}\n\nThe same text, copied exactly:\n{para[:60]}",
+        "copy with an edit": f"Text:\n{para}\n\nThe text with Elizabeth renamed Lizzy:\n{edited[:60]}",
+        "restate code": f"```python\n{fn}```\n\nThe same method with a docstring:\n\n```python\n{fn[:80]}",
+        "numbered list": "".join(f"{i}. {w}\n" for i, w in enumerate(para.split()[:40], 1))
+        + "\nThe list again:\n1.",
+        "free continuation": para[:300],
+    }
+
+
+def verify_cost(model, ks, reps: int) -> list[tuple[int, float, float]]:
+    """(k + 1, ms of one verify pass of k + 1 tokens, that in decode steps) at a 256-token context."""
+    import torch
+
+    from bitnetlm.runtime import make_runner
+    from bitnetlm.runtime.config import RuntimeConfig
+
+    r = make_runner(model, RuntimeConfig(), 1, 512)
+    ids = torch.randint(
+        0, model.config.vocab_size, (300,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
+    r.prefill(0, ids[:256])
+    decode = common.best_seconds(lambda: r.decode([0], [ids[256]], [256]), reps)
+    out = []
+    for k in ks:
+        t = common.best_seconds(lambda k=k: r.verify(0, ids[256 : 257 + k], 256), reps)
+        out.append((k + 1, t * 1e3, t / decode))
+    return [(1, decode * 1e3, 1.0), *out]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", type=str_list, default=["bitnet-tiny", "smollm2-135m-1.58"])
+    p.add_argument("--draft-max", type=int_list, default=[4, 8], help="k values (default: 4,8)")
+    p.add_argument("--lookup", type=int, default=4, help="longest n-gram (default: 4)")
+    p.add_argument("--tokens", type=int, default=96, help="tokens generated per run (default: 96)")
+    p.add_argument("--reps", type=int, default=3, help="timed runs per row, after one warm-up (default: 3)")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads (default: 2)")
+    args = p.parse_args()
+    common.use_checkout()
+    import bitnetlm
+    from bitnetlm.bench import bench_speculative
+    from bitnetlm.engine.speculative import SpeculativeConfig
+    from bitnetlm.runtime.config import RuntimeConfig
+
+    rt = RuntimeConfig(threads=args.threads)
+    rows, costs = [], []
+    for name in args.models:
+        model, tok = bitnetlm.load(name, rt)
+        costs += [(name, *c) for c in verify_cost(model, [1, 3, 4, 7, 8], 2 * args.reps + 3)]
+        for pname, text in prompts().items():
+            for k in args.draft_max:
+                spec = SpeculativeConfig(num_tokens=k, lookup=args.lookup)
+                base, sp = bench_speculative(
+                    model, tok, text, args.tokens, spec, args.reps, name, args.threads
+                )
+                rows.append(
+                    (
+                        name, pname, k, f"{base['tokens_per_s']:.1f}", f"{sp['tokens_per_s']:.1f}",
+                        f"**{sp['speedup']:.2f}x**", f"{sp['acceptance']:.0%}", f"{sp['tokens_per_pass']:.2f}",
+                        "yes" if sp["same_output"] else "NO",
+                    )
+                )  # fmt: skip
+            print(f"{name}: {pname} done", flush=True)
+    common.header(
+        "Prompt lookup, single stream, greedy",
+        details=f"{args.tokens} tokens, {args.threads} threads, lookup n {args.lookup}..1, adaptive draft length; "
+        "t/s are the mean of the timed runs",
+    )
+    cols = [
+        "model",
+        "prompt",
+        "k",
+        "t/s off",
+        "t/s lookup",
+        "speedup",
+        "acceptance",
+        "tokens/pass",
+        "same output",
+    ]
+    print(common.table(cols, rows, [False, False] + [True] * 7))
+    common.header(
+        "One verify pass of n tokens against one decode step", details="256 tokens in the cache; best of runs"
+    )
+    print(
+        common.table(
+            ["model", "tokens", "ms", "decode steps"],
+            [(m, n, f"{ms:.2f}", f"{x:.2f}") for m, n, ms, x in costs],
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
