@@ -63,6 +63,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=96, help="tokens generated per run (default: 96)")
     p.add_argument("--reps", type=int, default=3, help="timed runs per row, after one warm-up (default: 3)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads (default: 2)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     args = p.parse_args()
     common.use_checkout()
     import bitnetlm
@@ -70,7 +71,7 @@ def main() -> None:
     from bitnetlm.engine.speculative import SpeculativeConfig
     from bitnetlm.runtime.config import RuntimeConfig
 
-    rt = RuntimeConfig(threads=args.threads)
+    rt = RuntimeConfig(threads=args.threads, device=args.device)
     rows, costs = [], []
     for name in args.models:
         model, tok = bitnetlm.load(name, rt)
@@ -89,8 +90,10 @@ def main() -> None:
                     )
                 )  # fmt: skip
             print(f"{name}: {pname} done", flush=True)
+    gpu = args.device.startswith("cuda")
     common.header(
         "Prompt lookup, single stream, greedy",
+        gpu=gpu,
         details=f"{args.tokens} tokens, {args.threads} threads, lookup n {args.lookup}..1, adaptive draft length; "
         "t/s are the mean of the timed runs",
     )
