@@ -147,16 +147,22 @@ def _runner(model, n: int, depth: int, vocab: int, gen: torch.Generator):
     return runner
 
 
+def _time_pass(model, n: int, device, vocab: int, gen, depth: int, verify: bool) -> float:
+    """Seconds of one forward over n random tokens after `depth` cached ones: a prefill chunk (the last
+    position's logits) or a verify pass (every position's)."""
+    runner = _runner(model, n, depth, vocab, gen)
+    ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
+    _sync(device)
+    t0 = time.perf_counter()
+    (runner.verify if verify else runner.prefill)(0, ids, depth)
+    _sync(device)
+    return time.perf_counter() - t0
+
+
 def time_prefill(
     model, n_prompt: int, device: torch.device, vocab: int, gen: torch.Generator, depth: int = 0
 ):
-    runner = _runner(model, n_prompt, depth, vocab, gen)
-    ids = torch.randint(0, vocab, (n_prompt,), generator=gen).tolist()
-    _sync(device)
-    t0 = time.perf_counter()
-    runner.prefill(0, ids, depth)
-    _sync(device)
-    return time.perf_counter() - t0
+    return _time_pass(model, n_prompt, device, vocab, gen, depth, verify=False)
 
 
 def time_decode(model, n_gen: int, device: torch.device, vocab: int, gen: torch.Generator, depth: int = 0):
@@ -172,14 +178,7 @@ def time_decode(model, n_gen: int, device: torch.device, vocab: int, gen: torch.
 
 def time_verify(model, n: int, device: torch.device, vocab: int, gen: torch.Generator, depth: int = 0):
     """One pass scoring n tokens after the cached ones (speculative decoding's verify: logits at each)."""
-    depth = max(depth, 1)  # (a verify continues a cached prompt)
-    runner = _runner(model, n, depth, vocab, gen)
-    ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
-    _sync(device)
-    t0 = time.perf_counter()
-    runner.verify(0, ids, depth)
-    _sync(device)
-    return time.perf_counter() - t0
+    return _time_pass(model, n, device, vocab, gen, max(depth, 1), verify=True)  # (it continues a prompt)
 
 
 def bench_speculative(

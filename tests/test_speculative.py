@@ -143,6 +143,12 @@ def test_lookup_greedy_penalties_stops_and_batches(tiny):
     alone = batch_generate(model, tok, prompts, params)
     both = batch_generate(model, tok, prompts, params, speculative=spec)
     assert [b.tokens for b in both] == [a.tokens for a in alone]
+    # more rows decoding than max_rows: no drafts (one decode step serves them all)
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)] * 3
+    few = batch_generate(model, tok, prompts, params, speculative=spec.replace(max_rows=2))
+    assert [r.draft_tokens for r in few] == [0, 0, 0]
+    with pytest.raises(ValueError, match="max_rows 0"):
+        spec.replace(max_rows=0)
 
 
 def test_draft_model_greedy_unchanged(tiny):
@@ -257,11 +263,11 @@ def test_sampled_distribution_unchanged(tiny, kind):
     ids = base + cont + base[1:]  # the prompt's end occurred before: prompt lookup drafts `cont`
     depth, temp, top_k, n = 4, 1.0, 3, 1536
     spec = {
-        "lookup": SpeculativeConfig(num_tokens=3, lookup=3, adaptive=False),
+        "lookup": SpeculativeConfig(num_tokens=3, lookup=3, adaptive=False, max_rows=256),
         "bad-draft": SpeculativeConfig(
-            num_tokens=2, draft=random_draft(model.config.vocab_size), adaptive=False
+            num_tokens=2, draft=random_draft(model.config.vocab_size), adaptive=False, max_rows=256
         ),
-        "self-draft": SpeculativeConfig(num_tokens=2, draft=model, adaptive=False),
+        "self-draft": SpeculativeConfig(num_tokens=2, draft=model, adaptive=False, max_rows=256),
     }[kind]
     probs = _exact(model, ids, depth, temp, top_k)
     counts, drafted, accepted = Counter(), 0, 0

@@ -39,13 +39,15 @@ PAUSE = 16  # ... for this many steps, doubled at each pause in a row
 class SpeculativeConfig:
     """num_tokens: the most tokens drafted a step (k). lookup: prompt lookup's longest n-gram (0: off), down to
     lookup_min. draft: a draft model (a bitnetlm CausalLM with the target's tokenizer), or None. adaptive: adapt
-    each row's draft length to its acceptance."""
+    each row's draft length to its acceptance. max_rows: speculate only in steps that decode at most this many
+    rows (each row verifies in a pass of its own, while one decode step serves them all)."""
 
     num_tokens: int = 4
     lookup: int = 0
     lookup_min: int = 1
     draft: object = None
     adaptive: bool = True
+    max_rows: int = 4
 
     def __post_init__(self):
         if isinstance(self.num_tokens, bool) or not isinstance(self.num_tokens, int) or self.num_tokens < 1:
@@ -55,6 +57,8 @@ class SpeculativeConfig:
                 f"--lookup {self.lookup!r} / --lookup-min {self.lookup_min!r}: expected 1 <= min <= max <= 16 "
                 "(lookup 0: off)"
             )
+        if isinstance(self.max_rows, bool) or not isinstance(self.max_rows, int) or self.max_rows < 1:
+            raise ValueError(f"speculative max_rows {self.max_rows!r}: expected an integer >= 1")
         if self.lookup and self.draft is not None:
             raise ValueError("speculative decoding takes prompt lookup or a draft model, not both")
 
@@ -126,6 +130,8 @@ class Speculator:
     # ---- drafting -----------------------------------------------------------------------------------
     def propose(self, seqs: list[Sequence]) -> dict[Sequence, Draft]:
         """sequence -> its draft, for the sequences that speculate this step (possibly none)."""
+        if len(seqs) > self.config.max_rows:
+            return {}
         cap = self.runner.max_seq_len
         want = {}
         for s in seqs:
