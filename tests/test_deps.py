@@ -91,3 +91,10 @@ def test_a_module_that_fails_to_import_is_told_apart(monkeypatch):
     )
     assert "fails to import (libprotobuf.so.32" in msg and msg.endswith("pip install --force-reinstall onnx")
     assert deps.describe(ModuleNotFoundError("No module named 'numpyy'", name="numpyy"), "x") is None
+
+
+def test_serve_replicas_without_ray(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)
+    monkeypatch.setitem(sys.modules, "ray.serve", None)
+    assert main(["serve", "--replicas", "2"]) == 2
+    assert "bitnet serve --replicas needs the ray package" in _one_line(capsys, "ray")

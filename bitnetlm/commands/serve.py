@@ -60,6 +60,27 @@ SERVER_FLAGS = [
     (("--log-level",), "log_level", str, "info", "uvicorn log level: debug, info, warning, error"),
     *SPECULATIVE_FLAGS,
 ]
+# replicas on Ray Serve (bitnetlm.serve.ray): off unless --replicas is given
+REPLICA_FLAGS = [
+    (
+        ("--replicas",),
+        "replicas",
+        int,
+        None,
+        "engine replicas behind Ray Serve's router (needs `ray[serve]`)",
+    ),
+    (
+        ("--max-replicas",),
+        "max_replicas",
+        int,
+        None,
+        "autoscale between --replicas and this many replicas on the requests in flight per replica",
+    ),
+    (("--replica-cpus",), "cpus", float, 1.0, "CPU cores reserved for each replica"),
+    (("--replica-gpus",), "gpus", float, 0.0, "GPUs for each replica (1 = one GPU each)"),
+    (("--ray-address",), "ray_address", str, None, "join this Ray cluster instead of starting a local one"),
+]
+SERVER_FLAGS += REPLICA_FLAGS
 # every flag of the command: (flags, dest) pairs, for the environment variables' names
 FLAGS = [(f, d, t, dflt, h) for f, d, t, dflt, h in SERVER_FLAGS] + [
     (f, d, t, None, h) for f, d, t, h in RUNTIME_FLAGS
@@ -96,6 +117,23 @@ def resolve(args: argparse.Namespace) -> dict:
     return out
 
 
+def _replicas(o: dict):
+    """Pop the replica flags from the resolved options: (ReplicaConfig or None, Ray address)."""
+    given = {d: (flags[0], o.pop(d), dflt) for flags, d, _, dflt, _ in REPLICA_FLAGS}
+    address = given.pop("ray_address")[1]
+    if given["replicas"][1] is None:
+        for flag, v, dflt in [*given.values(), ("--ray-address", address, None)]:
+            if v != dflt:
+                raise ValueError(f"{flag} needs --replicas (serving on Ray Serve)")
+        return None, None
+    from bitnetlm.deps import require
+
+    require("ray.serve", "bitnet serve --replicas")
+    from bitnetlm.serve.ray import ReplicaConfig
+
+    return ReplicaConfig(**{d: v for d, (_, v, _) in given.items()}), address
+
+
 def run(args) -> int:
     """Every option is checked before the port is bound (ValueError: exit status 2); a model that cannot be
     loaded stops the server with one line and exit status 1."""
@@ -105,8 +143,16 @@ def run(args) -> int:
     o = resolve(args)
     cors = [s.strip() for s in (o.pop("cors_origins") or "").split(",") if s.strip()]
     runtime = RuntimeConfig(**{f: o.pop(f) for f in list(o) if f in RuntimeConfig.__dataclass_fields__})
+    replicas, address = _replicas(o)
     try:
-        serve(o.pop("model"), runtime=runtime, cors_origins=cors, **o)
+        if replicas is not None:
+            from bitnetlm.serve.ray import serve_replicas
+
+            serve_replicas(
+                o.pop("model"), replicas=replicas, address=address, runtime=runtime, cors_origins=cors, **o
+            )
+        else:
+            serve(o.pop("model"), runtime=runtime, cors_origins=cors, **o)
     except ModelLoadError as e:
         print(f"bitnet serve: error: {e}", file=sys.stderr, flush=True)
         return 1
