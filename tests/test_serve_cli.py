@@ -48,6 +48,8 @@ def test_every_flag_has_an_env_var():
     assert cmd.resolve(p.parse_args([]))["enforce_eager"] is False
     assert cmd.resolve(p.parse_args(["--enforce-eager"]))["enforce_eager"] is True
     assert cmd.resolve(p.parse_args(["--enforce-eager", "false"]))["enforce_eager"] is False
+    assert cmd.resolve(p.parse_args([]))["prefix_caching"] is True
+    assert cmd.resolve(p.parse_args(["--prefix-caching", "off"]))["prefix_caching"] is False
     os.environ["BITNET_ENFORCE_EAGER"] = "yes"
     try:
         assert cmd.resolve(p.parse_args([]))["enforce_eager"] is True

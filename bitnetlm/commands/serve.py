@@ -42,6 +42,13 @@ SERVER_FLAGS = [
     ),
     (("--prefill-chunk",), "prefill_chunk", int, 512, "prompt tokens prefilled per engine step"),
     (
+        ("--prefix-caching",),
+        "prefix_caching",
+        parse_bool,
+        True,
+        "reuse the keys and values of a prompt prefix a KV row already holds (on/off)",
+    ),
+    (
         ("--cors-origins",),
         "cors_origins",
         str,

@@ -27,13 +27,16 @@ class EngineCore:
         prefill_chunk: int = 512,
         metrics: Metrics | None = None,
         speculative: SpeculativeConfig | None = None,
+        prefix_reuse: bool = True,
     ):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, found {prefill_chunk}")
         self.runner, self.tokenizer = runner, tokenizer
         self.eos_ids = {int(i) for i in eos_ids if i is not None}
         batched = runner.batched_prefill
-        self.scheduler = Scheduler(SchedulerConfig(runner.rows, prefill_chunk, batched, not batched))
+        self.scheduler = Scheduler(
+            SchedulerConfig(runner.rows, prefill_chunk, batched, not batched, prefix_reuse)
+        )
         self.speculator = speculator(runner, speculative, metrics)
         self.worker = Worker(runner, self.scheduler, metrics, self.speculator)
         self.inflight = None  # the decode step whose tokens are still on their way to the host

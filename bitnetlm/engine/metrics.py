@@ -40,6 +40,8 @@ class Metrics:
             "request_success_total": 0,
             "request_cancelled_total": 0,
             "request_rejected_total": 0,
+            "prefix_cache_queries_total": 0,
+            "prefix_cache_hits_total": 0,
         }
         self.finish_reasons: dict[str, int] = {}
         self.hist = {
@@ -58,6 +60,9 @@ class Metrics:
             "request_success_total": "Count of successfully finished requests.",
             "request_cancelled_total": "Requests cancelled (client disconnected) while queued or running.",
             "request_rejected_total": "Requests rejected with 429 because the queue was full.",
+            "prefix_cache_queries_total": "Prefix cache queries, in prompt tokens.",
+            "prefix_cache_hits_total": "Prefix cache hits, in prompt tokens (keys and values reused, not computed).",
+            "kv_cache_usage_perc": "KV-cache usage: positions held by running sequences over all positions (0-1).",
             "time_to_first_token_seconds": "Histogram of time to first token in seconds.",
             "inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
             "e2e_request_latency_seconds": "Histogram of end-to-end request latency in seconds.",

@@ -5,7 +5,12 @@ each planned sequence's `n_cached` as if the plan ran, so the next plan builds o
 on a runner and reports back only what the scheduler cannot know: a sequence that finished (`finish`).
 
 Each step:
-  1. admits waiting sequences into free rows, lowest row first, in arrival order;
+  1. admits waiting sequences into free rows, in arrival order. Prefix reuse: a row keeps the keys and values of
+     the prompt it prefilled after its sequence ends, so a new prompt that starts with the same tokens as a row's
+     prompt (running or ended) skips them: it takes that row as it is (an ended one), or a copy of its first
+     tokens (a running one). Only prefilled prompt positions are reused, so the reused keys and values are those
+     the prompt's own prefill would write. Otherwise an empty row is taken (lowest first), else the row that
+     ended longest ago;
   2. prefills prompts FIFO, `prefill_chunk` tokens per step in total (bounding the stall of the decoding rows);
      whole prompts that fit together run as one forward where the runner can batch them, and the other choices
      of a request (n > 1) wait for the first's prefill, then copy it (a copy gives bit-identical keys and values);
@@ -29,6 +34,10 @@ class SchedulerConfig:
     split_first_only: bool = (
         False  # only a step's first prompt may be split into chunks (fewer prefill shapes)
     )
+    prefix_reuse: bool = True  # a prompt skips the tokens a row already holds (see above)
+
+
+REUSE_MIN = 16  # shorter common prefixes are recomputed: a copy is not worth its bookkeeping below this
 
 
 @dataclass
@@ -43,6 +52,9 @@ class Chunk:
 @dataclass
 class Plan:
     admitted: list[Sequence] = field(default_factory=list)  # got a row this step (the worker resets it)
+    # id(seq) -> (source row, n): an admitted sequence's row starts with the source row's first n positions (its
+    # own row: kept; another: copied)
+    reused: dict[int, tuple[int, int]] = field(default_factory=dict)
     prefills: list[list[Chunk]] = field(default_factory=list)  # each inner list: one forward
     copies: list[tuple[Sequence, Sequence]] = field(
         default_factory=list
@@ -59,6 +71,11 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: dict[int, Sequence] = {}  # row -> sequence
         self.free_rows = list(range(config.rows))  # kept sorted: lowest row first
+        self.held: dict[
+            int, tuple[int, ...]
+        ] = {}  # free row -> the prompt prefix whose keys and values it holds
+        self.ended = 0  # counts sequences that gave a row back (the order in which held rows were freed)
+        self.freed_at: dict[int, int] = {}
 
     # ---- state --------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -71,6 +88,10 @@ class Scheduler:
             del self.running[seq.row]
             self.free_rows.append(seq.row)
             self.free_rows.sort()
+            if self.config.prefix_reuse:
+                self.held[seq.row] = tuple(self._computed(seq))
+                self.ended += 1
+                self.freed_at[seq.row] = self.ended
             seq.row = None
         elif seq in self.waiting:
             self.waiting.remove(seq)
@@ -83,9 +104,7 @@ class Scheduler:
         plan = Plan()
         while self.waiting and self.free_rows:
             s = self.waiting.popleft()
-            s.row = self.free_rows.pop(0)
-            self.running[s.row] = s
-            plan.admitted.append(s)
+            self._admit(s, plan)
         completing = self._plan_prefill(plan)
         for s in self.running.values():
             if s.done:
@@ -96,6 +115,44 @@ class Scheduler:
                     s.n_cached += 1
         plan.decode.sort(key=lambda s: s.row)
         return plan
+
+    # ---- admission and prefix reuse -------------------------------------------------------------------
+    @staticmethod
+    def _computed(s: Sequence) -> list[int]:
+        """The prompt tokens whose keys and values s's row holds, computed by a prefill."""
+        return s.tokens[: min(s.n_cached, s.n_prompt)]
+
+    def _admit(self, s: Sequence, plan: Plan) -> None:
+        """Give s a free row (reusing the longest held prefix of its prompt), and plan the row's reset."""
+        src, n = self._longest_prefix(s) if self.config.prefix_reuse else (None, 0)
+        if src is not None and src in self.held:  # an ended row: take it as it is
+            row = src
+        else:
+            empty = [r for r in self.free_rows if not self.held.get(r)]
+            row = empty[0] if empty else min(self.free_rows, key=lambda r: self.freed_at.get(r, 0))
+        self.free_rows.remove(row)
+        self.held.pop(row, None)
+        s.row = row
+        self.running[row] = s
+        plan.admitted.append(s)
+        if src is not None:
+            plan.reused[id(s)] = (src, n)
+            s.n_cached = n
+
+    def _longest_prefix(self, s: Sequence) -> tuple[int | None, int]:
+        """The row (free or running) holding the longest prefix of s's prompt, and its length; at most all of
+        the prompt but its last token (whose logits the first sample needs); (None, 0) below REUSE_MIN."""
+        prompt, limit = tuple(s.tokens[: s.n_prompt]), s.n_prompt - 1
+        best, best_n = None, REUSE_MIN - 1
+        rows = [*self.held.items(), *((r, tuple(self._computed(t))) for r, t in self.running.items())]
+        for r, h in rows:
+            m = min(len(h), limit)
+            if m <= best_n or h[: best_n + 1] != prompt[: best_n + 1]:
+                continue
+            n = next((i for i in range(m) if h[i] != prompt[i]), m)
+            if n > best_n:
+                best, best_n = r, n
+        return (best, best_n) if best is not None else (None, 0)
 
     def _plan_prefill(self, plan: Plan) -> set:
         """Prompt chunks for this step (FIFO); returns the sequences whose prompt becomes complete."""

@@ -50,7 +50,7 @@ class Worker:
         (pending, its sequences) still on its way to the host; otherwise both are read already (None, None)."""
         r = self.runner
         for s in plan.admitted:
-            r.reset(s.row)
+            self._start_row(s, plan)
         ready = self._prefill(plan)
         first = step = None
         if ready:
@@ -70,6 +70,20 @@ class Worker:
             pend = r.decode_sample([s.row for s in dec], tokens, positions, specs, carry=pipelined)
             step = self._queued(pend, dec, pipelined)
         return first, step
+
+    def _start_row(self, s: Sequence, plan: Plan) -> None:
+        """A newly admitted sequence's row: emptied, or starting with a reused prompt prefix (kept or copied)."""
+        r, m = self.runner, self.metrics
+        src, n = plan.reused.get(id(s), (None, 0))
+        if src == s.row:
+            r.reset(s.row, keep=n)
+        else:
+            r.reset(s.row)
+            if src is not None:
+                r.copy_prefix(src, s.row, n)
+        if m is not None:
+            m.inc("prefix_cache_queries_total", s.n_prompt)
+            m.inc("prefix_cache_hits_total", n)
 
     def _prefill(self, plan: Plan) -> list[tuple[Sequence, torch.Tensor]]:
         """The plan's prompt chunks and copies -> (sequence, its prompt's last logits [V]) of completed prompts."""

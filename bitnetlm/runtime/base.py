@@ -74,8 +74,9 @@ class Runner(Protocol):
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Row `dst` gets row `src`'s first n positions (choices of one prompt share its prefill)."""
 
-    def reset(self, row: int) -> None:
-        """Forget what `row` holds (a new sequence starts in it)."""
+    def reset(self, row: int, keep: int = 0) -> None:
+        """Forget what `row` holds (a new sequence starts in it) but for its first `keep` positions (a prompt
+        prefix the new sequence shares)."""
 
     def verify(self, row: int, tokens: Sequence[int], start: int) -> torch.Tensor:
         """`tokens` at positions start.. into `row` -> float32 logits [T, V] after each (speculative decoding

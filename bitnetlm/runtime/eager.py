@@ -128,9 +128,9 @@ class EagerRunner:
         c.valid[dst, :n] = c.valid[src, :n]
         self.lengths[dst] = n
 
-    def reset(self, row: int) -> None:
-        self.cache.reset([row])
-        self.lengths[row] = 0
+    def reset(self, row: int, keep: int = 0) -> None:
+        self.cache.valid[row, keep:] = False
+        self.lengths[row] = keep
         self.carry.pop(row, None)
 
     @torch.inference_mode()

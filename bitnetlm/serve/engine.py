@@ -59,6 +59,7 @@ class EngineConfig:
     max_queue: int = 64  # sequences allowed to wait for a row; beyond that submit() raises QueueFull
     prefill_chunk: int = 512  # prompt tokens prefilled per engine step (bounds decode stalls)
     retry_after_s: int = 1  # Retry-After sent with 429
+    prefix_caching: bool = True  # prompts skip the prefix a KV row already holds (engine/scheduler.py)
     # speculative decoding (engine/speculative.py): a draft model (path, zoo name or loaded model) or prompt
     # lookup's longest n-gram (0: off), down to lookup_min; at most draft_max tokens drafted a step
     draft_model: Any = None
@@ -97,11 +98,17 @@ class Engine:
         eos = set(model.config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", []) or [])
         self.metrics = Metrics(model_name)
         spec = cfg.speculative(rt, tokenizer)
-        self.core = EngineCore(self.runner, tokenizer, eos, cfg.prefill_chunk, self.metrics, spec)
+        self.core = EngineCore(
+            self.runner, tokenizer, eos, cfg.prefill_chunk, self.metrics, spec, cfg.prefix_caching
+        )
         sched = self.core.scheduler
         self.metrics.gauges["num_requests_running"] = lambda: self.stats()["running"]
         self.metrics.gauges["num_requests_waiting"] = lambda: self.stats()["waiting"]
         self.metrics.gauges["kv_rows_in_use"] = lambda: self.max_batch - len(sched.free_rows)
+        positions = self.max_batch * self.max_model_len
+        self.metrics.gauges["kv_cache_usage_perc"] = lambda: (
+            sum(min(len(s.tokens), self.max_model_len) for s in list(sched.running.values())) / positions
+        )
 
         self._lock = threading.Condition()
         self._incoming: list[tuple[int, GenerationRequest, Callable]] = []

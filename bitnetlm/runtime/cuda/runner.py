@@ -163,8 +163,8 @@ class CudaRunner:
             c[dst, :, :n] = c[src, :, :n]
         self.lengths[dst] = n
 
-    def reset(self, row: int) -> None:
-        self.lengths[row] = 0  # the row attends to positions 0..pos only: nothing to clear
+    def reset(self, row: int, keep: int = 0) -> None:
+        self.lengths[row] = keep  # the row attends to positions 0..pos only: nothing to clear
 
     # ---- decode ---------------------------------------------------------------------------------------
     def decode(
