@@ -15,6 +15,7 @@ PACKAGES = {
     "starlette": ("fastapi", "serve"),
     "uvicorn": ("uvicorn", "serve"),
     "pydantic": ("pydantic", "serve"),
+    "websockets": ("websockets", "serve"),
     "gguf": ("gguf", "gguf"),
     "onnx": ("onnx", "onnx"),
     "onnxruntime": ("onnxruntime", "onnx"),

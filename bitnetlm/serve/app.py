@@ -29,6 +29,7 @@ from bitnetlm.serve.engine import Engine, EngineConfig
 from bitnetlm.serve.offload import Offload
 from bitnetlm.serve.relay import Run
 from bitnetlm.serve.routes import router
+from bitnetlm.serve.ws import ws_router
 
 log = logging.getLogger("bitnetlm.serve")
 OPEN_PATHS = ("/health", "/", "/index.html")  # no data behind them: the chat page asks for the key itself
@@ -166,6 +167,7 @@ def create_app(
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal)
     app.include_router(router)
+    app.include_router(ws_router)
     app.add_middleware(_AuthMiddleware, api_key=cfg.api_key)
     if cfg.cors_origins:
         from starlette.middleware.cors import CORSMiddleware
@@ -190,24 +192,37 @@ async def _internal(request, e: Exception):
     return _error(P.APIError(500, f"internal error: {type(e).__name__}", type="server_error"))
 
 
+def _query_key(scope) -> bytes:
+    from urllib.parse import parse_qs
+
+    return parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key", [""])[0].encode()
+
+
 class _AuthMiddleware:
-    """Every route except OPEN_PATHS needs `Authorization: Bearer KEY` (or `X-API-Key: KEY`) when a key is set."""
+    """Every route except OPEN_PATHS needs `Authorization: Bearer KEY` (or `X-API-Key: KEY`) when a key is set; a
+    WebSocket may give it as `?api_key=KEY` instead (a refused handshake gets the 401 where the server can send
+    one, else a close with code 1008)."""
 
     def __init__(self, app, api_key: str | None):
         self.app = app
         self.key = api_key.encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
-        if self.key is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        kind = scope["type"]
+        if self.key is None or kind not in ("http", "websocket") or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        if scope["method"] == "OPTIONS":  # CORS preflight carries no credentials
+        if kind == "http" and scope["method"] == "OPTIONS":  # CORS preflight carries no credentials
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         given = headers.get(b"x-api-key", b"")
         auth = headers.get(b"authorization", b"")
         if auth[:7].lower() == b"bearer ":
             given = auth[7:].strip()
+        if kind == "websocket" and not given:  # browsers cannot set a WebSocket's headers
+            given = _query_key(scope)
         if not hmac.compare_digest(given, self.key):
+            if kind == "websocket" and "websocket.http.response" not in scope.get("extensions", {}):
+                return await send({"type": "websocket.close", "code": 1008})  # (policy violation)
             resp = _error(
                 P.APIError(401, "Invalid or missing API key (send 'Authorization: Bearer KEY').",
                            type="authentication_error", code="invalid_api_key",
