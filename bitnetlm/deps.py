@@ -16,6 +16,7 @@ PACKAGES = {
     "uvicorn": ("uvicorn", "serve"),
     "pydantic": ("pydantic", "serve"),
     "websockets": ("websockets", "serve"),
+    "grpc": ("grpcio", "grpc"),
     "gguf": ("gguf", "gguf"),
     "onnx": ("onnx", "onnx"),
     "onnxruntime": ("onnxruntime", "onnx"),

@@ -48,6 +48,14 @@ SERVER_FLAGS = [
         None,
         "comma-separated origins allowed by CORS (default: CORS off)",
     ),
+    (
+        ("--grpc-port",),
+        "grpc_port",
+        int,
+        None,
+        "also serve gRPC on this port of --host: the KServe v2 inference protocol and a streaming Generate call "
+        '(needs grpcio: pip install "bitnet-lm[grpc]"; 0 = any free port)',
+    ),
     (("--max-body-bytes",), "max_body_bytes", int, 1 << 20, "largest request body accepted (413 beyond)"),
     (
         ("--graceful-timeout",),

@@ -53,6 +53,7 @@ class ServerConfig:
     keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this long
     tokenizer_threads: int = 2  # threads parsing, tokenizing and detokenizing requests beside the event loop
     log_level: str = "info"
+    grpc_port: int | None = None  # also serve gRPC (grpc_service.py) on this port of `host`; 0: any free port
 
     def __post_init__(self):
         # checked here, before anything binds or loads: a zero prefill chunk would hang every request
@@ -65,6 +66,7 @@ class ServerConfig:
             ("max_prompts", self.max_prompts, 1, None),
             ("tokenizer_threads", self.tokenizer_threads, 1, None),
             ("retry_after_s", e.retry_after_s, 0, None),
+            *([("--grpc-port", self.grpc_port, 0, 65535)] if self.grpc_port is not None else []),
         ):
             if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
                 want = f"in [{low}, {high}]" if high is not None else f">= {low}"
@@ -109,6 +111,7 @@ class _State:
         self.offload = Offload(cfg.tokenizer_threads)
         self.runs: weakref.WeakSet[Run] = weakref.WeakSet()
         self.on_load_error = on_load_error
+        self.grpc_port: int | None = None  # where gRPC listens, once it does
 
     def start_engine(self, model, tokenizer) -> None:
         if tokenizer is None:
@@ -136,6 +139,25 @@ class _State:
             run.cut(message)
 
 
+async def _start_grpc(st: _State):
+    """The gRPC server beside HTTP (its port is then st.grpc_port); a failure to listen stops the server with
+    one line, as a model that cannot load does."""
+    from bitnetlm.deps import require
+
+    try:
+        require("grpc", "bitnet serve --grpc-port")
+        from bitnetlm.serve.grpc_service import start_grpc
+
+        server, st.grpc_port = await start_grpc(st, st.cfg.host, st.cfg.grpc_port)
+        log.info("gRPC listening on %s:%d", st.cfg.host, st.grpc_port)
+    except ValueError as e:
+        st.error = str(e)
+        if st.on_load_error is not None:
+            st.on_load_error()
+        return None
+    return server
+
+
 def _error(e: P.APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
@@ -152,11 +174,17 @@ def create_app(
     st = _State(cfg, on_load_error)
 
     async def lifespan(app):
+        grpc_server = await _start_grpc(st) if cfg.grpc_port is not None else None
+        if st.error is not None:  # gRPC could not listen: the server is stopping
+            yield
+            return
         if loader is not None:
             threading.Thread(target=st.load, args=(loader,), name="bitnet-load", daemon=True).start()
         else:
             st.start_engine(model, tokenizer)
         yield
+        if grpc_server is not None:  # running calls get the graceful timeout, as HTTP requests do
+            await grpc_server.stop(cfg.graceful_timeout_s)
         if st.engine is not None:  # uvicorn has already waited for open requests; drain whatever is left
             await asyncio.to_thread(st.engine.shutdown, True, cfg.graceful_timeout_s)
         st.offload.close()

@@ -49,6 +49,11 @@ class ServerHandle:
         return self.server.config.app.state.bitnet.engine
 
     @property
+    def grpc_port(self) -> int | None:
+        """The port gRPC listens on (ServerConfig.grpc_port; the picked one for 0), or None."""
+        return self.server.config.app.state.bitnet.grpc_port
+
+    @property
     def error(self) -> str | None:
         """Why the model could not be loaded (the server then stops by itself), or None."""
         return self.server.config.app.state.bitnet.error
@@ -135,11 +140,12 @@ def start_server(
     sock = _bind(cfg.host, cfg.port)
     server.install_signal_handlers = lambda: None  # not on the main thread
     t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="bitnet-http", daemon=True)
+    handle = ServerHandle(server, t, sock)  # (its address read now: a server that stops at once closes sock)
     t.start()
     deadline = time.monotonic() + 60
     while wait and not server.started and t.is_alive() and time.monotonic() < deadline:
         time.sleep(0.01)
-    return ServerHandle(server, t, sock)
+    return handle
 
 
 def run_server(cfg: ServerConfig, model=None, tokenizer=None, loader=None) -> None:

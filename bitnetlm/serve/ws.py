@@ -20,6 +20,7 @@ from fastapi import APIRouter, WebSocket
 
 from bitnetlm.serve import protocol as P
 from bitnetlm.serve.body import parse_json
+from bitnetlm.serve.models import served
 from bitnetlm.serve.relay import CUT, Run
 from bitnetlm.serve.requests import Chunk, Failed, Finished
 from bitnetlm.serve.responses import _delta
@@ -63,16 +64,14 @@ async def _send(ws: WebSocket, obj) -> None:
 
 async def _start(ws: WebSocket, queue: asyncio.Queue, body) -> tuple[_Run, dict, int, int]:
     """Validate and submit a chat request: (run, chunk head, n, prompt tokens); APIError if it cannot start."""
-    from bitnetlm.serve.routes import _check_model, _engine
-
-    e, st = _engine(ws), ws.app.state.bitnet
+    st = ws.app.state.bitnet
     if isinstance(body, dict):
         body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
     req = P.parse_request(P.ChatCompletionRequest, body)
-    _check_model(ws, req.model)
+    e, tokenizer, name = served(st, req.model)
     if req.top_logprobs and not req.logprobs:
         raise P.APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    ids = await st.offload.chat(st.tokenizer, req.messages, req.add_generation_prompt)
+    ids = await st.offload.chat(tokenizer, req.messages, req.add_generation_prompt)
     max_tokens = req.effective_max_tokens()
     if max_tokens is None:
         max_tokens = max(1, e.max_model_len - len(ids))
@@ -84,7 +83,7 @@ async def _start(ws: WebSocket, queue: asyncio.Queue, body) -> tuple[_Run, dict,
         "id": P.new_id("chatcmpl"),
         "object": "chat.completion.chunk",
         "created": int(time.time()),
-        "model": st.cfg.model_name,
+        "model": name,
     }
     return run, head, req.n, len(ids)
 
