@@ -189,7 +189,10 @@ def create_app(
             await asyncio.to_thread(st.engine.shutdown, True, cfg.graceful_timeout_s)
         st.offload.close()
 
-    app = FastAPI(title="bitnet-lm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # FastAPI's own schema and Swagger page; the auth middleware guards them as every other route
+    app = FastAPI(
+        title="bitnet-lm", lifespan=lifespan, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json"
+    )
     app.state.bitnet = st
     app.add_exception_handler(P.APIError, lambda request, e: _error(e))
     app.add_exception_handler(StarletteHTTPException, _http_error)
