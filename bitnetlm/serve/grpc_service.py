@@ -23,7 +23,7 @@ import grpc
 from bitnetlm.serve import protocol as P
 from bitnetlm.serve.kserve import inference_pb2 as pb
 from bitnetlm.serve.kserve import inference_pb2_grpc as pb_grpc
-from bitnetlm.serve.models import ready, served
+from bitnetlm.serve.models import Served, pick, ready
 from bitnetlm.serve.relay import CUT, Run
 from bitnetlm.serve.requests import Chunk, Failed, Finished
 from bitnetlm.serve.routes import _params
@@ -98,9 +98,11 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or missing API key (metadata "
                                 "'authorization: Bearer KEY')")  # fmt: skip
 
-    def _served(self, name: str):
-        """(engine, tokenizer, model name) for `name` ('' = the default), or APIError."""
-        return served(self.st, name)
+    def _served(self, name: str) -> Served:
+        """The model `name` names ('' = the default), or APIError (404: unknown; 503: loading)."""
+        s = pick(self.st, name)
+        self.st.models.release(s)
+        return s
 
     async def _abort(self, context, e: P.APIError):
         await context.abort(_CODES.get(e.status, grpc.StatusCode.INTERNAL), e.message)
@@ -124,7 +126,7 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(self, request, context):
         await self._check(context)
         try:
-            _, _, name = self._served(request.name)
+            name = self._served(request.name).name
         except P.APIError as e:
             await self._abort(context, e)
         tensor = pb.ModelMetadataResponse.TensorMetadata
@@ -137,7 +139,6 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def _submit(self, name: str, prompts: list[str], params: dict) -> tuple[Run, Any, int]:
         """Check the options as a completions body and submit: (run, model name, prompt tokens)."""
-        engine, tokenizer, model_name = self._served(name)
         unknown = sorted(
             set(params) & {"prompt", "model", "stream", "stream_options", "n", "echo", "logprobs"}
         )
@@ -146,11 +147,15 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
                 400, f"Unsupported parameter(s): {', '.join(map(repr, unknown))}", param=unknown[0]
             )
         req = P.parse_request(P.CompletionRequest, {"prompt": prompts, **params})
-        ids = await self.st.offload.encode(tokenizer, prompts)
-        run = Run(engine)
-        self.st.runs.add(run)
-        run.submit(ids, _params(req, req.max_tokens, False, 0), 1)
-        return run, model_name, sum(map(len, ids))
+        m = pick(self.st, name)
+        try:  # held until submitted: a swap stops the old engine only once nobody is about to submit to it
+            ids = await self.st.offload.encode(m.tokenizer, prompts)
+            run = Run(m.engine)
+            self.st.runs.add(run)
+            run.submit(ids, _params(req, req.max_tokens, False, 0), 1)
+        finally:
+            self.st.models.release(m)
+        return run, m.name, sum(map(len, ids))
 
     async def ModelInfer(self, request, context):
         await self._check(context)

@@ -49,6 +49,11 @@ class ServerHandle:
         return self.server.config.app.state.bitnet.engine
 
     @property
+    def models(self):
+        """The served models (models.Registry): .models by name, .retiring."""
+        return self.server.config.app.state.bitnet.models
+
+    @property
     def grpc_port(self) -> int | None:
         """The port gRPC listens on (ServerConfig.grpc_port; the picked one for 0), or None."""
         return self.server.config.app.state.bitnet.grpc_port
@@ -208,13 +213,15 @@ def serve(
 
     Keywords: the RuntimeConfig's (device, dtype, backend, threads, head_dtype, kv_cache_dtype, enforce_eager,
     max_batch, max_seq_len), the engine's (max_queue, prefill_chunk) and the server's (host, port, api_key,
-    cors_origins, max_body_bytes, graceful_timeout_s, keep_alive_s, tokenizer_threads, log_level); see
+    cors_origins, max_body_bytes, graceful_timeout_s, keep_alive_s, tokenizer_threads, log_level, grpc_port,
+    max_models, allow_admin); see
     `bitnet serve --help`. The port opens at once; /health answers 503 until the model has loaded. ValueError for
     a bad option or a port that cannot be bound, ModelLoadError when the model cannot be loaded.
     """
     name = model_name or (os.path.basename(os.path.normpath(os.fspath(model))) if model else "bitnet")
     rt, eng, server = _split(kw)
     runtime = (runtime or RuntimeConfig()).replace(**rt)
+    server["model_path"] = os.fspath(model) if model else None
     run_server(_config(name, runtime, eng, server), loader=_loader(model, runtime))
 
 
@@ -234,6 +241,7 @@ def start(
     rt, eng, server = _split(kw)
     if path is not None:
         runtime = (runtime or RuntimeConfig()).replace(**rt)
+        server["model_path"] = os.fspath(path)
         return start_server(_config(model_name, runtime, eng, server), loader=_loader(path, runtime))
     runtime = config_for(model, runtime).replace(**rt)
     cfg = _config(model_name, runtime, eng, server)

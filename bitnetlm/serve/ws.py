@@ -20,7 +20,7 @@ from fastapi import APIRouter, WebSocket
 
 from bitnetlm.serve import protocol as P
 from bitnetlm.serve.body import parse_json
-from bitnetlm.serve.models import served
+from bitnetlm.serve.models import pick
 from bitnetlm.serve.relay import CUT, Run
 from bitnetlm.serve.requests import Chunk, Failed, Finished
 from bitnetlm.serve.responses import _delta
@@ -68,10 +68,18 @@ async def _start(ws: WebSocket, queue: asyncio.Queue, body) -> tuple[_Run, dict,
     if isinstance(body, dict):
         body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
     req = P.parse_request(P.ChatCompletionRequest, body)
-    e, tokenizer, name = served(st, req.model)
     if req.top_logprobs and not req.logprobs:
         raise P.APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    ids = await st.offload.chat(tokenizer, req.messages, req.add_generation_prompt)
+    m = pick(st, req.model)
+    try:
+        return await _submit(st, queue, req, m)
+    finally:
+        st.models.release(m)  # (the engine keeps a submitted request's groups until they end)
+
+
+async def _submit(st, queue: asyncio.Queue, req, m) -> tuple[_Run, dict, int, int]:
+    e, name = m.engine, m.name
+    ids = await st.offload.chat(m.tokenizer, req.messages, req.add_generation_prompt)
     max_tokens = req.effective_max_tokens()
     if max_tokens is None:
         max_tokens = max(1, e.max_model_len - len(ids))
