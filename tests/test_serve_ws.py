@@ -71,17 +71,18 @@ def test_ws_chat_equals_http_and_several_requests_in_turn(mt, server):
     async def go():
         hdr = {"Authorization": f"Bearer {KEY}"}
         async with websockets.connect(_ws_url(server), additional_headers=hdr) as ws:
-            results = []
-            for _ in range(2):  # two requests in turn on one socket
-                await ws.send(
-                    json.dumps({"model": "bitnet", "messages": MSGS, "max_tokens": 16, "temperature": 0})
-                )
-                results.append(await _collect(ws))
+            body = json.dumps({"model": "bitnet", "messages": MSGS, "max_tokens": 16, "temperature": 0})
+            await ws.send(body)
+            results = [await _collect(ws)]
+            await ws.send(body)  # two more at once: the second waits for the first
+            await ws.send(body.replace('"max_tokens": 16', '"max_tokens": 3'))
+            results += [await _collect(ws), await _collect(ws)]
             await ws.send(json.dumps({"messages": MSGS, "max_tokens": 0}))  # invalid: an error, socket stays
             results.append(await _collect(ws))
             return results
 
-    a, b, bad = asyncio.run(go())
+    a, b, c, bad = asyncio.run(go())
+    assert c[-1]["usage"]["completion_tokens"] == 3
     for msgs in (a, b):
         assert msgs[0]["choices"][0]["delta"]["role"] == "assistant"
         assert all(m["object"] == "chat.completion.chunk" for m in msgs)

@@ -55,6 +55,10 @@ async def admin_models(request: Request):
             403, "the admin routes need an API key (--api-key) or --allow-admin", type="permission_error",
             code="admin_disabled",
         )  # fmt: skip
+    if st.engine is None:  # (a load now would race the default model's own)
+        raise P.APIError(
+            503, "the default model is not loaded yet", type="server_error", code="model_loading"
+        )
     body = await st.offload.json(await read_body(request, st.cfg.max_body_bytes))
     req = P.parse_simple(AdminRequest, body)
     if req.action == "list":

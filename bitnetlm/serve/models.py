@@ -65,9 +65,7 @@ class Registry:
         """The model `name` names, held until `release`; 404 naming the served models for an unknown name."""
         s = self.get(name)
         if s is None:
-            if (
-                not name or name == self.default
-            ):  # the default failed to load or is loading: the caller says which
+            if not name or name == self.default:  # loading, or failed to: the caller says which
                 raise LookupError(self.default)
             names = ", ".join(repr(n) for n in self.models)
             raise P.APIError(

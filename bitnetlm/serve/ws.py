@@ -4,8 +4,8 @@ The client sends a chat request (a /v1/chat/completions body, text frame of JSON
 its events back as JSON text frames in OpenAI's `chat.completion.chunk` shape: a role chunk, a chunk per text
 delta (the last one with `finish_reason`), then a final chunk with `choices: []` and `usage`. A request that
 fails (bad body, busy server, cancelled) ends with `{"error": {...}}` instead, in the OpenAI error shape. One
-request runs at a time per socket; send the next one after its final message. `{"type": "cancel"}` stops the
-running request (its final message is then the error with code `request_cancelled`); closing the socket stops
+request runs at a time per socket: one sent while another runs starts after it ends. `{"type": "cancel"}` stops
+the running request (its final message is then the error with code `request_cancelled`); closing the socket stops
 it too. Auth: the HTTP rule (`Authorization: Bearer KEY` or `X-API-Key`), or `?api_key=KEY` in the URL for
 clients that cannot set headers (browsers); a refused handshake gets 401.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import deque
 
 from fastapi import APIRouter, WebSocket
 
@@ -96,8 +97,11 @@ async def _submit(st, queue: asyncio.Queue, req, m) -> tuple[_Run, dict, int, in
     return run, head, req.n, len(ids)
 
 
-async def _relay(ws: WebSocket, queue: asyncio.Queue, run: _Run, head: dict, n: int, n_prompt: int) -> bool:
-    """Send the run's events until it ends; False when the socket closed meanwhile (the run is cancelled)."""
+async def _relay(
+    ws: WebSocket, queue: asyncio.Queue, pending: deque, run: _Run, head: dict, n: int, n_prompt: int
+) -> bool:
+    """Send the run's events until it ends; False when the socket closed meanwhile (the run is cancelled).
+    Requests that arrive meanwhile wait in `pending`."""
     role = {"role": "assistant", "content": ""}
     await _send(ws, {**head, "choices": [{"index": i, "delta": role, "logprobs": None, "finish_reason": None}
                                          for i in range(n)]})  # fmt: skip
@@ -111,8 +115,7 @@ async def _relay(ws: WebSocket, queue: asyncio.Queue, run: _Run, head: dict, n: 
             if _is_cancel(ev):
                 run.cancel()  # the engine answers with Failed(499) for each group
             else:
-                msg = "a request is running on this socket; wait for its final message or send a cancel"
-                await _send(ws, P.APIError(409, msg, code="request_running").body())
+                pending.append(ev)
             continue
         if i is CUT:
             run.cancel()
@@ -142,10 +145,11 @@ async def chat_socket(ws: WebSocket):
     await ws.accept()
     st = ws.app.state.bitnet
     queue: asyncio.Queue = asyncio.Queue()
+    pending: deque = deque()  # requests sent while another ran, in order
     reader = asyncio.ensure_future(_reader(ws, queue, st.cfg.max_body_bytes))
     try:
         while True:
-            tag, body = await queue.get()
+            tag, body = (_MSG, pending.popleft()) if pending else await queue.get()
             if tag is not _MSG:
                 continue  # (a late event of a request already ended)
             if body is None:
@@ -160,7 +164,7 @@ async def chat_socket(ws: WebSocket):
                 await _send(ws, e.body())
                 continue
             try:
-                if not await _relay(ws, queue, run, head, n, n_prompt):
+                if not await _relay(ws, queue, pending, run, head, n, n_prompt):
                     return
             finally:
                 if run.open:  # the socket broke mid-send: stop the engine work
