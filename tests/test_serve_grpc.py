@@ -110,6 +110,7 @@ def test_health_metadata_and_errors(stub):
     assert stub.ServerLive(pb.ServerLiveRequest()).live  # health needs no key, as /health
     assert stub.ServerReady(pb.ServerReadyRequest()).ready
     assert stub.ModelReady(pb.ModelReadyRequest(name="bitnet"), metadata=AUTH).ready
+    assert stub.ModelReady(pb.ModelReadyRequest(), metadata=(("x-api-key", KEY),)).ready  # '' = the default
     md = stub.ModelMetadata(pb.ModelMetadataRequest(name="bitnet"), metadata=AUTH)
     assert md.name == "bitnet" and [(t.name, t.datatype) for t in md.inputs] == [("text_input", "BYTES")]
     with pytest.raises(grpc.RpcError) as e:
@@ -121,6 +122,9 @@ def test_health_metadata_and_errors(stub):
     with pytest.raises(grpc.RpcError) as e:
         stub.ModelInfer(_infer_request(PROMPTS, temperature="hot"), metadata=AUTH)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:  # the /v1/completions limit on prompts per request
+        stub.ModelInfer(_infer_request(["x"] * 65, max_tokens=1), metadata=AUTH)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 64 prompts" in e.value.details()
     bad = _infer_request(PROMPTS)
     bad.inputs[0].shape[:] = [3]
     with pytest.raises(grpc.RpcError) as e:
@@ -138,6 +142,11 @@ def test_api_key_is_required(stub):
             with pytest.raises(grpc.RpcError) as e:
                 call()
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_grpc_is_imported_only_for_a_grpc_port():
+    code = "import sys, bitnetlm.serve.server, bitnetlm.serve.app; assert 'grpc' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
 def test_cancelling_a_generate_call_stops_the_engine(server, stub):

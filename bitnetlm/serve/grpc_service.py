@@ -5,8 +5,9 @@ ModelInfer takes a BYTES input "text_input" (one prompt per element, as /v1/comp
 BYTES output "text_output"; the sampling options are request parameters named and checked as the completions
 body's (max_tokens, temperature, top_p, top_k, min_p, seed, stop, ignore_eos, ...), so a request gets what the
 same HTTP request gets. Auth: with an API key set, every call but ServerLive / ServerReady (health, as /health)
-needs the metadata `authorization: Bearer KEY`. Errors carry the HTTP route's message with the matching status
-code (400 -> INVALID_ARGUMENT, 404 -> NOT_FOUND, 429 -> RESOURCE_EXHAUSTED, 503 -> UNAVAILABLE, ...).
+needs the metadata `authorization: Bearer KEY` (or `x-api-key: KEY`), as HTTP. Errors carry the HTTP route's
+message with the matching status code (400 -> INVALID_ARGUMENT, 404 -> NOT_FOUND, 429 -> RESOURCE_EXHAUSTED,
+503 -> UNAVAILABLE, ...).
 grpcio is imported only when a gRPC port is asked for.
 """
 
@@ -88,13 +89,17 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, state):
         self.st = state
         key = state.cfg.api_key
-        self.key = f"Bearer {key}".encode() if key else None
+        self.key = key.encode() if key else None
 
     async def _check(self, context) -> None:
+        """The HTTP rule: `authorization: Bearer KEY` (or `x-api-key: KEY`) when the server has a key."""
         if self.key is None:
             return
-        given = dict(context.invocation_metadata() or ()).get("authorization", "")
-        if not hmac.compare_digest(given.encode() if isinstance(given, str) else given, self.key):
+        md = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+        given, auth = md.get("x-api-key", ""), md.get("authorization", "")
+        if auth[:7].lower() == "bearer ":
+            given = auth[7:].strip()
+        if not hmac.compare_digest(given.encode(), self.key):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or missing API key (metadata "
                                 "'authorization: Bearer KEY')")  # fmt: skip
 
@@ -146,6 +151,8 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
             raise P.APIError(
                 400, f"Unsupported parameter(s): {', '.join(map(repr, unknown))}", param=unknown[0]
             )
+        if len(prompts) > self.st.cfg.max_prompts:
+            raise P.APIError(400, f"at most {self.st.cfg.max_prompts} prompts per request", param=INPUT)
         req = P.parse_request(P.CompletionRequest, {"prompt": prompts, **params})
         m = pick(self.st, name)
         try:  # held until submitted: a swap stops the old engine only once nobody is about to submit to it
