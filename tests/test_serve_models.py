@@ -197,35 +197,60 @@ def test_admin_is_refused_without_a_key_unless_allowed(paths):
         assert _admin(h.url, {"action": "list"}, headers={}).status_code == 200
 
 
-def test_sighup_reloads_the_default_model_from_its_path(paths, tmp_path):
+def test_the_cli_serves_grpc_and_admin_and_sighup_reloads_the_default_model(paths, tmp_path):
+    """`bitnet serve --grpc-port 0 --allow-admin --max-models 2`: gRPC beside HTTP on the same models, admin
+    without a key, and `kill -HUP` reloading the default model from its path (seen by HTTP and gRPC alike)."""
+    grpc = pytest.importorskip("grpc")
+    from bitnetlm.serve.kserve import inference_pb2 as pb
+    from bitnetlm.serve.kserve import inference_pb2_grpc as pb_grpc
+
     path, refs = paths
     live = tmp_path / "live"
     shutil.copytree(path["a"], live)
     env = dict(os.environ, BITNET_BACKEND="reference", BITNET_THREADS="1", BITNET_PORT="0")
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "bitnetlm.cli", "serve", "-m", str(live), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    cmd = [sys.executable, "-m", "bitnetlm.cli", "serve", "-m", str(live), "--log-level", "info",
+           "--grpc-port", "0", "--allow-admin", "--max-models", "2"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        url = None
-        while url is None:
+        url = grpc_addr = None
+        while url is None or grpc_addr is None:  # (gRPC starts before the model is loaded: both lines come)
             line = proc.stderr.readline()
             assert line, f"server exited early (rc={proc.poll()})"
             m = re.search(r"listening on (http://\S+)", line)
-            url = m.group(1) if m else None
+            url = m.group(1) if m else url
+            m = re.search(r"gRPC listening on (\S+)", line)
+            grpc_addr = m.group(1) if m else grpc_addr
         threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
         body = {"prompt": PROMPTS[2], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        P = pb.InferParameter
+        opts = {
+            "max_tokens": P(int64_param=24),
+            "temperature": P(double_param=0),
+            "ignore_eos": P(bool_param=True),
+        }
+        channel = grpc.insecure_channel(grpc_addr)
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
 
         def text():
             r = httpx.post(url + "/v1/completions", json=body, timeout=60)
             return r.json()["choices"][0]["text"] if r.status_code == 200 else None
 
+        def grpc_text():
+            req = pb.GenerateRequest(text_input=PROMPTS[2], parameters=opts)
+            return "".join(m.text_output for m in stub.Generate(req, timeout=60))
+
         assert _wait(lambda: httpx.get(url + "/health").status_code == 200, timeout=120)
-        assert text() == refs["a"][PROMPTS[2]]
+        assert text() == refs["a"][PROMPTS[2]] == grpc_text()
+        r = _admin(url, {"action": "load", "name": "other", "path": path["b"]}, headers={})  # --allow-admin
+        assert r.status_code == 200 and r.json()["status"] == "loaded"  # --max-models 2
         shutil.rmtree(live)
         shutil.copytree(path["b"], live)  # a new model at the same path
         proc.send_signal(signal.SIGHUP)
         assert _wait(lambda: text() == refs["b"][PROMPTS[2]], timeout=60)
+        assert grpc_text() == refs["b"][PROMPTS[2]]
         assert proc.poll() is None  # still serving
+        channel.close()
     finally:
         proc.terminate()
         proc.wait(60)
