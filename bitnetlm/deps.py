@@ -15,6 +15,8 @@ PACKAGES = {
     "starlette": ("fastapi", "serve"),
     "uvicorn": ("uvicorn", "serve"),
     "pydantic": ("pydantic", "serve"),
+    "websockets": ("websockets", "serve"),
+    "grpc": ("grpcio", "grpc"),
     "gguf": ("gguf", "gguf"),
     "onnx": ("onnx", "onnx"),
     "onnxruntime": ("onnxruntime", "onnx"),

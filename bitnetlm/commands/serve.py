@@ -55,6 +55,29 @@ SERVER_FLAGS = [
         None,
         "comma-separated origins allowed by CORS (default: CORS off)",
     ),
+    (
+        ("--grpc-port",),
+        "grpc_port",
+        int,
+        None,
+        "also serve gRPC on this port of --host: the KServe v2 inference protocol and a streaming Generate call "
+        '(needs grpcio: pip install "bitnet-lm[grpc]"; 0 = any free port)',
+    ),
+    (
+        ("--max-models",),
+        "max_models",
+        int,
+        1,
+        "models served at once by name, each with its own engine (POST /v1/admin/models loads more); a "
+        "load beyond it is refused",
+    ),
+    (
+        ("--allow-admin",),
+        "allow_admin",
+        parse_bool,
+        False,
+        "allow POST /v1/admin/models (load / unload / list models) on a server without --api-key",
+    ),
     (("--max-body-bytes",), "max_body_bytes", int, 1 << 20, "largest request body accepted (413 beyond)"),
     (
         ("--graceful-timeout",),
@@ -105,11 +128,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         shown = {"model": "the zoo's default model", "model_name": "the model's directory name"}.get(
             dest, "off" if default is None else default
         )
+        extra = dict(nargs="?", const=True) if typ is parse_bool else {}  # `--allow-admin` alone means true
         p.add_argument(
             *flags,
             dest=dest,
             type=typ,
             default=argparse.SUPPRESS,
+            **extra,
             help=f"{text} (env {env_name(dest)}; default: {shown})".replace("%", "%%"),
         )
     add_runtime_arguments(p, env=True)

@@ -122,6 +122,22 @@ class Metrics:
         return "\n".join(out) + "\n"
 
 
+def render_many(metrics: list[Metrics]) -> str:
+    """Several engines' metrics (one per served model, told apart by their model_name label) as one exposition:
+    each metric's HELP and TYPE once, then every model's samples."""
+    families: dict[str, list[str]] = {}
+    for m in metrics:
+        name = None
+        for line in m.render().splitlines():
+            if line.startswith("# HELP "):
+                name = line.split(" ", 3)[2]
+                fresh = name not in families
+                families.setdefault(name, [])
+            if fresh or not line.startswith("#"):
+                families[name].append(line)
+    return "".join(line + "\n" for lines in families.values() for line in lines)
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """{'name{labels}': value} from Prometheus text (used by tests and the load benchmark)."""
     res = {}

@@ -9,10 +9,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 
+from bitnetlm.engine.metrics import render_many
 from bitnetlm.sampling import SamplingParams
 from bitnetlm.serve import protocol as P
 from bitnetlm.serve.body import read_body
 from bitnetlm.serve.engine import Engine
+from bitnetlm.serve.models import Served, hold
 from bitnetlm.serve.relay import Run
 from bitnetlm.serve.responses import respond
 
@@ -34,13 +36,9 @@ def _engine(request: Request) -> Engine:
     return st.engine
 
 
-def _check_model(request: Request, name: str | None) -> None:
-    served = _state(request).cfg.model_name
-    if name not in (None, "", served):
-        raise P.APIError(
-            404, f"The model {name!r} does not exist; this server serves {served!r}.",
-            type="not_found_error", param="model", code="model_not_found",
-        )  # fmt: skip
+def _check_model(request: Request, name: str | None) -> Served:
+    """The model `name` names (None: the default), held until the request ends; 404 for an unknown one."""
+    return hold(request, name)
 
 
 async def _read_json(request: Request) -> Any:
@@ -68,12 +66,12 @@ def _params(req: P._Sampling, max_tokens: int, logprobs: bool, top_logprobs: int
     )
 
 
-async def _generate(request: Request, e: Engine, ids, params: SamplingParams, req, chat: bool):
-    run = Run(e)
+async def _generate(request: Request, m: Served, ids, params: SamplingParams, req, chat: bool):
+    run = Run(m.engine)
     _state(request).runs.add(run)
     run.submit(ids, params, req.n, param="messages" if chat else "prompt")
     n_prompt = sum(len(x) for x in ids)
-    return await respond(request, run, _state(request).cfg.model_name, req, n_prompt, params.logprobs, chat)
+    return await respond(request, run, m.name, req, n_prompt, params.logprobs, chat)
 
 
 # ---- routes -------------------------------------------------------------------------------------------
@@ -100,76 +98,74 @@ async def metrics(request: Request):
     st = _state(request)
     if st.engine is None:
         return PlainTextResponse("", status_code=503)
-    return PlainTextResponse(st.engine.metrics.render(), media_type="text/plain; version=0.0.4")
+    # the served models, each under its model_name (a swapped-out one finishing its requests shares its name)
+    text = render_many([s.engine.metrics for s in st.models.models.values()])
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
 @router.get("/v1/models")
 async def models(request: Request):
-    e, st = _engine(request), _state(request)
-    card = {
-        "id": st.cfg.model_name,
-        "object": "model",
-        "created": st.started,
-        "owned_by": "bitnet-lm",
-        "max_model_len": e.max_model_len,
-    }
-    return {"object": "list", "data": [card]}
+    _engine(request)
+    return {"object": "list", "data": [s.card() for s in _state(request).models.models.values()]}
 
 
 @router.post("/tokenize")
 async def tokenize(request: Request):
-    e, st = _engine(request), _state(request)
+    _engine(request)
+    st = _state(request)
     req = P.parse_simple(P.TokenizeRequest, await _read_json(request))
-    _check_model(request, req.model)
+    m = _check_model(request, req.model)
     if (req.prompt is None) == (req.messages is None):
         raise P.APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
     if req.prompt is not None:
-        [ids] = await st.offload.encode(st.tokenizer, [req.prompt], req.add_special_tokens)
+        [ids] = await st.offload.encode(m.tokenizer, [req.prompt], req.add_special_tokens)
     else:
-        ids = await st.offload.chat(st.tokenizer, req.messages, req.add_generation_prompt)
-    return {"tokens": ids, "count": len(ids), "max_model_len": e.max_model_len}
+        ids = await st.offload.chat(m.tokenizer, req.messages, req.add_generation_prompt)
+    return {"tokens": ids, "count": len(ids), "max_model_len": m.engine.max_model_len}
 
 
 @router.post("/detokenize")
 async def detokenize(request: Request):
-    e = _engine(request)
+    _engine(request)
     req = P.parse_simple(P.DetokenizeRequest, await _read_json(request))
-    _check_model(request, req.model)
-    bad = [t for t in req.tokens if not 0 <= t < e.vocab_size]
+    m = _check_model(request, req.model)
+    bad = [t for t in req.tokens if not 0 <= t < m.engine.vocab_size]
     if bad:
-        raise P.APIError(400, f"token ids outside [0, {e.vocab_size}): {bad[:8]}", param="tokens")
-    st = _state(request)
-    return {"prompt": await st.offload.decode(st.tokenizer, req.tokens)}
+        raise P.APIError(400, f"token ids outside [0, {m.engine.vocab_size}): {bad[:8]}", param="tokens")
+    return {"prompt": await _state(request).offload.decode(m.tokenizer, req.tokens)}
 
 
 @router.post("/v1/completions")
 async def completions(request: Request):
-    e, st = _engine(request), _state(request)
+    _engine(request)
+    st = _state(request)
     req = P.parse_request(P.CompletionRequest, await _read_json(request))
-    _check_model(request, req.model)
+    m = _check_model(request, req.model)
+    e = m.engine
     prompts = req.prompts()
     if len(prompts) > st.cfg.max_prompts:
         raise P.APIError(400, f"at most {st.cfg.max_prompts} prompts per request", param="prompt")
-    encoded = iter(await st.offload.encode(st.tokenizer, [p for p in prompts if isinstance(p, str)]))
+    encoded = iter(await st.offload.encode(m.tokenizer, [p for p in prompts if isinstance(p, str)]))
     ids = [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
     max_tokens = req.max_tokens
     if max_tokens is None:  # null: the rest of the context, as for chat (and in vLLM)
         max_tokens = max(1, e.max_model_len - max(map(len, ids)))
     k = req.logprobs
     params = _params(req, max_tokens, k is not None, k or 0)
-    return await _generate(request, e, ids, params, req, chat=False)
+    return await _generate(request, m, ids, params, req, chat=False)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
-    e, st = _engine(request), _state(request)
+    _engine(request)
+    st = _state(request)
     req = P.parse_request(P.ChatCompletionRequest, await _read_json(request))
-    _check_model(request, req.model)
+    m = _check_model(request, req.model)
     if req.top_logprobs and not req.logprobs:
         raise P.APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    ids = await st.offload.chat(st.tokenizer, req.messages, req.add_generation_prompt)
+    ids = await st.offload.chat(m.tokenizer, req.messages, req.add_generation_prompt)
     max_tokens = req.effective_max_tokens()
     if max_tokens is None:
-        max_tokens = max(1, e.max_model_len - len(ids))
+        max_tokens = max(1, m.engine.max_model_len - len(ids))
     params = _params(req, max_tokens, req.logprobs, req.top_logprobs or 0)
-    return await _generate(request, e, [ids], params, req, chat=True)
+    return await _generate(request, m, [ids], params, req, chat=True)

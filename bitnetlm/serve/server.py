@@ -49,6 +49,16 @@ class ServerHandle:
         return self.server.config.app.state.bitnet.engine
 
     @property
+    def models(self):
+        """The served models (models.Registry): .models by name, .retiring."""
+        return self.server.config.app.state.bitnet.models
+
+    @property
+    def grpc_port(self) -> int | None:
+        """The port gRPC listens on (ServerConfig.grpc_port; the picked one for 0), or None."""
+        return self.server.config.app.state.bitnet.grpc_port
+
+    @property
     def error(self) -> str | None:
         """Why the model could not be loaded (the server then stops by itself), or None."""
         return self.server.config.app.state.bitnet.error
@@ -135,11 +145,12 @@ def start_server(
     sock = _bind(cfg.host, cfg.port)
     server.install_signal_handlers = lambda: None  # not on the main thread
     t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="bitnet-http", daemon=True)
+    handle = ServerHandle(server, t, sock)  # (its address read now: a server that stops at once closes sock)
     t.start()
     deadline = time.monotonic() + 60
     while wait and not server.started and t.is_alive() and time.monotonic() < deadline:
         time.sleep(0.01)
-    return ServerHandle(server, t, sock)
+    return handle
 
 
 def run_server(cfg: ServerConfig, model=None, tokenizer=None, loader=None) -> None:
@@ -202,13 +213,15 @@ def serve(
 
     Keywords: the RuntimeConfig's (device, dtype, backend, threads, head_dtype, kv_cache_dtype, enforce_eager,
     max_batch, max_seq_len), the engine's (max_queue, prefill_chunk) and the server's (host, port, api_key,
-    cors_origins, max_body_bytes, graceful_timeout_s, keep_alive_s, tokenizer_threads, log_level); see
+    cors_origins, max_body_bytes, graceful_timeout_s, keep_alive_s, tokenizer_threads, log_level, grpc_port,
+    max_models, allow_admin); see
     `bitnet serve --help`. The port opens at once; /health answers 503 until the model has loaded. ValueError for
     a bad option or a port that cannot be bound, ModelLoadError when the model cannot be loaded.
     """
     name = model_name or (os.path.basename(os.path.normpath(os.fspath(model))) if model else "bitnet")
     rt, eng, server = _split(kw)
     runtime = (runtime or RuntimeConfig()).replace(**rt)
+    server["model_path"] = os.fspath(model) if model else None
     run_server(_config(name, runtime, eng, server), loader=_loader(model, runtime))
 
 
@@ -228,6 +241,7 @@ def start(
     rt, eng, server = _split(kw)
     if path is not None:
         runtime = (runtime or RuntimeConfig()).replace(**rt)
+        server["model_path"] = os.fspath(path)
         return start_server(_config(model_name, runtime, eng, server), loader=_loader(path, runtime))
     runtime = config_for(model, runtime).replace(**rt)
     cfg = _config(model_name, runtime, eng, server)
