@@ -3,11 +3,17 @@ models and real text, and what one verify pass costs against one decode step. Ma
 
     python benchmarks/speculative.py                          # both zoo models, every prompt, k 4 and 8
     python benchmarks/speculative.py --models bitnet-tiny --draft-max 4 --tokens 128 --threads 2
+    python benchmarks/speculative.py --models smollm2-135m-1.58 --draft-model smollm2-135m-1.58-draft \
+        --draft-max 2,3,4,5,6 --reps 5                        # a draft model instead of prompt lookup
 
 Prompts are input-grounded, built from Jane Austen (.assets/austen) and this package's own Python source: copy a
 passage, copy it with an edit, restate a function, continue a numbered list, and one free continuation (not
 grounded: what lookup costs where it finds little). Each row is greedy generation of --tokens tokens (ignore_eos),
 the baseline measured in the same run; speculative output is checked token for token against it.
+
+With --draft-model the runs interleave: each repetition generates once without and once per k with the draft, so
+that a noisy machine's slow spells fall on both sides; the rows give the median of the timed repetitions, and the
+benchmark stops if any speculative output differs from the baseline's.
 """
 
 from __future__ import annotations
@@ -55,11 +61,51 @@ def verify_cost(model, ks, reps: int) -> list[tuple[int, float, float]]:
     return [(1, decode * 1e3, 1.0), *out]
 
 
+def draft_rows(model, tok, draft, name: str, ks, n_gen: int, reps: int) -> list[tuple]:
+    """Per prompt and k: median t/s without and with the draft model, speedup, acceptance, tokens per pass."""
+    import statistics
+
+    from bitnetlm.engine.speculative import SpeculativeConfig
+    from bitnetlm.generate import generate
+
+    rows = []
+    for pname, text in prompts().items():
+        base_tps, runs = [], {k: [] for k in ks}
+        for _ in range(reps + 1):  # the first warms up
+            kw = dict(max_tokens=n_gen, temperature=0, ignore_eos=True)
+            base = generate(model, tok, text, **kw)
+            base_tps.append(base.generation_tps)
+            for k in ks:
+                r = generate(model, tok, text, speculative=SpeculativeConfig(num_tokens=k, draft=draft), **kw)
+                if r.tokens != base.tokens:
+                    raise SystemExit(
+                        f"{name} + draft, {pname!r}, k {k}: the output differs from the baseline's"
+                    )
+                runs[k].append(r)
+        b = statistics.median(base_tps[1:])
+        for k in ks:
+            last = runs[k][-1]
+            tps = statistics.median(r.generation_tps for r in runs[k][1:])
+            passes = last.generation_tokens - last.accepted_tokens
+            rows.append(
+                (
+                    name, pname, k, f"{b:.1f}", f"{tps:.1f}", f"**{tps / b:.2f}x**",
+                    f"{last.accepted_tokens / max(1, last.draft_tokens):.0%}",
+                    f"{last.generation_tokens / max(1, passes):.2f}", "yes",
+                )
+            )  # fmt: skip
+        print(f"{name}: {pname} done", flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", type=str_list, default=["bitnet-tiny", "smollm2-135m-1.58"])
     p.add_argument("--draft-max", type=int_list, default=[4, 8], help="k values (default: 4,8)")
     p.add_argument("--lookup", type=int, default=4, help="longest n-gram (default: 4)")
+    p.add_argument(
+        "--draft-model", default=None, help="a draft model (zoo name or directory) instead of lookup"
+    )
     p.add_argument("--tokens", type=int, default=96, help="tokens generated per run (default: 96)")
     p.add_argument("--reps", type=int, default=3, help="timed runs per row, after one warm-up (default: 3)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads (default: 2)")
@@ -73,9 +119,15 @@ def main() -> None:
 
     rt = RuntimeConfig(threads=args.threads, device=args.device)
     rows, costs = [], []
+    draft = None if args.draft_model is None else bitnetlm.load(args.draft_model, rt)[0]
     for name in args.models:
         model, tok = bitnetlm.load(name, rt)
-        costs += [(name, *c) for c in verify_cost(model, [1, 3, 4, 7, 8], 2 * args.reps + 3)]
+        costs += [(name, *c) for c in verify_cost(model, [1, 3, 4, 5, 7, 8], 2 * args.reps + 3)]
+        if draft is not None:  # one draft step, in the target's decode steps
+            _, ms, _ = verify_cost(draft, [], 2 * args.reps + 3)[0]
+            costs.append((f"{args.draft_model} (draft)", 1, ms, ms / costs[-7][2]))
+            rows += draft_rows(model, tok, draft, name, args.draft_max, args.tokens, args.reps)
+            continue
         for pname, text in prompts().items():
             for k in args.draft_max:
                 spec = SpeculativeConfig(num_tokens=k, lookup=args.lookup)
@@ -91,18 +143,19 @@ def main() -> None:
                 )  # fmt: skip
             print(f"{name}: {pname} done", flush=True)
     gpu = args.device.startswith("cuda")
+    how = f"draft model {args.draft_model}" if draft is not None else f"lookup n {args.lookup}..1"
     common.header(
-        "Prompt lookup, single stream, greedy",
+        ("Draft model" if draft is not None else "Prompt lookup") + ", single stream, greedy",
         gpu=gpu,
-        details=f"{args.tokens} tokens, {args.threads} threads, lookup n {args.lookup}..1, adaptive draft length; "
-        "t/s are the mean of the timed runs",
+        details=f"{args.tokens} tokens, {args.threads} threads, {how}, adaptive draft length; t/s are the "
+        + ("median of the timed repetitions" if draft is not None else "mean of the timed runs"),
     )
     cols = [
         "model",
         "prompt",
         "k",
         "t/s off",
-        "t/s lookup",
+        "t/s draft" if draft is not None else "t/s lookup",
         "speedup",
         "acceptance",
         "tokens/pass",

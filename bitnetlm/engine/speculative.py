@@ -11,6 +11,8 @@ temperature, top-k / top-p / min-p):
   from norm(max(0, p - q)); a prompt-lookup draft is a point mass (q(x) = 1). When every draft token is accepted,
   the target's next token is drawn from p as usual. This leaves the output distribution that of non-speculative
   sampling (Leviathan et al., 2023; Chen et al., 2023); the uniforms come from the row's own seeded stream.
+  A draft model with a reduced vocabulary (config `vocab_subset`) scores the other ids -inf: q is 0 there, still a
+  valid proposal (such tokens are never drafted, only drawn from the residual or as the bonus token).
 The keys and values of rejected tokens are rolled back (`Runner.truncate`): nothing stale is visible later.
 
 Adaptivity: a row's draft length grows by one after a fully accepted draft and falls to the accepted count plus

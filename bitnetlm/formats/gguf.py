@@ -233,6 +233,10 @@ def save_gguf(
     model; a full-precision llama model is written with `embed_type` floats everywhere (f32/f16/bf16).
     `tokenizer`: a bitnetlm Tokenizer or a path to a directory with tokenizer.json (+ tokenizer_config.json).
     """
+    if model.config.vocab_subset is not None:
+        raise ValueError(
+            f"{path}: GGUF has no reduced vocabulary (vocab_subset); keep this model in the HF format"
+        )
     cfg = model.config
     ternary = cfg.quant == "ternary"
     qkey = qtype.lower()

@@ -153,7 +153,7 @@ def load_hf(path: str | os.PathLike, mode: str = "infer", dtype: torch.dtype = t
         sd.update(_load_projection(ts, key, name, module, cfg, dtype, src))
     if not cfg.tie_word_embeddings:
         w = ts.get("lm_head.weight")
-        _expect("lm_head.weight", w, (cfg.vocab_size, cfg.hidden_size), src, _FLOAT_DTYPES)
+        _expect("lm_head.weight", w, (cfg.head_rows, cfg.hidden_size), src, _FLOAT_DTYPES)
         sd["lm_head.weight"] = w.to(dtype)
     known = {hf_name(k.rsplit(".", 1)[0], cfg.arch) for k in sd} | {"lm_head"}
     unknown = [k for k in ts.where if k.rsplit(".", 1)[0] not in known and not k.endswith(IGNORED_SUFFIXES)]

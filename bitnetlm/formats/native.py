@@ -86,6 +86,10 @@ def save_native(
     dtype: torch.dtype | None = None,
 ) -> Path:
     """Write `model` as our native directory (see module doc), atomically; tokenizer files copied verbatim."""
+    if model.config.vocab_subset is not None:
+        raise ValueError(
+            f"{out_dir}: the native format has no reduced vocabulary (vocab_subset); use the HF format"
+        )
     from bitnetlm.formats.hf import save_hf
 
     if storage not in STORAGES:
@@ -256,7 +260,7 @@ def load_mmap(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
         w = tensors.get("lm_head.weight")
         if w is None:
             raise ValueError(f"{src}: tensor 'lm_head.weight' is missing (tie_word_embeddings is false)")
-        _expect("lm_head.weight", w, (cfg.vocab_size, cfg.hidden_size), src, floats)
+        _expect("lm_head.weight", w, (cfg.head_rows, cfg.hidden_size), src, floats)
         sd["lm_head.weight"] = w.to(dtype)
     known = {hf_name(k.rsplit(".", 1)[0], cfg.arch) for k in sd} | {"lm_head"}
     unknown = [k for k in tensors if k.rsplit(".", 1)[0] not in known and not k.endswith(IGNORED_SUFFIXES)]

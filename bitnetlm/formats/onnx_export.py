@@ -129,6 +129,8 @@ def _rotate_half(g: _G, x: str, half: int) -> str:
 
 def build_onnx(model):
     """An onnx.ModelProto for `model` (CausalLM, any mode)."""
+    if model.config.vocab_subset is not None:
+        raise ValueError("ONNX export: a model with a reduced vocabulary (vocab_subset) is not supported")
     from onnx import TensorProto
 
     cfg = model.config

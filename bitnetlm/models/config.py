@@ -67,6 +67,9 @@ class ModelConfig:
     # how weight_scale is stored in the checkpoint this came from: "multiply" (autobitlinear) or "divide" (bitlinear)
     linear_class: str = "bitlinear"  # transformers BitNetQuantConfig default
     quantization_mode: str = "offline"  # offline = packed ternary on disk; online = float master weights
+    # a reduced vocabulary (draft models): the token ids the LM head scores; every other id gets logit -inf and
+    # shares one embedding row (row len(vocab_subset)). None: the whole vocabulary.
+    vocab_subset: list[int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -108,6 +111,28 @@ class ModelConfig:
             )
         if self.quant not in ("ternary", "none"):
             raise ValueError(f"ModelConfig.quant: expected 'ternary' or 'none', found {self.quant!r}")
+        if self.vocab_subset is not None:
+            self._check_subset()
+
+    def _check_subset(self) -> None:
+        v = self.vocab_subset
+        ok = isinstance(v, (list, tuple)) and len(v) > 0
+        ok = ok and all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.vocab_size for i in v
+        )
+        _require(ok, "vocab_subset", f"a non-empty list of ids in [0, {self.vocab_size})", v)
+        _require(len(set(v)) == len(v), "vocab_subset", "ids without repeats", v)
+        self.vocab_subset = [int(i) for i in v]
+
+    @property
+    def head_rows(self) -> int:
+        """The LM head's rows: the reduced vocabulary's size, or vocab_size."""
+        return self.vocab_size if self.vocab_subset is None else len(self.vocab_subset)
+
+    @property
+    def embed_rows(self) -> int:
+        """The embedding's rows: one per head token plus one for every other id, or vocab_size."""
+        return self.vocab_size if self.vocab_subset is None else len(self.vocab_subset) + 1
 
     @property
     def has_sub_norms(self) -> bool:
@@ -128,8 +153,9 @@ class ModelConfig:
         per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
         if self.has_sub_norms:
             per_layer += h + i
-        emb = self.vocab_size * h
-        return emb + L * per_layer + h + (0 if self.tie_word_embeddings else emb)
+        return (
+            self.embed_rows * h + L * per_layer + h + (0 if self.tie_word_embeddings else self.head_rows * h)
+        )
 
     # ---- HF config.json -------------------------------------------------------------------
     @classmethod
@@ -209,6 +235,7 @@ class ModelConfig:
             quant=quant,
             linear_class=qc.get("linear_class", "bitlinear"),
             quantization_mode=qc.get("quantization_mode", "offline"),
+            vocab_subset=cfg.get("vocab_subset"),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -242,6 +269,8 @@ class ModelConfig:
         }
         if self.rope_scaling:
             d["rope_scaling"] = self.rope_scaling
+        if self.vocab_subset is not None:
+            d["vocab_subset"] = list(self.vocab_subset)
         if self.quant == "ternary":
             d["quantization_config"] = {
                 "quant_method": "bitnet",

@@ -194,17 +194,34 @@ class CausalLM(nn.Module):
             raise ValueError(f"build_model mode must be 'infer', 'train' or 'fp', got {mode!r}")
         self.config = cfg
         self.mode = mode if cfg.quant == "ternary" else "fp"
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.embed_rows, cfg.hidden_size)
         self.layers = nn.ModuleList([Block(cfg, self.mode) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (
-            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.head_rows, bias=False)
         )
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        if cfg.vocab_subset is not None:  # token id -> embedding row, and the head's rows -> token ids
+            ids = torch.tensor(cfg.vocab_subset, dtype=torch.long, device="cpu")
+            rows = torch.full((cfg.vocab_size,), len(ids), dtype=torch.long, device="cpu")
+            rows[ids] = torch.arange(len(ids), device="cpu")
+            self.register_buffer("token_rows", rows, persistent=False)
+            self.register_buffer("head_ids", ids, persistent=False)
 
     # ---- parts ----------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.config.vocab_subset is not None:
+            input_ids = self.token_rows[input_ids]
         return self.embed_tokens(input_ids)
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The LM head's output [..., head rows (+1 for a tied reduced head)] as logits over the whole vocabulary:
+        a reduced vocabulary's tokens at their ids, every other id -inf (never proposed, never sampled)."""
+        if self.config.vocab_subset is None:
+            return logits
+        out = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        out[..., self.head_ids] = logits[..., : len(self.head_ids)]
+        return out
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -213,8 +230,8 @@ class CausalLM(nn.Module):
         """Final norm + LM head (tied to the embedding unless the config says otherwise)."""
         h = self.norm(h)
         if self.lm_head is None:
-            return F.linear(h, self.embed_tokens.weight)
-        return self.lm_head(h)
+            return self.full_logits(F.linear(h, self.embed_tokens.weight))
+        return self.full_logits(self.lm_head(h))
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]

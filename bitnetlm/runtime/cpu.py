@@ -120,7 +120,7 @@ def logits(model, h: torch.Tensor) -> torch.Tensor:
         return model.logits(h)
     from bitnetlm.kernels.cpu import ops  # registers the custom ops: on first use
 
-    return ops.head_float(model.norm(h), w)
+    return model.full_logits(ops.head_float(model.norm(h), w))
 
 
 class CpuRunner(EagerRunner):
