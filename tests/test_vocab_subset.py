@@ -13,8 +13,11 @@ from test_speculative import GROUNDED, REPETITIVE, _chi_square_p, _choices, _exa
 import bitnetlm
 from bitnetlm.engine.speculative import SpeculativeConfig
 from bitnetlm.formats.gguf import save_gguf
+from bitnetlm.formats.native import save_native
+from bitnetlm.formats.onnx_export import build_onnx
 from bitnetlm.generate import SamplingParams, generate
 from bitnetlm.models import ModelConfig, build_model
+from bitnetlm.runtime.cuda.weights import from_model as cuda_weights
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +89,13 @@ def test_config_checks_and_round_trip(tiny, subset_copy, tmp_path):
     assert sub.config.vocab_subset == [5, 9, 2, 700] and sub.embed_tokens.weight.shape[0] == 5
     with pytest.raises(ValueError, match="GGUF has no reduced vocabulary"):
         save_gguf(sub, tmp_path / "m.gguf")
+    with pytest.raises(ValueError, match="native format has no reduced vocabulary"):
+        save_native(sub, tmp_path / "n")
+    with pytest.raises(ValueError, match="ONNX export: a model with a reduced vocabulary"):
+        build_onnx(sub)
+    with pytest.raises(ValueError, match="reduced vocabulary .* runs on the CPU only"):
+        cuda_weights(sub, "ternary", torch.float16, torch.device("cpu"))
+    assert not (tmp_path / "m.gguf").exists() and not (tmp_path / "n").exists()
 
 
 def test_draft_greedy_unchanged(tiny, subset_copy):
