@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bitnetlm.generate.args import SPECULATIVE_FLAGS
+from bitnetlm.generate.args import CONTEXT_FLAGS, SPECULATIVE_FLAGS
 from bitnetlm.runtime.args import (
     RUNTIME_FLAGS,
     add_runtime_arguments,
@@ -59,6 +59,7 @@ SERVER_FLAGS = [
     ),
     (("--log-level",), "log_level", str, "info", "uvicorn log level: debug, info, warning, error"),
     *SPECULATIVE_FLAGS,
+    *CONTEXT_FLAGS,
 ]
 # every flag of the command: (flags, dest) pairs, for the environment variables' names
 FLAGS = [(f, d, t, dflt, h) for f, d, t, dflt, h in SERVER_FLAGS] + [
@@ -77,12 +78,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         shown = {"model": "the zoo's default model", "model_name": "the model's directory name"}.get(
             dest, "off" if default is None else default
         )
+        extra = dict(nargs="?", const=True) if typ is parse_bool else {}  # `--context-shift` alone means true
         p.add_argument(
             *flags,
             dest=dest,
             type=typ,
             default=argparse.SUPPRESS,
             help=f"{text} (env {env_name(dest)}; default: {shown})".replace("%", "%%"),
+            **extra,
         )
     add_runtime_arguments(p, env=True)
 
