@@ -176,6 +176,26 @@ def test_keep_and_errors():
         ContextShift(-2)
 
 
+@pytest.mark.parametrize("shift", [None, ContextShift(4)])
+def test_chat_answer_past_the_window(tiny, shift):
+    """`bitnet chat --context-shift`: an answer goes on past the window; without it, it ends there and says why."""
+    import io
+
+    from bitnetlm.commands.chat import chat_session
+
+    model, tok = tiny
+    out, err = io.StringIO(), io.StringIO()
+    p = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    kw = dict(ctx_size=64, out=out, err=err, json_lines=True, context_shift=shift)
+    chat_session(model, tok, ["Tell me a long story."], p, **kw)
+    turn = json.loads(out.getvalue().splitlines()[-1])
+    if shift is None:
+        assert turn["finish_reason"] == "length" and turn["generation_tokens"] < 100
+        assert "context window is full" in turn["finish_detail"]
+    else:
+        assert turn["generation_tokens"] == 100 and turn["finish_detail"] is None
+
+
 @pytest.fixture(scope="module")
 def model_1024(tmp_path_factory):
     """A saved tiny ternary model of 1,024 positions with its tokenizer."""

@@ -113,9 +113,8 @@ class CudaRunner:
         )
         self._fused: dict = {}  # steady graphs: (size, keys, sampler kind) -> GraphSampler with step_graph
         self._kind: tuple | None = None  # (sampler version, b, its kind) for the steady graphs' key
-        self._draws: dict[
-            int, list
-        ] = {}  # row -> [owner, key, draws left] of its loaded uniforms (_occupants)
+        # row -> [owner, key, draws left] of its loaded uniforms (_occupants)
+        self._draws: dict[int, list] = {}
 
     def warm(self) -> None:
         """Capture every batch size and short key range now, while no row is in use (a capture's eager warm-up
