@@ -97,7 +97,6 @@ def source_config(src: str | os.PathLike):
         with read_gguf(src) as f:
             return config_from_gguf(f)
     if source_kind(src) == "onnx":
-        deps.require("onnx", "reading ONNX files")
         from bitnetlm.formats.onnx_import import config_from_onnx
 
         return config_from_onnx(src)
@@ -198,7 +197,6 @@ def load_source(src: str | os.PathLike, mode: str = "infer"):
         files = tokenizer_files_from_gguf(meta, str(src)) if "tokenizer.ggml.tokens" in meta else {}
         return model, files
     if kind == "onnx":
-        deps.require("onnx", "reading ONNX files")
         from bitnetlm.formats.onnx_import import load_onnx_model
 
         model, src = load_onnx_model(src, mode=mode), src.parent  # (a tokenizer beside the file goes along)

@@ -402,7 +402,9 @@ def _state_dict(model, cfg: ModelConfig, p: Parsed, dtype, where: Path) -> dict[
 
 def read_onnx(path: str | os.PathLike):
     """(the ModelProto, the OnnxGraph over it) of `path`; one-line errors for what is not an ONNX model."""
-    import onnx
+    from bitnetlm import deps
+
+    onnx = deps.require("onnx", "reading ONNX files")
 
     path = Path(path)
     if not path.is_file():
