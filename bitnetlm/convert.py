@@ -55,8 +55,8 @@ def source_kind(src: Path) -> str:
         if magic == b"GGUF":
             return "gguf"
         if src.suffix == ".onnx":
-            raise ValueError(f"{src}: ONNX models can be exported but not read back; convert from HF or GGUF")
-        raise ValueError(f"{src}: not a GGUF file (magic {magic!r}) and not a model directory")
+            return "onnx"
+        raise ValueError(f"{src}: not a GGUF file (magic {magic!r}), an .onnx file or a model directory")
     if src.is_dir():
         if (src / "config.json").is_file():
             return "hf"
@@ -96,6 +96,10 @@ def source_config(src: str | os.PathLike):
 
         with read_gguf(src) as f:
             return config_from_gguf(f)
+    if source_kind(src) == "onnx":
+        from bitnetlm.formats.onnx_import import config_from_onnx
+
+        return config_from_onnx(src)
     from bitnetlm.formats.hf import read_config
 
     return read_config(src)
@@ -179,7 +183,7 @@ def float_fallback_(model, names: list[str]):
 
 
 def load_source(src: str | os.PathLike, mode: str = "infer"):
-    """(model on CPU, tokenizer files {name: text} or {}) from an HF directory or GGUF file."""
+    """(model on CPU, tokenizer files {name: text} or {}) from an HF directory, a GGUF or an ONNX file."""
     src = Path(src)
     kind = source_kind(src)
     if kind == "gguf":
@@ -192,9 +196,14 @@ def load_source(src: str | os.PathLike, mode: str = "infer"):
         meta = read_gguf(src).metadata
         files = tokenizer_files_from_gguf(meta, str(src)) if "tokenizer.ggml.tokens" in meta else {}
         return model, files
-    from bitnetlm.formats.native import load_native
+    if kind == "onnx":
+        from bitnetlm.formats.onnx_import import load_onnx_model
 
-    model = load_native(src, mode=mode)
+        model, src = load_onnx_model(src, mode=mode), src.parent  # (a tokenizer beside the file goes along)
+    else:
+        from bitnetlm.formats.native import load_native
+
+        model = load_native(src, mode=mode)
     files = {}
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         if (src / name).is_file():

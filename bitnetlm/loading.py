@@ -46,7 +46,7 @@ def resolve_path(name_or_path: str | os.PathLike) -> Path:
 def load_model(
     path: str | os.PathLike, runtime: RuntimeConfig | None = None, *, mode: str = "infer", **options
 ):
-    """Load a model (HF directory or GGUF file) as `runtime` (or the RuntimeConfig fields in `options`: device,
+    """Load a model (HF directory, GGUF or ONNX file) as `runtime` (or the RuntimeConfig fields in `options`: device,
     dtype, backend, head_dtype, kv_cache_dtype, threads, ...) says: on its device, kernels prepared, the CPU's
     compact head and threads applied. The options are kept for the model's later calls (`runtime.configure`).
 
@@ -67,8 +67,12 @@ def load_model(
         if (p / "config.json").is_file():
             config = read_config(p)
         read = lambda: load_native(p, mode=mode, dtype=dtype)
+    elif p.is_file() and p.suffix == ".onnx":
+        from bitnetlm.formats.onnx_import import load_onnx_model
+
+        read = lambda: load_onnx_model(p, mode=mode, dtype=dtype)
     else:
-        raise ValueError(f"{p}: not a model directory (config.json + safetensors) or a .gguf file")
+        raise ValueError(f"{p}: not a model directory (config.json + safetensors), a .gguf or an .onnx file")
     if (
         mode != "train" and device.type == "cuda"
     ):  # CUDA context, first kernels, compiler keys: beside the read
@@ -104,6 +108,8 @@ def load_tokenizer(path: str | os.PathLike):
         from bitnetlm.formats import gguf
 
         return gguf.load_gguf_tokenizer(p)
+    if p.is_file() and p.suffix == ".onnx":
+        p = p.parent  # an ONNX graph holds no tokenizer: the one beside it, as ONNX model directories have
     if (p / "tokenizer.json").is_file():
         from bitnetlm.text.tokenizer import Tokenizer
 
@@ -112,8 +118,9 @@ def load_tokenizer(path: str | os.PathLike):
 
 
 def load(path: str | os.PathLike, runtime: RuntimeConfig | None = None, *, mode: str = "infer", **options):
-    """(model, tokenizer) for `path` (a directory, .gguf file or zoo name); tokenizer is None if the checkpoint
-    has none. Runtime options as `load_model` takes them (device="auto", kv_cache_dtype="fp8", ...)."""
+    """(model, tokenizer) for `path` (a directory, .gguf or .onnx file, or zoo name); tokenizer is None if the
+    checkpoint has none (an .onnx file's: tokenizer.json beside it). Runtime options as `load_model` takes them
+    (device="auto", kv_cache_dtype="fp8", ...)."""
     return load_model(path, runtime, mode=mode, **options), load_tokenizer(path)
 
 
@@ -132,7 +139,8 @@ def load_for_generation(name: str | os.PathLike | None, runtime: RuntimeConfig |
     name = default_model_name(name)
     model, tok = load(name, runtime, **options)
     if tok is None:
-        raise FileNotFoundError(f"{name}: the model has no tokenizer (tokenizer.json next to config.json)")
+        beside = "the .onnx file" if str(name).endswith(".onnx") else "config.json"
+        raise FileNotFoundError(f"{name}: the model has no tokenizer (tokenizer.json next to {beside})")
     return model.eval(), tok
 
 

@@ -84,6 +84,21 @@ def test_reuse_limits_and_eviction_order():
     assert sch.schedule().reused == {} and other.row == 0
 
 
+def test_a_shifted_row_offers_only_its_kept_positions():
+    """After a context shift a row holds tokens[:keep] + later tokens: only the kept prefix may be reused."""
+    sch = Scheduler(SchedulerConfig(rows=2, prefill_chunk=512))
+    a = _seq(SYSTEM + [1, 2])
+    a.shift_keep = 20
+    sch.add(a)
+    _prefill_all(sch)
+    a.n_cached, a.shifted = 30, 12  # as _maybe_shift leaves it
+    b = _seq(SYSTEM + [3])
+    sch.add(b)
+    assert sch.schedule().reused[id(b)] == (0, 20)
+    sch.finish(a)
+    assert sch.held[0] == tuple(SYSTEM[:20])
+
+
 def test_off_reuses_nothing():
     sch = Scheduler(SchedulerConfig(rows=2, prefill_chunk=512, prefix_reuse=False))
     a = _seq(SYSTEM + [1])

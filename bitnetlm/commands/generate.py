@@ -8,7 +8,7 @@ import json
 import sys
 
 from bitnetlm import progress
-from bitnetlm.generate.args import add_speculative_arguments, speculative_from_args
+from bitnetlm.generate.args import add_context_arguments, add_speculative_arguments, speculative_from_args
 from bitnetlm.runtime.args import OFFLINE, add_runtime_arguments, runtime_from_args
 
 # llama.cpp's defaults for the sampling flags
@@ -75,6 +75,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", "-sys", default=None, help="system prompt (uses the chat template)")
     add_runtime_arguments(p, OFFLINE)
     add_speculative_arguments(p)
+    add_context_arguments(p)
     p.add_argument(
         "--verbose",
         "-v",
@@ -131,7 +132,8 @@ def generate_text(
     **kwargs,
 ):
     """Generate for `prompt`, writing text to `stream` as it arrives and a newline at the end (None: silent);
-    verbose: then the statistics on `err` (stderr), on a line of their own. Returns the GenerationResult."""
+    verbose: then the statistics on `err` (stderr), on a line of their own. kwargs: stream_generate's (sampling
+    fields, speculative, context_shift, n_keep). Returns the GenerationResult."""
     import time
 
     from bitnetlm.generate import format_stats, prompt_to_ids, stream_generate
@@ -202,6 +204,8 @@ def run(args) -> int:
         verbose=args.verbose,
         runtime=runtime,
         speculative=load_speculative(spec, runtime, tok),
+        context_shift=args.context_shift,
+        n_keep=args.n_keep,
     )
     if args.json:
         out = {
@@ -210,6 +214,7 @@ def run(args) -> int:
             "text": str(res),
             "tokens": res.tokens,
             "finish_reason": res.finish_reason,
+            "finish_detail": res.finish_detail,
             "prompt_tokens": res.prompt_tokens,
             "generation_tokens": res.generation_tokens,
             "prompt_tps": res.prompt_tps,

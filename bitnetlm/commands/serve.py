@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bitnetlm.generate.args import SPECULATIVE_FLAGS
+from bitnetlm.generate.args import CONTEXT_FLAGS, SPECULATIVE_FLAGS
 from bitnetlm.runtime.args import (
     RUNTIME_FLAGS,
     add_runtime_arguments,
@@ -89,6 +89,7 @@ SERVER_FLAGS = [
     ),
     (("--log-level",), "log_level", str, "info", "uvicorn log level: debug, info, warning, error"),
     *SPECULATIVE_FLAGS,
+    *CONTEXT_FLAGS,
 ]
 # replicas on Ray Serve (bitnetlm.serve.ray): off unless --replicas is given
 REPLICA_FLAGS = [
@@ -116,9 +117,6 @@ FLAGS = [(f, d, t, dflt, h) for f, d, t, dflt, h in SERVER_FLAGS] + [
     (f, d, t, None, h) for f, d, t, h in RUNTIME_FLAGS
 ]
 _BY_DEST = {d: f for f, d, *_ in FLAGS}
-_bool = parse_bool
-
-
 def env_name(dest: str) -> str:
     return _env_name(_BY_DEST[dest])
 
@@ -128,14 +126,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         shown = {"model": "the zoo's default model", "model_name": "the model's directory name"}.get(
             dest, "off" if default is None else default
         )
-        extra = dict(nargs="?", const=True) if typ is parse_bool else {}  # `--allow-admin` alone means true
+        extra = dict(nargs="?", const=True) if typ is parse_bool else {}  # a boolean flag alone means true
         p.add_argument(
             *flags,
             dest=dest,
             type=typ,
             default=argparse.SUPPRESS,
-            **extra,
             help=f"{text} (env {env_name(dest)}; default: {shown})".replace("%", "%%"),
+            **extra,
         )
     add_runtime_arguments(p, env=True)
 

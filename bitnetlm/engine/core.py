@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from bitnetlm.engine.metrics import Metrics
-from bitnetlm.engine.scheduler import Scheduler, SchedulerConfig
+from bitnetlm.engine.scheduler import ContextShift, Scheduler, SchedulerConfig
 from bitnetlm.engine.sequence import GenerationRequest, Group, Sequence
 from bitnetlm.engine.speculative import SpeculativeConfig, Speculator
 from bitnetlm.engine.worker import Worker
@@ -28,16 +28,29 @@ class EngineCore:
         metrics: Metrics | None = None,
         speculative: SpeculativeConfig | None = None,
         prefix_reuse: bool = True,
+        context: int | None = None,
+        context_shift: ContextShift | None = None,
     ):
+        """context: the window a sequence's positions stay in (default: the runner's); a request that would
+        pass it ends there with "length" (and says so), or with `context_shift` shifts its row and goes on."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, found {prefill_chunk}")
         self.runner, self.tokenizer = runner, tokenizer
         self.eos_ids = {int(i) for i in eos_ids if i is not None}
+        self.context = context or runner.max_seq_len
+        self.context_shift = context_shift
         batched = runner.batched_prefill
         self.scheduler = Scheduler(
-            SchedulerConfig(runner.rows, prefill_chunk, batched, not batched, prefix_reuse)
+            SchedulerConfig(
+                runner.rows,
+                prefill_chunk,
+                batched,
+                not batched,
+                context=self.context,
+                prefix_reuse=prefix_reuse,
+            )
         )
-        self.speculator = speculator(runner, speculative, metrics)
+        self.speculator = speculator(runner, speculative, metrics, min(self.context, runner.max_seq_len))
         self.worker = Worker(runner, self.scheduler, metrics, self.speculator)
         self.inflight = None  # the decode step whose tokens are still on their way to the host
         self.steps = 0
@@ -47,13 +60,25 @@ class EngineCore:
         """Queue `req` (its `n` choices); `sink(event)` gets its events. Choice i of a seeded request draws from
         seed + i (choice 0 is what offline `generate` samples with that seed)."""
         g = Group(req, sink, max_tokens)
+        n, ctx = len(req.prompt_ids), self.context
+        if n >= ctx:
+            raise ValueError(f"the prompt has {n} tokens but the context window holds {ctx} positions")
+        keep = None
+        if self.context_shift is not None:
+            keep = self.context_shift.keep(req.prompt_ids, getattr(self.tokenizer, "bos_token_id", None), ctx)
+        elif n + g.max_tokens >= ctx:
+            g.max_tokens = ctx - n
+            g.length_detail = (
+                f"the context window is full ({n} prompt + {g.max_tokens} generated tokens of {ctx} positions); "
+                "context shift (--context-shift) generates past it"
+            )
         p = req.params
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
         dev = self.runner.device
         for i in range(req.n):
             gen = None if p.seed is None else torch.Generator(device=dev).manual_seed(int(p.seed) + i)
             detok = StreamDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens)
-            s = Sequence(g, i, detok, stop_ids, RowRandom(gen, dev))
+            s = Sequence(g, i, detok, stop_ids, RowRandom(gen, dev), keep)
             g.seqs.append(s)
             self.scheduler.add(s)
         return g
@@ -102,9 +127,11 @@ class EngineCore:
         return list(self.scheduler.running.values())
 
 
-def speculator(runner, config: SpeculativeConfig | None, metrics: Metrics | None = None) -> Speculator | None:
+def speculator(
+    runner, config: SpeculativeConfig | None, metrics: Metrics | None = None, context: int | None = None
+) -> Speculator | None:
     """The speculator of `config` over `runner` (a draft model gets a runner of its own with the same rows), or
-    None when it speculates not."""
+    None when it speculates not; no draft reaches past `context` positions (default: the runner's)."""
     if config is None or not config.enabled:
         return None
     draft = None
@@ -118,4 +145,4 @@ def speculator(runner, config: SpeculativeConfig | None, metrics: Metrics | None
                 "a draft model must share the target's tokenizer"
             )
         draft = make_runner(dm, config_for(dm), runner.rows, runner.max_seq_len)
-    return Speculator(config, runner, draft, metrics)
+    return Speculator(config, runner, draft, metrics, context)

@@ -15,7 +15,9 @@ Each step:
      whole prompts that fit together run as one forward where the runner can batch them, and the other choices
      of a request (n > 1) wait for the first's prefill, then copy it (a copy gives bit-identical keys and values);
   3. decodes every sequence that has a next token: its last sampled token, known on the host or still on its way
-     there (a pipelined step), or its first token, sampled in this same step from its prompt's last logits.
+     there (a pipelined step), or its first token, sampled in this same step from its prompt's last logits. A
+     sequence whose token would land past the context window shifts its row first (llama.cpp's context shift:
+     its first `keep` positions stay, the oldest half of the rest goes, `Shift` in the plan), when it may.
 """
 
 from __future__ import annotations
@@ -35,9 +37,37 @@ class SchedulerConfig:
         False  # only a step's first prompt may be split into chunks (fewer prefill shapes)
     )
     prefix_reuse: bool = True  # a prompt skips the tokens a row already holds (see above)
+    context: int = 0  # positions a row holds (0: unbounded); a sequence with shift_keep set shifts at the end
 
 
 REUSE_MIN = 16  # shorter common prefixes are recomputed: a copy is not worth its bookkeeping below this
+
+
+@dataclass(frozen=True)
+class ContextShift:
+    """llama.cpp's context shift (`--context-shift`, `--keep`): a row that reaches the end of the context window
+    keeps its first positions (n_keep prompt tokens after a leading BOS; -1: the whole prompt), drops the oldest
+    half of the rest and goes on, instead of ending with "length"."""
+
+    n_keep: int = 0
+
+    def __post_init__(self):
+        if isinstance(self.n_keep, bool) or not isinstance(self.n_keep, int) or self.n_keep < -1:
+            raise ValueError(f"--keep {self.n_keep!r}: expected an integer >= 0, or -1 for the whole prompt")
+
+    def keep(self, prompt: list[int], bos: int | None, context: int) -> int:
+        """Positions a row of `prompt` keeps (at most context - 2: every shift drops at least one)."""
+        n = len(prompt) if self.n_keep < 0 else self.n_keep + int(bos is not None and prompt[:1] == [bos])
+        return max(0, min(n, len(prompt), context - 2))
+
+
+@dataclass
+class Shift:
+    """Context shift of `seq`'s row before its decode: positions keep..keep+drop-1 go, the later ones move down."""
+
+    seq: Sequence
+    keep: int
+    drop: int
 
 
 @dataclass
@@ -60,6 +90,7 @@ class Plan:
         default_factory=list
     )  # (prefilled, sibling): share its prompt
     decode: list[Sequence] = field(default_factory=list)  # candidates: the worker drops those that have ended
+    shifts: list[Shift] = field(default_factory=list)  # run before the decode
 
     def __bool__(self) -> bool:
         return bool(self.admitted or self.prefills or self.copies or self.decode)
@@ -109,18 +140,33 @@ class Scheduler:
         for s in self.running.values():
             if s.done:
                 continue
-            if s in completing or (s.n_cached >= s.n_prompt and len(s.tokens) + s.pending == s.n_cached + 1):
+            fed = len(s.tokens) + s.pending - s.shifted  # positions once its last token is fed
+            if s in completing or (s.n_cached >= s.n_prompt and fed == s.n_cached + 1):
                 if s.budget > 0 or s in completing:
+                    self._maybe_shift(s, plan)
                     plan.decode.append(s)
                     s.n_cached += 1
         plan.decode.sort(key=lambda s: s.row)
         return plan
 
+    def _maybe_shift(self, s: Sequence, plan: Plan) -> None:
+        """s's next token would be fed at position n_cached: past the window, its row shifts first (half of what
+        follows its kept positions goes, as llama.cpp's n_discard = n_left / 2)."""
+        ctx = self.config.context
+        if not ctx or s.shift_keep is None or s.n_cached < ctx:
+            return
+        drop = (s.n_cached - s.shift_keep) // 2
+        plan.shifts.append(Shift(s, s.shift_keep, drop))
+        s.n_cached -= drop
+        s.shifted += drop
+
     # ---- admission and prefix reuse -------------------------------------------------------------------
     @staticmethod
     def _computed(s: Sequence) -> list[int]:
-        """The prompt tokens whose keys and values s's row holds, computed by a prefill."""
-        return s.tokens[: min(s.n_cached, s.n_prompt)]
+        """The prompt tokens whose keys and values s's row holds, computed by a prefill (a shifted row: only its
+        kept positions are still at their own places)."""
+        n = min(s.n_cached, s.n_prompt)
+        return s.tokens[: min(n, s.shift_keep) if s.shifted else n]
 
     def _admit(self, s: Sequence, plan: Plan) -> None:
         """Give s a free row (reusing the longest held prefix of its prompt), and plan the row's reset."""

@@ -32,7 +32,7 @@ class GenerationRequest:
 class Token:
     """A sampled token of choice `seq.index` (its `count`-th): the text it makes visible (may be ""), its
     log-probability, the top log-probabilities [(id, logprob)] when asked for, and the finish reason once the
-    choice ends."""
+    choice ends (with `seq.finish_detail` saying why where "length" is the context window's)."""
 
     seq: Sequence
     count: int
@@ -69,6 +69,7 @@ class Group:
         self.remaining = req.n
         self.completion_tokens = 0
         self.cancelled = False
+        self.length_detail: str | None = None  # why max_tokens is what it is, when the context window cut it
 
     @property
     def params(self) -> SamplingParams:
@@ -81,11 +82,23 @@ class Sequence:
     n_cached counts the tokens whose keys and values are in its row or queued to be written there; `pending`
     counts sampled tokens on their way to the host (a pipelined step's)."""
 
-    def __init__(self, group: Group, index: int, detok: StreamDetokenizer, stop_ids: set, random: RowRandom):
+    def __init__(
+        self,
+        group: Group,
+        index: int,
+        detok: StreamDetokenizer,
+        stop_ids: set,
+        random: RowRandom,
+        shift_keep: int | None = None,
+    ):
         self.group, self.index = group, index
         self.tokens = list(group.req.prompt_ids)  # prompt + generated
         self.n_prompt = len(self.tokens)
         self.n_cached = 0
+        # context shift: the positions kept at the start of its row (None: it never shifts), and the tokens
+        # dropped from the row so far (its row holds tokens[:keep] + tokens[keep + shifted:])
+        self.shift_keep = shift_keep
+        self.shifted = 0
         self.pending = 0
         self.row: int | None = None
         self.detok, self.stop_ids, self.random = detok, stop_ids, random
@@ -94,6 +107,7 @@ class Sequence:
         self.last_token_at: float | None = None
         self.done = False
         self.finish_reason: str | None = None
+        self.finish_detail: str | None = None  # why it ended, where the reason alone does not say
         self.drafted = self.accepted = 0  # speculative decoding: draft tokens scored, and accepted
 
     @property
@@ -118,6 +132,7 @@ class Sequence:
         text = self._scan(self.detok.add(token), final=False)
         if self.finish_reason is None and len(self.generated) >= self.group.max_tokens:
             self.finish_reason = "length"
+            self.finish_detail = self.group.length_detail
             text += self._scan(self.detok.finalize(), final=True)
         return text
 

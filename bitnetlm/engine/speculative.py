@@ -104,8 +104,16 @@ class Draft:
 class Speculator:
     """Drafts, verifies and rolls back for the worker (see the module docstring)."""
 
-    def __init__(self, config: SpeculativeConfig, runner, draft_runner=None, metrics: Metrics | None = None):
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        runner,
+        draft_runner=None,
+        metrics: Metrics | None = None,
+        context: int | None = None,
+    ):
         self.config, self.runner, self.draft_runner, self.metrics = config, runner, draft_runner, metrics
+        self.context = context or runner.max_seq_len  # no draft reaches past it (a row shifts there instead)
         if metrics is not None:
             metrics.speculating()
         self.rows: dict[Sequence, RowState] = {}
@@ -132,9 +140,13 @@ class Speculator:
         """sequence -> its draft, for the sequences that speculate this step (possibly none)."""
         if len(seqs) > self.config.max_rows:
             return {}
-        cap = self.runner.max_seq_len
+        cap = self.context
         want = {}
         for s in seqs:
+            if s.shifted and self.draft_runner is not None:
+                # (a draft row holds the sequence's tokens at their own positions, which a shifted row no longer
+                # does: such a row decodes one token a step; prompt lookup drafts from the text and goes on)
+                continue
             st = self.state(s)
             if st.paused:
                 st.paused -= 1

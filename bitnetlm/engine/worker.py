@@ -2,7 +2,8 @@
 
 One step: reset the rows admitted, prefill the planned prompt chunks (whole prompts that arrived together in one
 forward where the runner batches), copy a prefilled prompt into the rows of its request's other choices, sample
-the first token of every prompt that completed, then decode every sequence that has a next token and sample.
+the first token of every prompt that completed, shift the rows that reached the end of the context window, then
+decode every sequence that has a next token and sample.
 
 Pipelined (a runner that samples on the device, no row with penalties): the sampled tokens stay on the device as
 the next step's input and reach the host later (`collect`), so the host's work on one step's tokens overlaps the
@@ -57,6 +58,9 @@ class Worker:
             seqs = [s for s, _ in ready]
             pend = r.sample([spec(s) for s in seqs], torch.stack([lg for _, lg in ready]), carry=pipelined)
             first = self._queued(pend, seqs, pipelined)
+        for sh in plan.shifts:  # (before the decode that feeds the token past the window)
+            if sh.seq.row is not None:
+                r.shift(sh.seq.row, sh.keep, sh.drop)
         dec = [s for s in plan.decode if not s.done and s.budget > 0]
         if dec and self.speculator is not None and not pipelined:
             drafts = self.speculator.propose(dec)

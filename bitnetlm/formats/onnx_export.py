@@ -13,6 +13,7 @@ Token t of the call sits at cache slot P+t and attends to slots <= P+t (no paddi
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -259,6 +260,8 @@ def build_onnx(model):
     mp.ir_version = 11
     mp.metadata_props.add(key="bitnetlm_format_version", value="1")
     mp.metadata_props.add(key="bitnetlm_arch", value=cfg.arch)
+    # the whole config (context length, token ids, ...): what `onnx_import` cannot read off the graph
+    mp.metadata_props.add(key="bitnetlm_config", value=json.dumps(cfg.to_hf()))
     return mp
 
 

@@ -58,5 +58,27 @@ class KVCache:
         mask = mask | (slots[None, None, :] == cache_pos[:, :, None])
         return mask[:, None]
 
+    def shift(self, row: int, n: int, keep: int, drop: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Context shift of `row`, which holds n positions (see `shift_rows`); the freed slots become invalid."""
+        shift_rows(self.k, self.v, row, n, keep, drop, cos, sin)
+        self.valid[row, n - drop :] = False
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+def shift_rows(ks, vs, row: int, n: int, keep: int, drop: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """llama.cpp's context shift on row `row` of the caches ks, vs (per layer [B, H_kv, S, D], n positions held):
+    positions keep..keep+drop-1 go, keep+drop..n-1 move down to keep..n-drop-1. Keys are cached after RoPE
+    (rotate-half), so each moved key is rotated back by `drop` positions: cos, sin [D/2] are those of the angles
+    drop * inv_freq. (Rotations compose: the result is the key at its new position, up to rounding.)"""
+    if drop <= 0 or keep + drop > n:
+        raise ValueError(f"context shift: cannot drop {drop} of {n} positions after the first {keep}")
+    src, dst = slice(keep + drop, n), slice(keep, n - drop)
+    c, s = cos.float(), sin.float()
+    for k in ks:
+        x = k[row, :, src].float()
+        x1, x2 = x.chunk(2, dim=-1)
+        k[row, :, dst] = torch.cat((x1 * c + x2 * s, x2 * c - x1 * s), dim=-1).to(k.dtype)
+    for v in vs:
+        v[row, :, dst] = v[row, :, src].clone()

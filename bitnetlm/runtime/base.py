@@ -85,6 +85,10 @@ class Runner(Protocol):
     def truncate(self, row: int, n: int) -> None:
         """Forget `row`'s positions from n on (rejected draft tokens)."""
 
+    def shift(self, row: int, keep: int, drop: int) -> None:
+        """Context shift: forget `row`'s positions keep..keep+drop-1 and move the later ones down by `drop`, their
+        keys (cached after RoPE) rotated back by `drop` positions, so the row continues at its length - drop."""
+
     def decode(
         self, rows: Sequence[int], tokens: Sequence[int | None], positions: Sequence[int]
     ) -> torch.Tensor:

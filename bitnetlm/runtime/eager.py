@@ -121,6 +121,13 @@ class EagerRunner:
         self.cache.valid[row, n:] = False
         self.lengths[row] = min(self.lengths[row], n)
 
+    @torch.inference_mode()
+    def shift(self, row: int, keep: int, drop: int) -> None:
+        n = self.lengths[row]
+        angle = drop * self.model.inv_freq.float().to(self.device)
+        self.cache.shift(row, n, keep, drop, angle.cos(), angle.sin())
+        self.lengths[row] = n - drop
+
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         c = self.cache
         for t in c.k + c.v:

@@ -23,6 +23,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from bitnetlm.engine.scheduler import ContextShift
 from bitnetlm.engine.speculative import SpeculativeConfig
 from bitnetlm.runtime.config import RuntimeConfig
 from bitnetlm.serve import protocol as P
@@ -79,6 +80,7 @@ class ServerConfig:
                 want = f"in [{low}, {high}]" if high is not None else f">= {low}"
                 raise ValueError(f"{flag} {v!r}: expected an integer {want}")
         SpeculativeConfig(e.draft_max, e.lookup, e.lookup_min, e.draft_model)  # (checks the numbers)
+        ContextShift(e.n_keep)  # (checks --keep)
         for flag, v in (("--graceful-timeout", self.graceful_timeout_s), ("keep_alive_s", self.keep_alive_s)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
                 raise ValueError(f"{flag} {v!r}: expected a number of seconds >= 0")

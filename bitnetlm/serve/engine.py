@@ -20,6 +20,7 @@ from typing import Any
 
 from bitnetlm.engine.core import EngineCore
 from bitnetlm.engine.metrics import Metrics
+from bitnetlm.engine.scheduler import ContextShift
 from bitnetlm.engine.sequence import Group, Token
 from bitnetlm.engine.speculative import SpeculativeConfig
 from bitnetlm.engine.worker import emit
@@ -66,6 +67,12 @@ class EngineConfig:
     draft_max: int = 4
     lookup: int = 0
     lookup_min: int = 1
+    # context shift (engine/scheduler.py's ContextShift): a sequence that reaches the end of the context goes on
+    context_shift: bool = False
+    n_keep: int = 0
+
+    def shift(self) -> ContextShift | None:
+        return ContextShift(self.n_keep) if self.context_shift else None
 
     def speculative(self, runtime: RuntimeConfig, tokenizer) -> SpeculativeConfig | None:
         """The SpeculativeConfig these options ask for (a draft model given by name is loaded), or None."""
@@ -99,7 +106,15 @@ class Engine:
         self.metrics = Metrics(model_name)
         spec = cfg.speculative(rt, tokenizer)
         self.core = EngineCore(
-            self.runner, tokenizer, eos, cfg.prefill_chunk, self.metrics, spec, cfg.prefix_caching
+            self.runner,
+            tokenizer,
+            eos,
+            cfg.prefill_chunk,
+            self.metrics,
+            spec,
+            context=self.max_model_len,
+            context_shift=cfg.shift(),
+            prefix_reuse=cfg.prefix_caching,
         )
         sched = self.core.scheduler
         self.metrics.gauges["num_requests_running"] = lambda: self.stats()["running"]
@@ -164,7 +179,8 @@ class Engine:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if req.n < 1 or p.max_tokens < 1:
             raise ValueError(f"n and max_tokens must be >= 1, found n={req.n}, max_tokens={p.max_tokens}")
-        if n_prompt + p.max_tokens > self.max_model_len or n_prompt >= self.max_model_len:
+        past = n_prompt + p.max_tokens > self.max_model_len and not self.config.context_shift
+        if past or n_prompt >= self.max_model_len:
             raise ContextTooLong(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{n_prompt + p.max_tokens} tokens ({n_prompt} in the prompt, {p.max_tokens} for the "
@@ -273,7 +289,10 @@ class Engine:
                     entry = {"token": self._piece(ev.token), "logprob": ev.logprob, "token_id": ev.token}
                     if ev.top:
                         entry["top"] = [(self._piece(j), v) for j, v in ev.top]
-                sink(Chunk(s.index, ev.text, [ev.token], [entry] if entry else None, ev.finish_reason))
+                detail = s.finish_detail if ev.finish_reason else None
+                sink(
+                    Chunk(s.index, ev.text, [ev.token], [entry] if entry else None, ev.finish_reason, detail)
+                )
                 return
             if isinstance(ev, (Finished, Failed)):
                 self._ended(gid)

@@ -23,6 +23,7 @@ async def respond(request, run: Run, model_name: str, req, n_prompt: int, want_l
     texts: dict[int, str] = {}
     lps: dict[int, list] = {}
     finish: dict[int, str] = {}
+    detail: dict[int, str] = {}
     completion = 0
     async for batch in run.batches(request):
         for i, ev in batch:
@@ -32,6 +33,8 @@ async def respond(request, run: Run, model_name: str, req, n_prompt: int, want_l
                 lps.setdefault(idx, []).extend(ev.logprobs or [])
                 if ev.finish_reason:
                     finish[idx] = ev.finish_reason
+                if ev.finish_detail:
+                    detail[idx] = ev.finish_detail
             elif isinstance(ev, Finished):
                 completion += ev.completion_tokens
             elif isinstance(ev, Failed):
@@ -40,11 +43,21 @@ async def respond(request, run: Run, model_name: str, req, n_prompt: int, want_l
     if run.open:  # the client went away; nobody reads this
         return Response(status_code=499)
     choices = [
-        _choice(idx, texts[idx], lps[idx] if want_lp else None, finish.get(idx), chat)
+        _detailed(
+            _choice(idx, texts[idx], lps[idx] if want_lp else None, finish.get(idx), chat), detail.get(idx)
+        )
         for idx in sorted(texts)
     ]
     build = P.chat_response if chat else P.completion_response
     return build(rid, model_name, choices, P.usage(n_prompt, completion))
+
+
+def _detailed(choice: dict, detail: str | None) -> dict:
+    """A choice with `finish_detail` (why it finished, where the reason alone does not say: "length" at a full
+    context window) when there is one; an extra field that OpenAI clients ignore."""
+    if detail:
+        choice["finish_detail"] = detail
+    return choice
 
 
 def _choice(idx: int, text: str, lps: list | None, finish: str | None, chat: bool) -> dict:
@@ -111,17 +124,19 @@ def _delta(ev: Chunk, idx: int, chat: bool, offsets: dict[int, int]) -> dict | N
     if not ev.text and not ev.finish_reason and not ev.logprobs:
         return None
     if chat:
-        return {
+        c = {
             "index": idx,
             "delta": {"content": ev.text} if ev.text or not ev.finish_reason else {},
             "logprobs": P.chat_logprobs(ev.logprobs) if ev.logprobs else None,
             "finish_reason": ev.finish_reason,
         }
+        return _detailed(c, ev.finish_detail)
     off = offsets.get(idx, 0)
     offsets[idx] = off + len(ev.text)
-    return {
+    c = {
         "index": idx,
         "text": ev.text,
         "logprobs": P.completion_logprobs(ev.logprobs, off) if ev.logprobs else None,
         "finish_reason": ev.finish_reason,
     }
+    return _detailed(c, ev.finish_detail)

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
+from bitnetlm.models.cache import shift_rows
 from bitnetlm.runtime.base import Pending, Sampled, SampleSpec, host_sample
 from bitnetlm.runtime.config import KV_CACHE_DTYPES, RuntimeConfig
 from bitnetlm.runtime.cuda.engine import PREFILL_ALIGN, PREFILL_SHORT, CudaEngine, EngineConfig
@@ -112,6 +113,8 @@ class CudaRunner:
         )
         self._fused: dict = {}  # steady graphs: (size, keys, sampler kind) -> GraphSampler with step_graph
         self._kind: tuple | None = None  # (sampler version, b, its kind) for the steady graphs' key
+        # row -> [owner, key, draws left] of its loaded uniforms (_occupants)
+        self._draws: dict[int, list] = {}
 
     def warm(self) -> None:
         """Capture every batch size and short key range now, while no row is in use (a capture's eager warm-up
@@ -153,6 +156,14 @@ class CudaRunner:
 
     def truncate(self, row: int, n: int) -> None:
         self.lengths[row] = min(self.lengths[row], n)  # (the row attends to positions 0..pos only)
+
+    @torch.no_grad()
+    def shift(self, row: int, keep: int, drop: int) -> None:
+        # (queued on the stream after the steps that wrote the row; the next decode uploads the lower positions)
+        self._unsteady()
+        n, e = self.lengths[row], self.eng
+        shift_rows(e.k_cache, e.v_cache, row, n, keep, drop, e.cos[drop], e.sin[drop])
+        self.lengths[row] = n - drop
 
     def prefill_many(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         return torch.stack([self.prefill(r, p) for r, p in zip(rows, prompts, strict=True)])
@@ -237,8 +248,7 @@ class CudaRunner:
         """The captured sampler over the last decode's logits; its outputs reach pinned host memory by the graph
         itself (slot n % 2 of its HostRing), read by `collect`."""
         cs = self._make_sampler()
-        rows = {s.row: (s.owner, s.params, s.random, s.budget) for s in specs}
-        gs, n = cs.sample(self.logits, rows)
+        gs, n = cs.sample(self.logits, self._occupants(specs))
         r, k = gs.host, n % 2
         host = [r.tok[k], r.lp[k], *((r.top_i[k], r.top_v[k]) if gs.top_n else ())]
         return self._pending(specs, [s.row for s in specs], host, gs.top_n, ring=(r, n))
@@ -276,6 +286,19 @@ class CudaRunner:
         pending.result = Sampled(*lists[:2], *(lists[2:] if d["top_n"] else (None, None)))
         return pending.result
 
+    def _occupants(self, specs: Sequence[SampleSpec]) -> dict[int, tuple]:
+        """The captured sampler's rows for one sampling of `specs`: (occupant key, params, stream, draws to load).
+        A row holds at most max_seq_len uniforms; an occupant that samples more (a context-shifting sequence)
+        gets a new key when they run out, which loads the next ones of its stream."""
+        out = {}
+        for s in specs:
+            d = self._draws.get(s.row)
+            if d is None or d[0] is not s.owner or d[2] == 0:
+                d = self._draws[s.row] = [s.owner, object(), min(s.budget, self.max_seq_len)]
+            out[s.row] = (d[1], s.params, s.random, d[2])
+            d[2] -= 1
+        return out
+
     def _make_sampler(self):
         from bitnetlm.runtime.cuda.graph_sampler import ContinuousSampler
 
@@ -299,13 +322,12 @@ class CudaRunner:
 
         b, positions = len(rows), list(positions)
         cs = self._make_sampler()
-        changed = cs.load({s.row: (s.owner, s.params, s.random, s.budget) for s in specs})
+        changed = cs.load(self._occupants(specs))
         if changed or self._kind is None or self._kind[:2] != (cs.version, b):
             self._kind = (cs.version, b, *cs.kind(b))  # (row_tensors: uploads, so only when rows change)
         t, bias, top_n = self._kind[2:]
-        keys = self._key_range(
-            b, max(p + s.budget + 1 for p, s in zip(positions, specs, strict=True)), self.eng.plan
-        )
+        top = max(p + s.budget + 1 for p, s in zip(positions, specs, strict=True))
+        keys = self._key_range(b, min(top, self.max_seq_len), self.eng.plan)  # (a shifting row stays inside)
         key = (b, keys, t.key(), bias, top_n)
         if self._steady is not None and self._steady[:2] != (key, positions):
             self._unsteady()
