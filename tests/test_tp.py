@@ -216,3 +216,44 @@ def test_cli_tp_without_torchrun_is_a_one_line_error():
         "bitnet generate: error: --tp 2 needs one process per rank: run it as "
         "`torchrun --nproc-per-node 2 -m bitnetlm.cli ...`"
     ]
+
+
+def _http(url: str, body: dict | None = None) -> dict:
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def test_serve_tp2_under_torchrun_answers_as_one_process():
+    import signal
+    import time
+
+    from bitnetlm.generate import generate
+
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
+           "-m", "bitnetlm.cli", "serve", "-m", "bitnet-tiny", "--tp", "2", "--port", str(port), "-t", "1"]  # fmt: skip
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+        while True:
+            assert p.poll() is None and time.monotonic() < deadline, "the server did not start"
+            try:
+                if _http(url + "/health")["status"] == "ok":
+                    break
+            except OSError:  # not listening yet, or 503 while loading
+                pass
+            time.sleep(0.5)
+        body = dict(model="bitnet-tiny", prompt="Elizabeth was", max_tokens=12, temperature=0)
+        one = _http(url + "/v1/completions", body)["choices"][0]["text"]
+        two = [c["text"] for c in _http(url + "/v1/completions", {**body, "n": 2})["choices"]]
+    finally:
+        p.send_signal(signal.SIGINT)  # torchrun passes it on; rank 0 drains, then releases rank 1
+        _, err = p.communicate(timeout=120)
+    model, tok = _load("bitnet-tiny")
+    want = str(generate(model, tok, "Elizabeth was", max_tokens=12, temperature=0))
+    assert one == want and two == [want, want], err[-4000:]

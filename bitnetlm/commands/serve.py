@@ -58,6 +58,14 @@ SERVER_FLAGS = [
         "[DONE])",
     ),
     (("--log-level",), "log_level", str, "info", "uvicorn log level: debug, info, warning, error"),
+    (
+        ("--tp",),
+        "tp",
+        int,
+        1,
+        "tensor parallelism over N processes started by `torchrun --nproc-per-node N -m bitnetlm.cli serve ...` "
+        "(rank 0 serves HTTP; gloo on the CPU, NCCL on GPUs)",
+    ),
     *SPECULATIVE_FLAGS,
 ]
 # every flag of the command: (flags, dest) pairs, for the environment variables' names
@@ -99,15 +107,33 @@ def resolve(args: argparse.Namespace) -> dict:
 def run(args) -> int:
     """Every option is checked before the port is bound (ValueError: exit status 2); a model that cannot be
     loaded stops the server with one line and exit status 1."""
+    from bitnetlm.parallel import tensor_parallel
     from bitnetlm.runtime.config import RuntimeConfig
     from bitnetlm.serve.server import ModelLoadError, serve
 
     o = resolve(args)
     cors = [s.strip() for s in (o.pop("cors_origins") or "").split(",") if s.strip()]
     runtime = RuntimeConfig(**{f: o.pop(f) for f in list(o) if f in RuntimeConfig.__dataclass_fields__})
-    try:
-        serve(o.pop("model"), runtime=runtime, cors_origins=cors, **o)
-    except ModelLoadError as e:
-        print(f"bitnet serve: error: {e}", file=sys.stderr, flush=True)
-        return 1
+    with tensor_parallel(o.pop("tp"), runtime.torch_device) as tp:
+        if tp is not None:
+            runtime = runtime.replace(device=str(tp.device))
+            if not tp.lead:
+                return _follow(o["model"], runtime, tp)
+        try:
+            serve(o.pop("model"), runtime=runtime, cors_origins=cors, tp=tp, **o)
+        except ModelLoadError as e:
+            print(f"bitnet serve: error: {e}", file=sys.stderr, flush=True)
+            return 1
+    return 0
+
+
+def _follow(model_name, runtime, tp) -> int:
+    """A rank other than 0: its shard of the model, making rank 0's runner calls until the server ends."""
+    from bitnetlm import progress
+    from bitnetlm.commands.generate import load_for_generation_sharded
+    from bitnetlm.runtime.tp import follow
+
+    with progress.disabled():
+        model, _ = load_for_generation_sharded(model_name, runtime, tp)
+    follow(model, runtime)
     return 0

@@ -1,7 +1,8 @@
 """The process group a tensor-parallel model runs over, and starting it from torchrun's environment.
 
 gloo on the CPU, NCCL on CUDA (the backend follows the device). Rank 0 leads: it alone runs the engine, and
-sends the other ranks each runner call as JSON (`send` / `recv`: a length, then the bytes; no pickle).
+sends the other ranks each runner call as JSON (`send` / `recv`: a length, then the bytes; no pickle) over a
+gloo group of its own, also beside NCCL.
 """
 
 from __future__ import annotations
@@ -9,42 +10,52 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+# how long the other ranks wait for rank 0's next call: a server may sit idle for days
+CONTROL_TIMEOUT = timedelta(days=365)
+_SENDING = threading.Lock()
+
 
 @dataclass
 class TPGroup:
-    """rank / size within `group` (None: the default group); `device`: this rank's device, where the
-    collectives' tensors live."""
+    """rank / size within `group` (None: the default group); `device`: this rank's device, where the model's
+    collectives' tensors live; `control`: a gloo group of the same ranks for rank 0's calls (host tensors, and a
+    wait without a timeout that matters)."""
 
     rank: int
     size: int
     device: torch.device
     group: dist.ProcessGroup | None = None
+    control: dist.ProcessGroup | None = None
 
     @property
     def lead(self) -> bool:
         return self.rank == 0
 
     def send(self, message) -> None:
-        """Rank 0: `message` (JSON-serializable) to every other rank."""
+        """Rank 0: `message` (JSON-serializable) to every other rank (from any thread: one message at a time)."""
         data = json.dumps(message, separators=(",", ":")).encode()
-        n = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
-        dist.broadcast(n, group=self.group, group_src=0)
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
-        dist.broadcast(buf, group=self.group, group_src=0)
+        n = torch.tensor([len(data)], dtype=torch.int64)
+        with _SENDING:
+            dist.broadcast(n, group=self.control, group_src=0)
+            dist.broadcast(
+                torch.frombuffer(bytearray(data), dtype=torch.uint8), group=self.control, group_src=0
+            )
 
     def recv(self):
         """Ranks other than 0: the next message rank 0 sends."""
-        n = torch.zeros(1, dtype=torch.int64, device=self.device)
-        dist.broadcast(n, group=self.group, group_src=0)
-        buf = torch.empty(int(n), dtype=torch.uint8, device=self.device)
-        dist.broadcast(buf, group=self.group, group_src=0)
-        return json.loads(buf.cpu().numpy().tobytes())
+        n = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(n, group=self.control, group_src=0)
+        buf = torch.empty(int(n), dtype=torch.uint8)
+        dist.broadcast(buf, group=self.control, group_src=0)
+        return json.loads(buf.numpy().tobytes())
 
 
 def torchrun_command(size: int) -> str:
@@ -71,7 +82,8 @@ def init_tensor_parallel(size: int, device: str | torch.device = "cpu") -> TPGro
     if not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
         dist.init_process_group(backend, device_id=dev if dev.type == "cuda" else None)
-    return TPGroup(dist.get_rank(), dist.get_world_size(), dev)
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return TPGroup(dist.get_rank(), dist.get_world_size(), dev, control=control)
 
 
 @contextlib.contextmanager
