@@ -9,6 +9,7 @@ import sys
 
 from bitnetlm import progress
 from bitnetlm.generate.args import add_context_arguments, add_speculative_arguments, speculative_from_args
+from bitnetlm.parallel.group import add_tp_argument
 from bitnetlm.runtime.args import OFFLINE, add_runtime_arguments, runtime_from_args
 
 # llama.cpp's defaults for the sampling flags
@@ -96,6 +97,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="format the prompt as one user message with the chat template (implied by --system)",
     )
+    add_tp_argument(p)
 
 
 def sampling_params(args):
@@ -186,12 +188,34 @@ def _read_prompt(args) -> str:
 
 
 def run(args) -> int:
-    from bitnetlm.loading import default_model_name, load_for_generation, load_speculative
+    from bitnetlm.parallel import tensor_parallel
+    from bitnetlm.runtime.tp import lead
 
     prompt = _read_prompt(args)
     runtime = runtime_from_args(args, OFFLINE)
     spec = speculative_from_args(args)
-    model, tok = load_for_generation(args.model, runtime)
+    with tensor_parallel(args.tp, runtime.torch_device) as tp:
+        if tp is not None:
+            runtime = runtime.replace(device=str(tp.device))
+        with progress.disabled(tp is not None and not tp.lead):  # only rank 0 speaks
+            model, tok = load_for_generation_sharded(args.model, runtime, tp)
+        return lead(model, runtime, lambda: _generate(args, prompt, model, tok, runtime, spec)) or 0
+
+
+def load_for_generation_sharded(name, runtime, tp):
+    """`loading.load_for_generation`, then this rank's shard of the model when `tp` is a group."""
+    from bitnetlm.loading import load_for_generation
+    from bitnetlm.parallel import shard_
+
+    model, tok = load_for_generation(name, runtime)
+    if tp is not None:
+        shard_(model, tp)
+    return model, tok
+
+
+def _generate(args, prompt, model, tok, runtime, spec) -> int:
+    from bitnetlm.loading import default_model_name, load_speculative
+
     res = generate_text(
         model,
         tok,

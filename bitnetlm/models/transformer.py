@@ -225,10 +225,12 @@ class CausalLM(nn.Module):
         """A cache for this model (dtype None: the activations' dtype)."""
         cfg = self.config
         p = self.embed_tokens.weight
+        # the heads its attention holds (a tensor-parallel shard holds only some of the model's)
+        n_kv = self.layers[0].self_attn.n_kv if len(self.layers) else cfg.num_key_value_heads
         return KVCache(
             cfg.num_hidden_layers,
             batch_size,
-            cfg.num_key_value_heads,
+            n_kv,
             max_seq_len or cfg.max_position_embeddings,
             cfg.head_dim,
             device=device or p.device,

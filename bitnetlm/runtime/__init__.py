@@ -48,6 +48,12 @@ def _device(model) -> torch.device:
 def make_runner(model, config: RuntimeConfig, rows: int, max_seq_len: int):
     """A new runner for `model` on its device with `rows` KV rows of `max_seq_len` positions."""
     dev = _device(model)
+    from bitnetlm.parallel import group_of
+
+    if group_of(model) is not None:  # a tensor-parallel shard: the eager forward, mirrored to the other ranks
+        from bitnetlm.runtime.tp import TPRunner
+
+        return TPRunner(model, config, rows, max_seq_len)
     if dev.type == "cuda" and not config.enforce_eager:
         try:
             from bitnetlm.runtime.cuda.engine import gpu_plan
@@ -90,7 +96,7 @@ def runner_for(model, config: RuntimeConfig | None, rows: int, max_seq_len: int)
     graphs and repacks the weights) and rebuilt when a weight changes, the options change, or a call needs more
     rows or positions; elsewhere a new one is cheap."""
     config = config_for(model, config)
-    if _device(model).type != "cuda" or config.enforce_eager:
+    if _device(model).type != "cuda" or config.enforce_eager or _sharded(model):
         return make_runner(model, config, rows, max_seq_len)
     runner, fp0, mods = _runners.get(model, (None, None, None))
     fp = (_fingerprint(mods), config) if mods is not None else None
@@ -105,6 +111,12 @@ def runner_for(model, config: RuntimeConfig | None, rows: int, max_seq_len: int)
     new = make_runner(model, config, rows, max_seq_len)
     _runners[model] = (new, (_fingerprint(mods), config), mods)  # after the build: it re-points the weights
     return new
+
+
+def _sharded(model) -> bool:
+    from bitnetlm.parallel import group_of
+
+    return group_of(model) is not None
 
 
 def kept_runner(model):
