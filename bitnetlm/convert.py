@@ -148,11 +148,14 @@ def gguf_plan(cfg, qtype: str | None = None) -> tuple[str, list[str]]:
 
 def _gguf_type(cfg, qtype: str | None) -> str:
     """gguf_plan's type for `cfg`, with one note on stderr when some projections fall back to F16."""
+    from bitnetlm.formats.names import model_modules
+
     qtype, fallback = gguf_plan(cfg, qtype)
+    n_proj = sum(kind == "proj" for _, kind in model_modules(cfg))
     if fallback:
         hint = " (--type i2_s fits them all)" if qtype != "i2_s" and not gguf_plan(cfg, "i2_s")[1] else ""
         print(
-            f"note: {len(fallback)} of {7 * cfg.num_hidden_layers} projections have rows that {qtype.upper()} "
+            f"note: {len(fallback)} of {n_proj} projections have rows that {qtype.upper()} "
             f"cannot hold (it needs multiples of {128 if qtype == 'i2_s' else 256} values): they are stored as "
             f"F16 with exact ternary values, as llama.cpp falls back per tensor{hint}",
             file=sys.stderr,
