@@ -159,3 +159,30 @@ def test_family_gguf_refuses_another_architecture_name(tmp_path):
     model, tok = bitnetlm.load(src, backend="reference")
     with pytest.raises(ValueError, match="does not describe a qwen3 model"):
         save_gguf(model, tmp_path / "x.gguf", qtype=None, tokenizer=tok, arch_name="llama")
+
+
+def test_qwen_pre_tokenizer_is_llamacpp_qwen2_and_reads_back(tmp_path):
+    """Qwen's byte-level BPE splits digits one at a time (LLaMA-3's split takes up to three): llama.cpp names it
+    `qwen2`; writing it used to fail ("no llama.cpp name"), and our reader rebuilds it to the same ids."""
+    import json
+
+    from tokenizers import Regex, pre_tokenizers
+
+    from bitnetlm.formats.gguf_pretok import LLAMA_CPP_PRE_TOKENIZERS, QWEN2_SPLIT
+    from bitnetlm.formats.gguf_tokenizer import tokenizer_from_gguf_metadata, tokenizer_metadata
+
+    tok = byte_level_bpe()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    meta, _ = tokenizer_metadata(tmp_path)
+    assert meta["tokenizer.ggml.pre"] == "qwen2" and "qwen2" in LLAMA_CPP_PRE_TOKENIZERS
+    back, _ = tokenizer_from_gguf_metadata(meta)
+    for text in ["In 2024, 12345 people didn't   go.\n\nWe'LL see 3.14159!", "x1y22z333 \t end"]:
+        assert back.encode(text).ids == tok.encode(text).ids, text
+    assert len(tok.encode("12345").ids) == 5

@@ -14,13 +14,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bitnetlm.formats.gguf_pretok import LLAMA3_SPLIT, pre_tokenizer_name
+from bitnetlm.formats.gguf_pretok import LLAMA3_SPLIT, QWEN2_SPLIT, pre_tokenizer_name
 
 # llama.cpp token types
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 LLAMA3_PRES = ("llama3", "llama-v3", "llama-bpe", "dbrx", "smaug-bpe", "falcon3", "pixtral")
-SPLIT_PRES = {p: LLAMA3_SPLIT for p in LLAMA3_PRES}
+SPLIT_PRES = {p: LLAMA3_SPLIT for p in LLAMA3_PRES} | {"qwen2": QWEN2_SPLIT}
 
 
 def _bytes_to_unicode() -> dict[int, str]:
