@@ -108,6 +108,35 @@ def test_gemma3_window_is_honoured(dirs):
     assert (unwindowed[:, 8:] - want[:, 8:]).abs().max() > 1e-2
 
 
+def test_qwen3_sliding_window_matches_transformers(tmp_path):
+    """Qwen3 with use_sliding_window (layers from max_window_layers on are local; refused before): logits and
+    cached decoding equal transformers' past the window; saved, its window survives; GGUF (llama.cpp's qwen3 has
+    no window) refuses it in one line."""
+    from bitnetlm.formats.gguf import save_gguf
+
+    kw = dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)
+    src = make_checkpoint(tmp_path / "src", "qwen3", "fp", seed=11, **kw)
+    ref = oracle_model(src)
+    model, _ = bitnetlm.load(src, backend="reference")
+    assert model.config.layer_types == ["full_attention", "sliding_attention"]
+    ids = _ids(20, seed=6, rows=1)
+    with torch.no_grad():
+        want = ref(ids).logits
+        cache = model.new_cache(1, 32)
+        steps = [model(ids[:, :8], cache=cache)]
+        for p in range(8, 20):
+            steps.append(model(ids[:, p : p + 1], positions=torch.tensor([[p]]), cache=cache))
+    torch.testing.assert_close(torch.cat(steps, 1), want, atol=1e-4, rtol=0)
+    again, _ = bitnetlm.load(bitnetlm.save(model, tmp_path / "saved"), backend="reference")
+    assert again.config == model.config
+    with torch.no_grad():
+        assert (again(ids) - want).abs().max().item() <= 1e-4
+        model.config = model.config.replace(sliding_window=64)
+        assert (model(ids)[:, 6:] - want[:, 6:]).abs().max() > 1e-2  # the window is what matches
+    with pytest.raises(ValueError, match="no sliding-window attention"):
+        save_gguf(again, tmp_path / "q.gguf", qtype=None)
+
+
 @pytest.mark.parametrize("family,variant", CASES)
 def test_save_roundtrip_and_transformers_reads_it(dirs, tmp_path, family, variant):
     model, _ = bitnetlm.load(dirs[family, variant], backend="reference")

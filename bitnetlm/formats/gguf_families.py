@@ -131,7 +131,7 @@ def config_fields(meta: dict, arch: str, path) -> dict:
 
 def metadata(cfg, arch: str) -> tuple[dict, dict]:
     """(metadata, value types) of this family beyond the common keys; refuses what llama.cpp's graph cannot
-    express here (another activation, soft-capped attention)."""
+    express here (another activation, soft-capped attention, a Qwen3 window)."""
     if cfg.hidden_act != ACTS[arch]:
         raise ValueError(
             f"GGUF {gguf_arch(arch)} implies hidden_act {ACTS[arch]!r}, the model has {cfg.hidden_act!r}"
@@ -148,6 +148,8 @@ def metadata(cfg, arch: str) -> tuple[dict, dict]:
     }
     types = {k(att.KEY_LENGTH): (4, None), k(att.VALUE_LENGTH): (4, None)}
     if arch != "gemma3":
+        if cfg.layer_types and "sliding_attention" in cfg.layer_types:
+            raise ValueError(f"GGUF {name} has no sliding-window attention; the model's layer_types use it")
         return meta, types
     if cfg.attn_logit_softcapping is not None:
         raise ValueError("GGUF gemma3 has no attention soft-capping; the model sets attn_logit_softcapping")

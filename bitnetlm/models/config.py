@@ -254,8 +254,6 @@ class ModelConfig:
         )
         if arch == "gemma3":
             default_act = _get(cfg, "hidden_activation", default_act)
-        if arch == "qwen3" and cfg.get("use_sliding_window"):
-            raise ValueError("field 'use_sliding_window' must be false for Qwen3 (not supported)")
         if cfg.get("attention_bias") and arch != "gpt2":
             raise ValueError(f"field 'attention_bias' must be false for {arch} (not supported)")
         return cls(
@@ -279,7 +277,7 @@ class ModelConfig:
             quant=quant,
             linear_class=qc.get("linear_class", "bitlinear"),
             quantization_mode=qc.get("quantization_mode", "offline"),
-            **(_gemma3_fields(cfg) if arch == "gemma3" else {}),
+            **(_gemma3_fields(cfg) if arch == "gemma3" else _qwen3_fields(cfg) if arch == "qwen3" else {}),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -318,6 +316,10 @@ class ModelConfig:
             d.update(_gemma3_hf(self))
         elif self.arch == "gpt2":
             d = _gpt2_hf(self, d)
+        elif self.arch == "qwen3" and self.sliding_window is not None:
+            d.update(
+                use_sliding_window=True, sliding_window=self.sliding_window, layer_types=self.layer_types
+            )
         if self.quant == "ternary":
             d["quantization_config"] = {
                 "quant_method": "bitnet",
@@ -377,6 +379,20 @@ def _gemma3_fields(cfg: dict) -> dict:
         attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
     )
+
+
+def _qwen3_fields(cfg: dict) -> dict:
+    """Qwen3's optional window, as transformers reads it: with use_sliding_window, the layers from
+    max_window_layers on (or those layer_types names) attend to the last sliding_window positions."""
+    if not cfg.get("use_sliding_window"):
+        return {}
+    n = cfg["num_hidden_layers"]
+    first = _get(cfg, "max_window_layers", 28)
+    _require(isinstance(first, int) and first >= 0, "max_window_layers", "a non-negative integer", first)
+    layers = cfg.get("layer_types") or [
+        "sliding_attention" if i >= first else "full_attention" for i in range(n)
+    ]
+    return dict(sliding_window=cfg.get("sliding_window"), layer_types=layers)
 
 
 def _gemma3_hf(c: ModelConfig) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from bitnetlm.models.config import ModelConfig
-from bitnetlm.models.transformer import Attention, Block, CausalLM, RMSNorm, attention_mask
+from bitnetlm.models.transformer import Attention, Block, CausalLM, RMSNorm, attention_mask, window_mask
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -79,27 +79,9 @@ class Gemma3ForCausalLM(CausalLM):
         h = self.embed(input_ids)
         ropes = [self.rope(positions, h.dtype, inv) for inv in self.inv_freq]  # global, local
         cache_pos, mask = attention_mask(cache, positions, cache_pos, input_mask)
-        local = self._window(mask, positions, cache, cache_pos)
+        local = window_mask(mask, positions, cache, cache_pos, self.config.sliding_window)
         for i, layer in enumerate(self.layers):
             sliding = self.config.is_sliding(i)
             cos, sin = ropes[sliding]
             h = layer(h, cos, sin, i, cache, cache_pos, local if sliding else mask)
         return h
-
-    def _window(self, mask, positions, cache, cache_pos):
-        """The local layers' mask: `mask` (None: causal) and key position > query position - sliding_window.
-        A cache row holds position p at slot p, so a cached key's position is its slot."""
-        if self.config.sliding_window is None:
-            return mask
-        if cache is None:
-            keys, queries = positions, positions
-            if mask is None:
-                t = positions.shape[1]
-                mask = torch.ones(t, t, dtype=torch.bool, device=positions.device).tril()[None, None]
-        else:
-            keys = torch.arange(cache.max_seq_len, device=cache_pos.device)[None].expand(
-                cache_pos.shape[0], -1
-            )
-            queries = cache_pos
-        near = keys[:, None, None, :] > queries[:, None, :, None] - self.config.sliding_window
-        return mask & near

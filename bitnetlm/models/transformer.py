@@ -296,8 +296,9 @@ class CausalLM(nn.Module):
         h = self.embed(input_ids)
         cos, sin = self.rope(positions, h.dtype)
         cache_pos, mask = attention_mask(cache, positions, cache_pos, input_mask)
+        local = window_mask(mask, positions, cache, cache_pos, self.config.sliding_window)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, i, cache, cache_pos, mask)
+            h = layer(h, cos, sin, i, cache, cache_pos, local if self.config.is_sliding(i) else mask)
         return h
 
 
@@ -314,3 +315,19 @@ def attention_mask(cache, positions, cache_pos, input_mask):
     mask = causal[None] & input_mask[:, None, :]  # [B, T, T]
     eye = torch.eye(t, dtype=torch.bool, device=input_mask.device)
     return cache_pos, (mask | eye)[:, None]  # [B, 1, T, T]
+
+
+def window_mask(mask, positions, cache, cache_pos, window: int | None):
+    """The sliding-window layers' mask: `mask` (None: causal) and key position > query position - window (None:
+    no window). A cache row holds position p at slot p, so a cached key's position is its slot."""
+    if window is None:
+        return mask
+    if cache is None:
+        keys, queries = positions, positions
+        if mask is None:
+            t = positions.shape[1]
+            mask = torch.ones(t, t, dtype=torch.bool, device=positions.device).tril()[None, None]
+    else:
+        keys = torch.arange(cache.max_seq_len, device=cache_pos.device)[None].expand(cache_pos.shape[0], -1)
+        queries = cache_pos
+    return mask & (keys[:, None, None, :] > queries[:, None, :, None] - window)
