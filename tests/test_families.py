@@ -190,3 +190,32 @@ def test_runners_decline_and_batches_are_invariant(dirs, family):
     batch = bitnetlm.batch_generate(model, tok, prompts, **kw)
     for p, r in zip(prompts, batch, strict=True):
         assert r.tokens == bitnetlm.generate(model, tok, p, **kw).tokens
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt2"])
+def test_serve_runs_the_family_on_cpu(dirs, family):
+    """The server's engine drives the same CPU runner: concurrent greedy completions equal offline generation."""
+    import concurrent.futures
+
+    import httpx
+
+    from bitnetlm.serve import start
+
+    model, tok = bitnetlm.load(dirs[family, "offline"])
+    prompts = [_ids(n, seed=n, rows=1)[0].tolist() for n in (4, 9, 13)]
+    kw = dict(max_tokens=10, temperature=0, ignore_eos=True)
+    want = [bitnetlm.generate(model, tok, p, **kw).tokens for p in prompts]
+    h = start(model, tok, port=0, max_batch=4, log_level="warning")
+    try:
+
+        def ask(p):
+            body = {"model": "bitnet", "prompt": p, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+            r = httpx.post(h.url + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            texts = list(pool.map(ask, prompts))
+    finally:
+        h.stop()
+    assert texts == [tok.decode(w) for w in want]
