@@ -59,3 +59,20 @@ def test_greedy_answer_is_sensible_and_matches_transformers(models):
     got = bitnetlm.generate(model, tok, ids, max_tokens=8, temperature=0, ignore_eos=True)
     assert got.tokens == want
     assert "Paris" in tok.decode(got.tokens)
+
+
+def test_tokenizer_writes_back_to_the_same_gguf_vocabulary(models):
+    """Our GGUF writer on Gemma's tokenizer: llama.cpp's SentencePiece kind, the file's own pieces and types, and a
+    tokenizer that reads back to the same ids (its whitespace-run pieces leave the merges to the scores)."""
+    from bitnetlm.formats.gguf_file import read_gguf
+    from bitnetlm.formats.gguf_tokenizer import tokenizer_from_gguf_metadata, tokenizer_metadata
+
+    _, _, _, tok = models
+    meta, _ = tokenizer_metadata(tok)
+    with read_gguf(asset("gemma3-270m") / NAME) as f:
+        original = f.metadata
+    for key in ("model", "tokens", "token_type", "add_space_prefix", "bos_token_id", "eos_token_id"):
+        assert meta[f"tokenizer.ggml.{key}"] == original[f"tokenizer.ggml.{key}"], key
+    back, _ = tokenizer_from_gguf_metadata(meta)
+    for text in ["The Eiffel Tower", "  two  spaces\tand\nnewlines", "Ünïcödé 日本語 🙂 1234567"]:
+        assert back.encode(text).ids == tok.encode(text), text

@@ -186,3 +186,60 @@ def test_qwen_pre_tokenizer_is_llamacpp_qwen2_and_reads_back(tmp_path):
     for text in ["In 2024, 12345 people didn't   go.\n\nWe'LL see 3.14159!", "x1y22z333 \t end"]:
         assert back.encode(text).ids == tok.encode(text).ids, text
     assert len(tok.encode("12345").ids) == 5
+
+
+def test_sentencepiece_pieces_with_spaces_write_and_read_back(tmp_path):
+    """Gemma's vocabulary holds pieces of literal whitespace ("  "), whose merges "a b" cannot spell: the merges
+    are left out and derived from the scores on reading (reading the file used to fail: token '' unknown)."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    from bitnetlm.formats.gguf_tokenizer import tokenizer_from_gguf_metadata, tokenizer_metadata
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3}
+    vocab.update({f"<0x{b:02X}>": 4 + b for b in range(256)})
+    pieces = [
+        "\u2581",
+        "h",
+        "e",
+        "l",
+        "o",
+        " ",
+        "\t",
+        "\u2581\u2581",
+        "he",
+        "ll",
+        "hell",
+        "hello",
+        "  ",
+        "    ",
+    ]
+    for p in pieces:
+        vocab[p] = len(vocab)
+    merges = [
+        ("\u2581", "\u2581"),
+        ("h", "e"),
+        ("l", "l"),
+        ("he", "ll"),
+        ("hell", "o"),
+        (" ", " "),
+        ("  ", "  "),
+    ]
+    tk = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True)
+    )
+    tk.normalizer = normalizers.Replace(" ", "\u2581")
+    tk.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tk.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in ("<pad>", "<eos>", "<bos>")]
+    )
+    tk.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>"}))
+    meta, _ = tokenizer_metadata(tmp_path)
+    back, _ = tokenizer_from_gguf_metadata(meta)
+    assert meta["tokenizer.ggml.model"] == "llama" and "tokenizer.ggml.merges" not in meta
+    for text in ["hello  hello", "  hell\to   o", "h\u00e9llo"]:
+        assert back.encode(text).ids == tk.encode(text).ids, text

@@ -244,7 +244,12 @@ def tokenizer_metadata(tok, cfg=None) -> tuple[dict[str, Any], dict[str, tuple[i
         types[i] = NORMAL if a is None else CONTROL if a.get("special") else USER_DEFINED
     byte_fallback = bool(model.get("byte_fallback"))
     kind = "llama" if byte_fallback else "gpt2"
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    pairs = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model.get("merges") or []]
+    merges = [" ".join(p) for p in pairs]
+    if kind == "llama" and any(" " in a or " " in b for a, b in pairs):
+        # "a b" cannot hold a piece with a space (Gemma's whitespace runs): the reader derives the merges from
+        # the scores instead, as llama.cpp's SentencePiece converter leaves them out
+        merges = []
     meta: dict[str, Any] = {
         "tokenizer.ggml.model": kind,
         "tokenizer.ggml.tokens": tokens,
@@ -264,8 +269,8 @@ def tokenizer_metadata(tok, cfg=None) -> tuple[dict[str, Any], dict[str, tuple[i
         meta["tokenizer.ggml.pre"] = pre_tokenizer_name(tj, source)
     else:
         rank = {}
-        for r, m in enumerate(merges):
-            rank.setdefault(m.replace(" ", ""), r)
+        for r, (a, b) in enumerate(pairs):
+            rank.setdefault(a + b, r)
         meta["tokenizer.ggml.scores"] = [float(-rank.get(t, 0)) for t in tokens]
         vtypes["tokenizer.ggml.scores"] = (ARRAY, FLOAT32)
         for i, t in enumerate(tokens):
