@@ -202,33 +202,7 @@ class ModelConfig:
             _require(
                 cfg.get(key) is None or isinstance(cfg[key], kind), key, f"a {kind.__name__}", cfg.get(key)
             )
-        archs = cfg.get("architectures") or []
-        model_type = cfg.get("model_type")
-        qc = cfg.get("quantization_config") or {}
-        if model_type == "bitnet" or "BitNetForCausalLM" in archs:
-            arch = "bitnet"
-            quant = "ternary" if qc.get("quant_method") == "bitnet" else "none"
-        elif "BitnetForCausalLM" in archs or ("weight_bits" in cfg and model_type == "llama"):
-            arch, quant = "1bitllm", "ternary"
-            qc = {"linear_class": "autobitlinear", "quantization_mode": "online"}
-        elif model_type in ("llama", "smollm", "mistral") or any(
-            a in archs for a in ("LlamaForCausalLM", "MistralForCausalLM")
-        ):
-            arch, quant = "llama", "none"
-            if qc.get("quant_method") == "bitnet":
-                quant = "ternary"
-        elif model_type in _FAMILIES or any(a in archs for a in _FAMILIES.values()):
-            arch = next(k for k, v in _FAMILIES.items() if model_type == k or v in archs)
-            arch = {"gemma3_text": "gemma3"}.get(arch, arch)
-            quant = "ternary" if qc.get("quant_method") == "bitnet" else "none"
-            if arch == "gpt2":
-                cfg = _gpt2_as_common(cfg)
-        else:
-            raise ValueError(
-                f"unknown architecture (model_type={model_type!r}, architectures={archs}); supported: "
-                "BitNetForCausalLM, BitnetForCausalLM (1bitLLM), LlamaForCausalLM, Qwen3ForCausalLM, "
-                "Gemma3ForCausalLM, GPT2LMHeadModel"
-            )
+        arch, quant, qc, cfg = _arch_of(cfg)
         for key in (
             "vocab_size",
             "hidden_size",
@@ -379,6 +353,38 @@ def _gemma3_fields(cfg: dict) -> dict:
         attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
     )
+
+
+def _arch_of(cfg: dict[str, Any]) -> tuple[str, str, dict, dict[str, Any]]:
+    """(our arch, quant, quantization_config, cfg with GPT-2's names mapped to the common ones) of a config.json."""
+    archs = cfg.get("architectures") or []
+    model_type = cfg.get("model_type")
+    qc = cfg.get("quantization_config") or {}
+    if model_type == "bitnet" or "BitNetForCausalLM" in archs:
+        arch = "bitnet"
+        quant = "ternary" if qc.get("quant_method") == "bitnet" else "none"
+    elif "BitnetForCausalLM" in archs or ("weight_bits" in cfg and model_type == "llama"):
+        arch, quant = "1bitllm", "ternary"
+        qc = {"linear_class": "autobitlinear", "quantization_mode": "online"}
+    elif model_type in ("llama", "smollm", "mistral") or any(
+        a in archs for a in ("LlamaForCausalLM", "MistralForCausalLM")
+    ):
+        arch, quant = "llama", "none"
+        if qc.get("quant_method") == "bitnet":
+            quant = "ternary"
+    elif model_type in _FAMILIES or any(a in archs for a in _FAMILIES.values()):
+        arch = next(k for k, v in _FAMILIES.items() if model_type == k or v in archs)
+        arch = {"gemma3_text": "gemma3"}.get(arch, arch)
+        quant = "ternary" if qc.get("quant_method") == "bitnet" else "none"
+        if arch == "gpt2":
+            cfg = _gpt2_as_common(cfg)
+    else:
+        raise ValueError(
+            f"unknown architecture (model_type={model_type!r}, architectures={archs}); supported: "
+            "BitNetForCausalLM, BitnetForCausalLM (1bitLLM), LlamaForCausalLM, Qwen3ForCausalLM, "
+            "Gemma3ForCausalLM, GPT2LMHeadModel"
+        )
+    return arch, quant, qc, cfg
 
 
 def _qwen3_fields(cfg: dict) -> dict:
