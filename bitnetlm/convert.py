@@ -118,13 +118,13 @@ def gguf_plan(cfg, qtype: str | None = None) -> tuple[str, list[str]]:
     that (bitnet.cpp loads it), else whichever of the two leaves fewer out. A projection that does not fit is
     stored as F16 T*s (the ternary values exact, the scale rounded to fp16 as the TQ types round it), per
     tensor as llama.cpp's quantizer falls back; a type that fits none of them is refused."""
-    from bitnetlm.formats.names import layer_modules
+    from bitnetlm.formats.names import model_modules
     from bitnetlm.models import build_model
 
     with torch.device("meta"):
         model = build_model(cfg, "infer")
     shapes = {}
-    for name, kind in layer_modules(cfg.num_hidden_layers, cfg.has_sub_norms):
+    for name, kind in model_modules(cfg):
         if kind == "proj":
             m = model.get_submodule(name)
             shapes[name] = (m.out_features, m.in_features)
@@ -152,11 +152,14 @@ def gguf_plan(cfg, qtype: str | None = None) -> tuple[str, list[str]]:
 
 def _gguf_type(cfg, qtype: str | None) -> str:
     """gguf_plan's type for `cfg`, with one note on stderr when some projections fall back to F16."""
+    from bitnetlm.formats.names import model_modules
+
     qtype, fallback = gguf_plan(cfg, qtype)
+    n_proj = sum(kind == "proj" for _, kind in model_modules(cfg))
     if fallback:
         hint = " (--type i2_s fits them all)" if qtype != "i2_s" and not gguf_plan(cfg, "i2_s")[1] else ""
         print(
-            f"note: {len(fallback)} of {7 * cfg.num_hidden_layers} projections have rows that {qtype.upper()} "
+            f"note: {len(fallback)} of {n_proj} projections have rows that {qtype.upper()} "
             f"cannot hold (it needs multiples of {128 if qtype == 'i2_s' else 256} values): they are stored as "
             f"F16 with exact ternary values, as llama.cpp falls back per tensor{hint}",
             file=sys.stderr,
@@ -175,8 +178,10 @@ def float_fallback_(model, names: list[str]):
             t, s = ternarize(m.weight.detach().float())
         else:
             t, s = m.ternary_weight(), m.weight_scale
-        lin = torch.nn.Linear(m.in_features, m.out_features, bias=False)
+        lin = torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
         lin.weight = torch.nn.Parameter(t.float() * s.reshape(-1)[0].float(), requires_grad=False)
+        if m.bias is not None:
+            lin.bias = torch.nn.Parameter(m.bias.detach().float(), requires_grad=False)
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent), leaf, lin)
     return model
@@ -314,7 +319,7 @@ def convert(
 
 def ternarize_model(model):
     """An inference-mode ternary copy of a full-precision model (absmean per matrix; embeddings/norms kept)."""
-    from bitnetlm.formats.names import layer_modules
+    from bitnetlm.formats.names import model_modules
     from bitnetlm.models import build_model
     from bitnetlm.quant.bitlinear import BitLinear
 
@@ -322,14 +327,16 @@ def ternarize_model(model):
     with torch.device("meta"):
         q = build_model(cfg, "infer")
     sd = {}
-    modules = list(layer_modules(cfg.num_hidden_layers, cfg.has_sub_norms))
-    for name, kind in progress.bar(modules, desc="ternarizing", unit="tensor"):
-        src_w = model.get_submodule(name).weight.detach().float().cpu()
+    for name, kind in progress.bar(list(model_modules(cfg)), desc="ternarizing", unit="tensor"):
+        src = model.get_submodule(name)
+        src_w = src.weight.detach().float().cpu()
         if kind == "proj":
             m = BitLinear.from_ternary(*_absmean(src_w))
             sd[name + ".packed"], sd[name + ".weight_scale"] = m.packed, m.weight_scale
         else:
             sd[name + ".weight"] = src_w
+        if getattr(src, "bias", None) is not None:
+            sd[name + ".bias"] = src.bias.detach().float().cpu()
     if q.lm_head is not None:
         sd["lm_head.weight"] = model.lm_head.weight.detach().float().cpu()
     q.load_state_dict(sd, strict=True, assign=True)

@@ -187,6 +187,12 @@ def test_heads_that_do_not_split_are_a_one_line_error():
     cfg = ModelConfig(arch="bitnet", **tiny_config_kwargs("online"))  # 4 heads, 2 KV heads
     with pytest.raises(ValueError, match=r"--tp 4: the model's 4 attention heads and 2 key-value heads"):
         check_shardable(cfg, 4)
+    import dataclasses
+
+    with pytest.raises(
+        ValueError, match="--tp 2: tensor parallelism runs LLaMA/BitNet-shaped models, not gpt2"
+    ):
+        check_shardable(dataclasses.replace(cfg, arch="gpt2"), 2)
 
 
 def _cli(args, launcher=None, **kw):

@@ -55,6 +55,12 @@ class ContextShift:
         if isinstance(self.n_keep, bool) or not isinstance(self.n_keep, int) or self.n_keep < -1:
             raise ValueError(f"--keep {self.n_keep!r}: expected an integer >= 0, or -1 for the whole prompt")
 
+    def check(self, model_config) -> ContextShift:
+        why = model_config.shift_unsupported
+        if why is not None:
+            raise ValueError(f"--context-shift: not available for {model_config.arch} models ({why})")
+        return self
+
     def keep(self, prompt: list[int], bos: int | None, context: int) -> int:
         """Positions a row of `prompt` keeps (at most context - 2: every shift drops at least one)."""
         n = len(prompt) if self.n_keep < 0 else self.n_keep + int(bos is not None and prompt[:1] == [bos])

@@ -1,4 +1,5 @@
-"""GGUF models: read and write BitNet (`bitnet`, `bitnet-b1.58`, `bitnet-25`) and LLaMA-family GGUF files.
+"""GGUF models: read and write BitNet (`bitnet`, `bitnet-b1.58`, `bitnet-25`), LLaMA-family, Qwen3, Gemma 3 and
+GPT-2 GGUF files (the last three: `bitnetlm.formats.gguf_families`).
 
 Ternary projections are TQ1_0 / TQ2_0 / I2_S (multiply convention, W = T*s); everything else F32/F16/BF16
 (any type `gguf.quants` dequantizes on read: Q8_0 embeddings, Q4_0/Q4_1/Q4_K/Q6_K llama files, ...).
@@ -17,10 +18,11 @@ import numpy as np
 import torch
 
 from bitnetlm.formats import gguf_codecs as codecs
+from bitnetlm.formats import gguf_families as families
 from bitnetlm.formats.gguf_arch import config_from_gguf, gguf_arch_name
 from bitnetlm.formats.gguf_file import GGUFError, GGUFFile, TensorToWrite, read_gguf, write_gguf
 from bitnetlm.formats.gguf_tokenizer import load_gguf_tokenizer  # noqa: F401  (bitnetlm.load uses it from here)
-from bitnetlm.formats.names import layer_modules
+from bitnetlm.formats.names import model_modules
 from bitnetlm.models import CausalLM, build_empty_model
 from bitnetlm.models.transformer import rope_inv_freq
 from bitnetlm.quant.bitlinear import BitLinear
@@ -102,20 +104,23 @@ def load_gguf_model(
     cfg = config_from_gguf(f)
     model = build_empty_model(cfg, mode)
     permute = f.metadata.get("general.architecture") == "llama"
+    shift = families.NORM_SHIFT.get(cfg.arch, 0.0)
     sd: dict[str, torch.Tensor] = {}
     used = set()
-    for name, kind in _progress(
-        list(layer_modules(cfg.num_hidden_layers, cfg.has_sub_norms)), f"loading {f.path.name}"
-    ):
+    for name, kind in _progress(list(model_modules(cfg)), f"loading {f.path.name}"):
         module = model.get_submodule(name)
-        g = gguf_name(name) + ".weight"
-        used.add(g)
-        used.add(g.removesuffix(".weight") + ".scale")
+        base = gguf_name(name) if cfg.family == "llama" else families.tensor_name(name, cfg.arch)
+        g = base + ".weight"
+        used.update((g, base + ".scale", base + ".bias"))
         if kind == "proj":
             shape = (module.out_features, module.in_features)
             sd.update(_projection(f, g, name, module, shape, cfg, permute, dtype, strict_scales))
         else:
-            sd[name + ".weight"] = _float_tensor(f, g, tuple(module.weight.shape), dtype)
+            w = _float_tensor(f, g, tuple(module.weight.shape), torch.float32)
+            sd[name + ".weight"] = (w - shift if kind == "norm" else w).to(dtype)
+        if getattr(module, "bias", None) is not None:
+            b = _float_tensor(f, base + ".bias", tuple(module.bias.shape), dtype)
+            sd[name + ".bias"] = b.float() if isinstance(module, BitLinear) else b
     if model.lm_head is not None:
         used.add("output.weight")
         sd["lm_head.weight"] = _float_tensor(f, "output.weight", (cfg.vocab_size, cfg.hidden_size), dtype)
@@ -235,64 +240,16 @@ def save_gguf(
     """
     cfg = model.config
     ternary = cfg.quant == "ternary"
-    qkey = qtype.lower()
+    qkey = (qtype or "").lower()  # (a full-precision model has no ternary type)
     if ternary and qkey not in codecs.TERNARY_TYPES:
         raise ValueError(
             f"--type must be one of {sorted(codecs.TERNARY_TYPES)} for a ternary model, got {qtype!r}"
         )
     arch = gguf_arch_name(cfg, arch_name)
-    permute = arch == "llama"
-    tensors: list[TensorToWrite] = []
-
-    def add_float(gname: str, w: torch.Tensor, type_id: int | None = None):
-        tid = type_id if type_id is not None else codecs.TYPE_F32
-        arr = _float_bytes(w, tid)
-        tensors.append(TensorToWrite(gname + ".weight", arr, tid, tuple(w.shape)))
-
-    emb_tid = (
-        _smallest_lossless(model.embed_tokens.weight) if embed_type == "auto" else FLOAT_TYPES[embed_type]
-    )
-    add_float("token_embd", model.embed_tokens.weight, emb_tid)
-    for i, layer in _progress(list(enumerate(model.layers)), f"writing {Path(path).name}"):
-        for ours, g in LAYER_NAMES.items():
-            parent, _, leaf = ours.rpartition(".")
-            owner = layer.get_submodule(parent) if parent else layer
-            m = getattr(owner, leaf, None)
-            if m is None:
-                continue
-            gname = f"blk.{i}.{g}"
-            n_head = None
-            if permute and g == "attn_q":
-                n_head = cfg.num_attention_heads
-            elif permute and g == "attn_k":
-                n_head = cfg.num_key_value_heads
-            if isinstance(m, BitLinear):
-                t, s = _ternary_of(m)
-                if n_head:
-                    t = permute_qk(t, n_head)
-                tid = codecs.TERNARY_TYPES[qkey]
-                try:
-                    data = codecs.encode(t.numpy(), s, tid)
-                except codecs.CodecError as e:
-                    hint = (
-                        " (I2_S needs only a multiple of 128 values per matrix: --type i2_s)"
-                        if tid != 36
-                        else ""
-                    )
-                    raise ValueError(f"tensor {gname}.weight {tuple(t.shape)}: {e}{hint}") from e
-                tensors.append(TensorToWrite(gname + ".weight", data, tid, tuple(t.shape)))
-            elif isinstance(m, torch.nn.Linear):
-                w = m.weight.detach()
-                if n_head:
-                    w = permute_qk(w, n_head)
-                tid = FLOAT_TYPES["f16" if embed_type == "auto" else embed_type]
-                add_float(gname, w, tid)
-            else:
-                add_float(gname, m.weight)  # norms: F32
-    add_float("output_norm", model.norm.weight)
-    if model.lm_head is not None:
-        w = model.lm_head.weight
-        add_float("output", w, _smallest_lossless(w) if embed_type == "auto" else FLOAT_TYPES[embed_type])
+    if cfg.family == "llama":
+        tensors = _llama_tensors(model, cfg, arch, qkey, embed_type, Path(path).name)
+    else:
+        tensors = _family_tensors(model, cfg, qkey, embed_type, Path(path).name)
 
     p = arch
     meta: dict = {
@@ -330,6 +287,8 @@ def save_gguf(
         "bitnetlm.format_version": (4, None),
         "general.quantization_version": (4, None),
     }
+    if cfg.family != "llama":
+        _family_metadata(cfg, p, meta, types)
     if ternary:
         meta["general.file_type"] = {"tq1_0": 36, "tq2_0": 37, "i2_s": 40}[qkey]  # llama_ftype MOSTLY_*
         types["general.file_type"] = (4, None)
@@ -350,6 +309,103 @@ def save_gguf(
     path = Path(path)
     write_gguf(path, arch, meta, tensors, value_types=types)
     return path
+
+
+def _family_metadata(cfg, p: str, meta: dict, types: dict) -> None:
+    """Swap the LLaMA-shaped keys for this family's (GPT-2: LayerNorm epsilon, no RoPE)."""
+    drop = [f"{p}.attention.layer_norm_rms_epsilon"]
+    if cfg.arch == "gpt2":
+        drop += [f"{p}.rope.freq_base", f"{p}.rope.dimension_count", f"{p}.attention.head_count_kv"]
+    for key in drop:
+        meta.pop(key, None)
+    fmeta, ftypes = families.metadata(cfg, cfg.arch)
+    meta.update(fmeta)
+    types.update(ftypes)
+
+
+def _float_entry(gname: str, w: torch.Tensor, type_id: int = codecs.TYPE_F32) -> TensorToWrite:
+    return TensorToWrite(gname, _float_bytes(w, type_id), type_id, tuple(w.shape))
+
+
+def _ternary_entry(gname: str, m, qkey: str, n_head: int | None = None) -> TensorToWrite:
+    t, s = _ternary_of(m)
+    if n_head:
+        t = permute_qk(t, n_head)
+    tid = codecs.TERNARY_TYPES[qkey]
+    try:
+        data = codecs.encode(t.numpy(), s, tid)
+    except codecs.CodecError as e:
+        hint = " (I2_S needs only a multiple of 128 values per matrix: --type i2_s)" if tid != 36 else ""
+        raise ValueError(f"tensor {gname} {tuple(t.shape)}: {e}{hint}") from e
+    return TensorToWrite(gname, data, tid, tuple(t.shape))
+
+
+def _head_types(model, embed_type: str) -> tuple[int, int, int]:
+    """(embedding, float projection, LM head) GGUF types for `embed_type`."""
+    emb = model.embed_tokens.weight
+    emb_tid = _smallest_lossless(emb) if embed_type == "auto" else FLOAT_TYPES[embed_type]
+    proj_tid = FLOAT_TYPES["f16" if embed_type == "auto" else embed_type]
+    head = model.lm_head
+    head_tid = (
+        emb_tid
+        if head is None
+        else (_smallest_lossless(head.weight) if embed_type == "auto" else FLOAT_TYPES[embed_type])
+    )
+    return emb_tid, proj_tid, head_tid
+
+
+def _llama_tensors(model, cfg, arch: str, qkey: str, embed_type: str, fname: str) -> list[TensorToWrite]:
+    """The tensors of a LLaMA/BitNet-shaped model, in llama.cpp's order (q/k rows permuted for `llama`)."""
+    permute = arch == "llama"
+    emb_tid, proj_tid, head_tid = _head_types(model, embed_type)
+    tensors = [_float_entry("token_embd.weight", model.embed_tokens.weight, emb_tid)]
+    for i, layer in _progress(list(enumerate(model.layers)), f"writing {fname}"):
+        for ours, g in LAYER_NAMES.items():
+            parent, _, leaf = ours.rpartition(".")
+            owner = layer.get_submodule(parent) if parent else layer
+            m = getattr(owner, leaf, None)
+            if m is None:
+                continue
+            gname = f"blk.{i}.{g}.weight"
+            n_head = None
+            if permute and g == "attn_q":
+                n_head = cfg.num_attention_heads
+            elif permute and g == "attn_k":
+                n_head = cfg.num_key_value_heads
+            if isinstance(m, BitLinear):
+                tensors.append(_ternary_entry(gname, m, qkey, n_head))
+            elif isinstance(m, torch.nn.Linear):
+                w = m.weight.detach()
+                tensors.append(_float_entry(gname, permute_qk(w, n_head) if n_head else w, proj_tid))
+            else:
+                tensors.append(_float_entry(gname, m.weight))  # norms: F32
+    tensors.append(_float_entry("output_norm.weight", model.norm.weight))
+    if model.lm_head is not None:
+        tensors.append(_float_entry("output.weight", model.lm_head.weight, head_tid))
+    return tensors
+
+
+def _family_tensors(model, cfg, qkey: str, embed_type: str, fname: str) -> list[TensorToWrite]:
+    """The tensors of a Qwen3 / Gemma 3 / GPT-2 model under llama.cpp's names (biases F32 beside weights)."""
+    emb_tid, proj_tid, head_tid = _head_types(model, embed_type)
+    shift = families.NORM_SHIFT.get(cfg.arch, 0.0)
+    tensors = []
+    for name, kind in _progress(list(model_modules(cfg)), f"writing {fname}"):
+        m = model.get_submodule(name)
+        g = families.tensor_name(name, cfg.arch)
+        if kind == "embed":
+            tensors.append(_float_entry(g + ".weight", m.weight, emb_tid))
+        elif isinstance(m, BitLinear):
+            tensors.append(_ternary_entry(g + ".weight", m, qkey))
+        elif kind == "proj":
+            tensors.append(_float_entry(g + ".weight", m.weight, proj_tid))
+        else:  # norms: F32, Gemma's as (1 + w)
+            tensors.append(_float_entry(g + ".weight", m.weight.detach().float() + shift))
+        if getattr(m, "bias", None) is not None:
+            tensors.append(_float_entry(g + ".bias", m.bias))
+    if model.lm_head is not None:
+        tensors.append(_float_entry("output.weight", model.lm_head.weight, head_tid))
+    return tensors
 
 
 # ---- inspect --------------------------------------------------------------------------------------

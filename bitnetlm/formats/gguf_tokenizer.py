@@ -14,13 +14,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bitnetlm.formats.gguf_pretok import LLAMA3_SPLIT, pre_tokenizer_name
+from bitnetlm.formats.gguf_pretok import LLAMA3_SPLIT, QWEN2_SPLIT, pre_tokenizer_name
 
 # llama.cpp token types
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 LLAMA3_PRES = ("llama3", "llama-v3", "llama-bpe", "dbrx", "smaug-bpe", "falcon3", "pixtral")
-SPLIT_PRES = {p: LLAMA3_SPLIT for p in LLAMA3_PRES}
+SPLIT_PRES = {p: LLAMA3_SPLIT for p in LLAMA3_PRES} | {"qwen2": QWEN2_SPLIT}
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -244,7 +244,12 @@ def tokenizer_metadata(tok, cfg=None) -> tuple[dict[str, Any], dict[str, tuple[i
         types[i] = NORMAL if a is None else CONTROL if a.get("special") else USER_DEFINED
     byte_fallback = bool(model.get("byte_fallback"))
     kind = "llama" if byte_fallback else "gpt2"
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    pairs = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model.get("merges") or []]
+    merges = [" ".join(p) for p in pairs]
+    if kind == "llama" and any(" " in a or " " in b for a, b in pairs):
+        # "a b" cannot hold a piece with a space (Gemma's whitespace runs): the reader derives the merges from
+        # the scores instead, as llama.cpp's SentencePiece converter leaves them out
+        merges = []
     meta: dict[str, Any] = {
         "tokenizer.ggml.model": kind,
         "tokenizer.ggml.tokens": tokens,
@@ -264,8 +269,8 @@ def tokenizer_metadata(tok, cfg=None) -> tuple[dict[str, Any], dict[str, tuple[i
         meta["tokenizer.ggml.pre"] = pre_tokenizer_name(tj, source)
     else:
         rank = {}
-        for r, m in enumerate(merges):
-            rank.setdefault(m.replace(" ", ""), r)
+        for r, (a, b) in enumerate(pairs):
+            rank.setdefault(a + b, r)
         meta["tokenizer.ggml.scores"] = [float(-rank.get(t, 0)) for t in tokens]
         vtypes["tokenizer.ggml.scores"] = (ARRAY, FLOAT32)
         for i, t in enumerate(tokens):

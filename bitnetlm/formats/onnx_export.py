@@ -133,6 +133,8 @@ def build_onnx(model):
     from onnx import TensorProto
 
     cfg = model.config
+    if cfg.family != "llama":
+        raise ValueError(f"ONNX export takes LLaMA/BitNet-shaped models, not {cfg.arch}")
     g = _G()
     h_ = g.h
     n_h, n_kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim

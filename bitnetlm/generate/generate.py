@@ -265,12 +265,12 @@ def stream_generate(
         runtime=rt,
         prefill_chunk=prefill_chunk,
         speculative=speculative,
-        context_shift=_context_shift(context_shift, n_keep),
+        context_shift=_context_shift(model, context_shift, n_keep),
     )
 
 
-def _context_shift(on: bool, n_keep: int) -> ContextShift | None:
-    return ContextShift(n_keep) if on else None
+def _context_shift(model, on: bool, n_keep: int) -> ContextShift | None:
+    return ContextShift(n_keep).check(model.config) if on else None
 
 
 def _result(chunks: list[GenerationChunk], n_prompt: int, t0: float) -> GenerationResult:
@@ -316,7 +316,7 @@ def generate(
     ids = prompt_to_ids(tok, prompt, system=system, chat=chat)
     chunks = []
     rt = _runtime(runtime, enforce_eager)
-    shift = _context_shift(context_shift, n_keep)
+    shift = _context_shift(model, context_shift, n_keep)
     for c in _engine(
         model, tok, [ids], [p], ctx_size=ctx_size, runtime=rt, speculative=speculative, context_shift=shift
     ):
@@ -358,7 +358,7 @@ def batch_generate(
     ids = [prompt_to_ids(tok, p, system=system, chat=chat) for p in prompts]
     per_row: list[list[GenerationChunk]] = [[] for _ in prompts]
     rt = _runtime(runtime, enforce_eager)
-    shift = _context_shift(context_shift, n_keep)
+    shift = _context_shift(model, context_shift, n_keep)
     for c in _engine(
         model, tok, ids, plist, ctx_size=ctx_size, runtime=rt, speculative=speculative, context_shift=shift
     ):

@@ -40,18 +40,28 @@ def _act(name: str):
     raise ValueError(f"unsupported hidden_act {name!r}; supported: relu2, silu, gelu, gelu_pytorch_tanh")
 
 
-def make_linear(cfg: ModelConfig, mode: str, in_f: int, out_f: int) -> nn.Module:
+def make_linear(cfg: ModelConfig, mode: str, in_f: int, out_f: int, bias: bool = False) -> nn.Module:
     """The projection layer for `mode`: "infer" (packed BitLinear), "train" (latent BitLinear) or "fp" (nn.Linear)."""
     if mode == "fp" or cfg.quant == "none":
-        return nn.Linear(in_f, out_f, bias=False)
-    return BitLinear(in_f, out_f, bias=False, mode=mode)
+        return nn.Linear(in_f, out_f, bias=bias)
+    return BitLinear(in_f, out_f, bias=bias, mode=mode)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    d = cfg.head_dim
+    """RoPE inverse frequencies [D/2]; Gemma 3: [2, D/2], its global layers' then its local layers'."""
+    inv = _inv_freq(cfg.head_dim, cfg.rope_theta)
+    if cfg.arch == "gemma3":
+        return torch.stack([_scaled(inv, cfg.rope_scaling), _inv_freq(cfg.head_dim, cfg.rope_local_theta)])
+    return _scaled(inv, cfg.rope_scaling)
+
+
+def _inv_freq(d: int, theta: float) -> torch.Tensor:
     # always computed on the CPU: under a meta-device context arange would go through slow reference ops
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float, device="cpu") / d))
-    sc = cfg.rope_scaling or {}
+    return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float, device="cpu") / d))
+
+
+def _scaled(inv: torch.Tensor, rope_scaling: dict | None) -> torch.Tensor:
+    sc = rope_scaling or {}
     kind = sc.get("rope_type", sc.get("type", "default"))
     if kind == "llama3":
         # Llama 3.1 frequency-dependent scaling (same formula as transformers' _compute_llama3_parameters)
@@ -75,30 +85,20 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, mode: str):
-        super().__init__()
+class AttentionCore(nn.Module):
+    """Attention over a KVCache: subclasses give `qkv` (projected, normed, rotated q/k/v) and `out`."""
+
+    def setup(self, cfg: ModelConfig) -> None:
         self.n_heads, self.n_kv, self.head_dim = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             cfg.head_dim,
         )
-        h = cfg.hidden_size
-        self.q_proj = make_linear(cfg, mode, h, self.n_heads * self.head_dim)
-        self.k_proj = make_linear(cfg, mode, h, self.n_kv * self.head_dim)
-        self.v_proj = make_linear(cfg, mode, h, self.n_kv * self.head_dim)
-        self.o_proj = make_linear(cfg, mode, self.n_heads * self.head_dim, h)
-        self.attn_sub_norm = RMSNorm(h, cfg.rms_norm_eps) if cfg.has_sub_norms else None
+        self.scale: float | None = None  # None: 1/sqrt(head_dim)
 
     def forward(self, x, cos, sin, layer: int, cache: KVCache | None, cache_pos, mask):
         b, t, _ = x.shape
-        q, k, v = multi_linear((self.q_proj, self.k_proj, self.v_proj), x)  # one kernel call where possible
-        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
-        k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
-        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k, v = self.qkv(x, cos, sin)  # [B, H, T, D], [B, Hkv, T, D] x 2
         if cache is not None:
             idx = cache_pos[:, None, :, None].expand(b, self.n_kv, t, self.head_dim)  # [B, Hkv, T, D]
             ck, cv = cache.k[layer], cache.v[layer]
@@ -136,7 +136,7 @@ class Attention(nn.Module):
             rep = self.n_heads // self.n_kv
             qg = q.reshape(b, self.n_kv, rep * t, self.head_dim)  # [B, Hkv, rep*T, D]
             mg = mask[:, :, None].expand(b, 1, rep, t, mask.shape[-1]).reshape(b, 1, rep * t, mask.shape[-1])
-            return F.scaled_dot_product_attention(qg, k, v, attn_mask=mg).reshape(
+            return F.scaled_dot_product_attention(qg, k, v, attn_mask=mg, scale=self.scale).reshape(
                 b, self.n_heads, t, self.head_dim
             )
         if self.n_kv != self.n_heads:
@@ -144,11 +144,41 @@ class Attention(nn.Module):
             k = k[:, :, None].expand(b, self.n_kv, rep, *k.shape[2:]).reshape(b, self.n_heads, *k.shape[2:])
             v = v[:, :, None].expand(b, self.n_kv, rep, *v.shape[2:]).reshape(b, self.n_heads, *v.shape[2:])
         if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=t > 1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, scale=self.scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
 
     def _out(self, o: torch.Tensor, b: int, t: int) -> torch.Tensor:
-        o = o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # [B, T, H*D]
+        return self.out(o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))  # [B, T, H*D]
+
+
+class Attention(AttentionCore):
+    """LLaMA / BitNet attention: q/k/v/o projections, RoPE, GQA, BitNet's sub-norm before o_proj."""
+
+    def __init__(self, cfg: ModelConfig, mode: str):
+        super().__init__()
+        self.setup(cfg)
+        h = cfg.hidden_size
+        self.q_proj = make_linear(cfg, mode, h, self.n_heads * self.head_dim)
+        self.k_proj = make_linear(cfg, mode, h, self.n_kv * self.head_dim)
+        self.v_proj = make_linear(cfg, mode, h, self.n_kv * self.head_dim)
+        self.o_proj = make_linear(cfg, mode, self.n_heads * self.head_dim, h)
+        self.attn_sub_norm = RMSNorm(h, cfg.rms_norm_eps) if cfg.has_sub_norms else None
+
+    def qkv(self, x, cos, sin):
+        b, t, _ = x.shape
+        q, k, v = multi_linear((self.q_proj, self.k_proj, self.v_proj), x)  # one kernel call where possible
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
+        k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = self.qk_norm(q, k)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def qk_norm(self, q, k):
+        """Per-head q/k normalisation before RoPE (none here; Qwen3 and Gemma3 have one)."""
+        return q, k
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
         if self.attn_sub_norm is not None:
             o = self.attn_sub_norm(o)
         return self.o_proj(o)
@@ -173,11 +203,14 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, mode: str):
+    attention = Attention
+    norm = RMSNorm  # (dim, eps): this family's norm, the final one included
+
+    def __init__(self, cfg: ModelConfig, mode: str, index: int = 0):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, mode)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = self.norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = self.attention(cfg, mode)
+        self.post_attention_layernorm = self.norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, mode)
 
     def forward(self, h, cos, sin, layer, cache, cache_pos, mask):
@@ -188,6 +221,8 @@ class Block(nn.Module):
 class CausalLM(nn.Module):
     """model(input_ids [B, T], positions, cache, cache_pos, input_mask) -> logits [B, T, V] (see model API docs)."""
 
+    block = Block
+
     def __init__(self, cfg: ModelConfig, mode: str = "infer"):
         super().__init__()
         if mode not in ("infer", "train", "fp"):
@@ -195,8 +230,8 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.mode = mode if cfg.quant == "ternary" else "fp"
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([Block(cfg, self.mode) for _ in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([self.block(cfg, self.mode, i) for i in range(cfg.num_hidden_layers)])
+        self.norm = self.block.norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
@@ -216,8 +251,9 @@ class CausalLM(nn.Module):
             return F.linear(h, self.embed_tokens.weight)
         return self.lm_head(h)
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype, inv_freq: torch.Tensor | None = None):
+        inv_freq = self.inv_freq if inv_freq is None else inv_freq
+        freqs = positions[..., None].float() * inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -248,24 +284,52 @@ class CausalLM(nn.Module):
         last_only: bool = False,
         return_hidden: bool = False,
     ):
+        h = self.hidden(input_ids, positions, cache, cache_pos, input_mask)
+        if last_only:
+            h = h[:, -1:]
+        out = self.logits(h)
+        return (out, h) if return_hidden else out
+
+    def hidden(self, input_ids, positions=None, cache=None, cache_pos=None, input_mask=None) -> torch.Tensor:
+        """The last layer's output (before the final norm) [B, T, hidden]."""
         b, t = input_ids.shape
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
         h = self.embed(input_ids)
         cos, sin = self.rope(positions, h.dtype)
-        mask = None
-        if cache is not None:
-            cache_pos = positions if cache_pos is None else cache_pos
-            cache.mark(cache_pos, input_mask)
-            mask = cache.attention_mask(cache_pos)
-        elif input_mask is not None:
-            causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
-            mask = causal[None] & input_mask[:, None, :]  # [B, T, T]
-            eye = torch.eye(t, dtype=torch.bool, device=input_ids.device)
-            mask = (mask | eye)[:, None]  # [B, 1, T, T]
+        cache_pos, mask = attention_mask(cache, positions, cache_pos, input_mask)
+        local = window_mask(mask, positions, cache, cache_pos, self.config.sliding_window)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, i, cache, cache_pos, mask)
-        if last_only:
-            h = h[:, -1:]
-        out = self.logits(h)
-        return (out, h) if return_hidden else out
+            h = layer(h, cos, sin, i, cache, cache_pos, local if self.config.is_sliding(i) else mask)
+        return h
+
+
+def attention_mask(cache, positions, cache_pos, input_mask):
+    """(cache_pos, mask [B, 1, T, S] or None for plain causal): marks the slots a cached forward writes."""
+    if cache is not None:
+        cache_pos = positions if cache_pos is None else cache_pos
+        cache.mark(cache_pos, input_mask)
+        return cache_pos, cache.attention_mask(cache_pos)
+    if input_mask is None:
+        return cache_pos, None
+    t = input_mask.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=input_mask.device).tril()
+    mask = causal[None] & input_mask[:, None, :]  # [B, T, T]
+    eye = torch.eye(t, dtype=torch.bool, device=input_mask.device)
+    return cache_pos, (mask | eye)[:, None]  # [B, 1, T, T]
+
+
+def window_mask(mask, positions, cache, cache_pos, window: int | None):
+    """The sliding-window layers' mask: `mask` (None: causal) and key position > query position - window (None:
+    no window). A cache row holds position p at slot p, so a cached key's position is its slot."""
+    if window is None:
+        return mask
+    if cache is None:
+        keys, queries = positions, positions
+        if mask is None:
+            t = positions.shape[1]
+            mask = torch.ones(t, t, dtype=torch.bool, device=positions.device).tril()[None, None]
+    else:
+        keys = torch.arange(cache.max_seq_len, device=cache_pos.device)[None].expand(cache_pos.shape[0], -1)
+        queries = cache_pos
+    return mask & (keys[:, None, None, :] > queries[:, None, :, None] - window)

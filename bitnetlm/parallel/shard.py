@@ -26,6 +26,8 @@ def group_of(model) -> TPGroup | None:
 
 def check_shardable(cfg, size: int) -> None:
     """A one-line ValueError unless `cfg`'s heads and MLP split evenly over `size` ranks."""
+    if cfg.family != "llama":  # the shard plan knows the LLaMA/BitNet layer only
+        raise ValueError(f"--tp {size}: tensor parallelism runs LLaMA/BitNet-shaped models, not {cfg.arch}")
     h, kv, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
     if h % size or kv % size:
         raise ValueError(

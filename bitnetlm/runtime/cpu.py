@@ -25,7 +25,7 @@ from bitnetlm.runtime.eager import EagerRunner
 
 def _layer(blk, eps: float) -> LayerTensors | str:
     """One block's tensors for the fused step, or why it cannot run there."""
-    if (type(blk), type(blk.self_attn), type(blk.mlp)) != (Block, Attention, MLP):
+    if type(blk) is not Block or (type(blk.self_attn), type(blk.mlp)) != (Attention, MLP):
         return f"layer type {type(blk).__name__}"
     a, f = blk.self_attn, blk.mlp
     lins = [getattr(a, p) for p in PROJ[:4]] + [getattr(f, p) for p in PROJ[4:]]
@@ -53,6 +53,8 @@ def why_not(model) -> str | None:
 def fused_step(model) -> FusedStep | str:
     """The fused C step over `model`'s layers, or the reason there is none."""
     cfg = model.config
+    if cfg.family != "llama":
+        return f"the fused C step runs LLaMA/BitNet layers, not {cfg.arch}"
     layers = []
     for blk in model.layers:
         got = _layer(blk, cfg.rms_norm_eps)
@@ -92,16 +94,17 @@ def fused_forward(
     if positions is None:
         positions = torch.arange(t, device=ids.device).expand(b, t)
     cache_pos = positions if cache_pos is None else cache_pos
-    h = model.embed(ids)
-    cos, sin = model.rope(positions, h.dtype)
-    cache.mark(cache_pos, input_mask)
-    fused = step is not None and h.dtype == torch.float32
-    if fused and accepts(step.shape, step.n_layers, cache.k, cache.v, cache.valid, b, t, cache_pos):
-        h = step(h, cos, sin, cache.k, cache.v, cache.valid, cache_pos)
-    else:  # CausalLM.forward's layers
-        mask = cache.attention_mask(cache_pos)
-        for i, layer in enumerate(model.layers):
-            h = layer(h, cos, sin, i, cache, cache_pos, mask)
+    h = None
+    if step is not None and accepts(
+        step.shape, step.n_layers, cache.k, cache.v, cache.valid, b, t, cache_pos
+    ):
+        e = model.embed(ids)
+        if e.dtype == torch.float32:
+            cos, sin = model.rope(positions, e.dtype)
+            cache.mark(cache_pos, input_mask)
+            h = step(e, cos, sin, cache.k, cache.v, cache.valid, cache_pos)
+    if h is None:  # the model's own layers (of any family)
+        h = model.hidden(ids, positions, cache, cache_pos, input_mask)
     if last_only:
         h = h[:, -1:]
     out = logits(model, h)
@@ -114,6 +117,7 @@ def logits(model, h: torch.Tensor) -> torch.Tensor:
     depend on what else is in the batch; the C kernel sums every row alike (a compact head is C already)."""
     w, head = model.lm_head_weight(), model.lm_head
     plain = head is None or (type(head) is nn.Linear and head.bias is None)
+    plain = plain and getattr(model.config, "final_logit_softcapping", None) is None
     if not (plain and h.dtype == torch.float32 and w.dtype in (torch.float32, torch.bfloat16)):
         return model.logits(h)
     if w.device.type != "cpu" or not w.is_contiguous() or not cpu_kernels.available():

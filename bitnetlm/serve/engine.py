@@ -71,8 +71,8 @@ class EngineConfig:
     context_shift: bool = False
     n_keep: int = 0
 
-    def shift(self) -> ContextShift | None:
-        return ContextShift(self.n_keep) if self.context_shift else None
+    def shift(self, model) -> ContextShift | None:
+        return ContextShift(self.n_keep).check(model.config) if self.context_shift else None
 
     def speculative(self, runtime: RuntimeConfig, tokenizer) -> SpeculativeConfig | None:
         """The SpeculativeConfig these options ask for (a draft model given by name is loaded), or None."""
@@ -113,7 +113,7 @@ class Engine:
             self.metrics,
             spec,
             context=self.max_model_len,
-            context_shift=cfg.shift(),
+            context_shift=cfg.shift(model),
             prefix_reuse=cfg.prefix_caching,
         )
         sched = self.core.scheduler

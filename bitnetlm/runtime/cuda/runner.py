@@ -96,6 +96,8 @@ class CudaRunner:
 
         if not all(hasattr(model, a) for a in ("layers", "embed_tokens", "norm", "inv_freq", "config")):
             raise TypeError(f"{type(model).__name__} is not a bitnetlm CausalLM")
+        if model.config.family != "llama":
+            raise TypeError(f"the CUDA-graph engine runs LLaMA/BitNet layers, not {model.config.arch}")
         self.config = config
         self.device = next(model.parameters()).device
         ecfg = engine_config(model, config, rows, max_seq_len, plan=plan)
