@@ -153,3 +153,54 @@ def test_missing_tensor_and_bad_config_name_the_file(tmp_path):
 def test_embed_refuses_a_decoder(tiny_model):
     with pytest.raises(ValueError, match="expected an encoder model .* found CausalLM"):
         embed(tiny_model, None, ["hello"])
+
+
+def _one_line(err: str) -> str:
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_cli_embed_prints_the_library_vectors(tmp_path, capsys, monkeypatch):
+    import io
+
+    from bitnetlm.cli import main
+
+    path = make_bert(tmp_path / "m", "packed-autobitlinear")
+    text = tmp_path / "texts.txt"
+    text.write_text("\n".join(TEXTS) + "\n")
+    want = embed(*bitnetlm.load(path), TEXTS)
+    assert main(["embed", "-m", str(path), str(text), "--json", "-t", "1"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["dimensions"] == 64 and torch.allclose(torch.tensor(doc["vectors"]), want, atol=1e-6, rtol=0)
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(text.read_bytes())))
+    assert main(["embed", "-m", str(path), "--normalize", "no"]) == 0
+    rows = [[float(v) for v in line.split()] for line in capsys.readouterr().out.splitlines()]
+    raw = embed(*bitnetlm.load(path), TEXTS, normalize=False)
+    assert torch.allclose(torch.tensor(rows), raw, rtol=1e-6, atol=1e-6)
+
+
+def test_cli_embed_errors_are_one_line(tmp_path, capsys):
+    from bitnetlm.cli import main
+    from bitnetlm.zoo import DEFAULT_MODEL
+
+    path = make_bert(tmp_path / "m", "fp")
+    empty, binary, text = tmp_path / "empty.txt", tmp_path / "bin.txt", tmp_path / "t.txt"
+    empty.write_text("")
+    binary.write_bytes(b"caf\xe9\n")
+    text.write_text("hello\n")
+    capsys.readouterr()  # transformers' progress bars while writing the checkpoint
+    cases = [
+        (["embed", "-m", str(path), str(empty)], f"{empty}: no text to embed (expected one text per line)"),
+        (["embed", "-m", str(path), str(binary)], f"{binary}: not UTF-8 text (byte 3)"),
+        (["embed", "-m", str(path), str(tmp_path / "nope.txt")], "nope.txt"),
+        (
+            ["embed", "-m", DEFAULT_MODEL, str(text)],
+            "embed: expected an encoder model (BERT family), found CausalLM",
+        ),
+        (["embed", "-m", str(path), str(text), "-b", "0"], "batch_size must be a positive integer, found 0"),
+    ]
+    for argv, want in cases:
+        assert main(argv) == 2
+        line = _one_line(capsys.readouterr().err)
+        assert line.startswith("bitnet embed: error: ") and want in line, line
