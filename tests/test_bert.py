@@ -310,3 +310,19 @@ def test_cli_convert_encoder_to_gguf_and_back(tmp_path, capsys):
     capsys.readouterr()
     assert main(["convert", str(path), str(tmp_path / "m.onnx")]) == 2
     assert "ONNX export of an encoder is not supported" in _one_line(capsys.readouterr().err)
+
+
+def test_a_tokenizer_files_fixed_padding_and_truncation_are_ignored(tmp_path):
+    """all-MiniLM-L6-v2's tokenizer.json pads and truncates every text to 128 tokens; transformers applies neither
+    unless a call asks, and an embedding of a padded text would differ from the text's own."""
+    from oracle_bert import wordpiece
+
+    from bitnetlm.text.tokenizer import Tokenizer
+
+    tk = wordpiece()
+    want = tk.encode(TEXTS[2]).ids
+    tk.enable_truncation(8)
+    tk.enable_padding(length=128, pad_id=0, pad_token="[PAD]")
+    tk.save(str(tmp_path / "tokenizer.json"))
+    assert json.loads((tmp_path / "tokenizer.json").read_text())["truncation"]["max_length"] == 8
+    assert Tokenizer.from_dir(tmp_path).backend.encode(TEXTS[2]).ids == want
