@@ -326,3 +326,24 @@ def test_a_tokenizer_files_fixed_padding_and_truncation_are_ignored(tmp_path):
     tk.save(str(tmp_path / "tokenizer.json"))
     assert json.loads((tmp_path / "tokenizer.json").read_text())["truncation"]["max_length"] == 8
     assert Tokenizer.from_dir(tmp_path).backend.encode(TEXTS[2]).ids == want
+
+
+def test_inspect_an_encoder(tmp_path):
+    from transformers import BertModel
+
+    from bitnetlm.formats.gguf import save_gguf
+    from bitnetlm.inspect import inspect_path
+
+    path = make_bert(tmp_path / "m", "packed-autobitlinear")
+    info = inspect_path(path)
+    n = sum(
+        p.numel() for name, p in BertModel.from_pretrained(path).named_parameters() if "pooler" not in name
+    )
+    assert info["architecture"] == "bert" and info["parameters"] == n
+    assert (
+        info["quantization"] == "ternary (autobitlinear, offline)"
+        and info["ternary_parameters"] == 2 * 32768 + 64 * 64  # the file's: its packed pooler too
+    )
+    model, tok = bitnetlm.load(path)
+    g = inspect_path(save_gguf(model, tmp_path / "m.gguf", "i2_s", tokenizer=tok))
+    assert g["architecture"] == "bert (gguf: bert)" and g["quantization"] == "ternary (I2_S)"

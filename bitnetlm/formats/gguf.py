@@ -400,7 +400,12 @@ def inspect_gguf(path: str | os.PathLike) -> dict:
             meta[k] = v
     data_bytes = sum(ti.nbytes for ti in f.tensors.values())
     try:
-        cfg = config_from_gguf(f)
+        if f.metadata.get("general.architecture") == "bert":
+            from bitnetlm.formats.gguf_bert import encoder_config_from_gguf
+
+            cfg = encoder_config_from_gguf(f)
+        else:
+            cfg = config_from_gguf(f)
         arch, quant = cfg.arch, cfg.quant
     except GGUFError as e:
         arch, quant = f.metadata.get("general.architecture"), f"unknown ({e})"
