@@ -94,6 +94,8 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any], source: str = "GGUF") -> 
         tok_of("unknown_token_id"),
         tok_of("padding_token_id"),
     )
+    if kind == "bert":
+        return wordpiece_from_metadata(meta, tokens, types, source)
     if kind == "gpt2":
         merges = [tuple(m.split(" ", 1)) for m in merges_raw or []]
         model = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in LLAMA3_PRES, fuse_unk=False)
@@ -135,7 +137,9 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any], source: str = "GGUF") -> 
         )
         alphabet = None
     else:
-        raise ValueError(f"{source}: tokenizer.ggml.model {kind!r} is not supported (supported: gpt2, llama)")
+        raise ValueError(
+            f"{source}: tokenizer.ggml.model {kind!r} is not supported (supported: gpt2, llama, bert)"
+        )
     special = [
         AddedToken(t, special=True, normalized=False)
         for t, ty in zip(tokens, types)
@@ -313,3 +317,58 @@ def tokenizer_metadata(tok, cfg=None) -> tuple[dict[str, Any], dict[str, tuple[i
         meta["tokenizer.chat_template"] = tmpl
         vtypes["tokenizer.chat_template"] = (STRING, None)
     return meta, vtypes
+
+
+def wordpiece_from_metadata(meta: dict[str, Any], tokens: list[str], types: list[int], source: str):
+    """(tokenizers.Tokenizer, tokenizer_config dict) of a `bert` tokenizer in GGUF metadata."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    def unphantom(t: str, ty: int) -> str:
+        if ty == CONTROL or (t.startswith("[") and t.endswith("]")):
+            return t
+        return t[1:] if t.startswith("\u2581") else "##" + t
+
+    words = [unphantom(t, ty) for t, ty in zip(tokens, types)]
+    vocab = {}
+    for i, w in enumerate(words):
+        vocab.setdefault(w, i)
+
+    def tok_of(key):
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return words[i] if isinstance(i, int) and 0 <= i < len(words) else None
+
+    cls, sep, unk = tok_of("bos"), tok_of("eos"), tok_of("unknown")
+    if unk is None:
+        raise ValueError(
+            f"{source}: tokenizer.ggml.unknown_token_id is missing (WordPiece needs an unknown token)"
+        )
+    tk = Tokenizer(
+        models.WordPiece(
+            vocab=vocab, unk_token=unk, continuing_subword_prefix="##", max_input_chars_per_word=100
+        )
+    )
+    tk.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, lowercase=True)
+    tk.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tk.decoder = decoders.WordPiece(prefix="##")
+    tk.add_special_tokens([w for w, ty in zip(words, types) if ty == CONTROL])
+    add_bos, add_eos = (
+        meta.get("tokenizer.ggml.add_bos_token", True),
+        meta.get("tokenizer.ggml.add_eos_token", True),
+    )
+    parts = ([cls] if add_bos and cls else []), ([sep] if add_eos and sep else [])
+    if parts[0] or parts[1]:
+        single = " ".join([*(f"{t}:0" for t in parts[0]), "$A:0", *(f"{t}:0" for t in parts[1])])
+        pair = single + " " + " ".join(["$B:1", *(f"{t}:1" for t in parts[1])])
+        specials = [(t, vocab[t]) for t in {*parts[0], *parts[1]}]
+        tk.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+    config = {
+        "tokenizer_class": "BertTokenizer",
+        "do_lower_case": True,
+        "cls_token": cls,
+        "sep_token": sep,
+        "unk_token": unk,
+        "pad_token": tok_of("padding"),
+        "mask_token": tok_of("mask"),
+        "model_max_length": meta.get("bert.context_length", 512),
+    }
+    return tk, {k: v for k, v in config.items() if v is not None}

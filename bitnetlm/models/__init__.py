@@ -1,10 +1,12 @@
-"""Config dataclasses and architectures (BitNet b1.58 2B4T, 1bitLLM, LLaMA family, Qwen3, Gemma 3 text, GPT-2)."""
+"""Config dataclasses and architectures (BitNet b1.58 2B4T, 1bitLLM, LLaMA family, Qwen3, Gemma 3 text, GPT-2;
+BERT-family encoders)."""
 
 import contextlib
 
 import torch
 from torch import nn
 
+from bitnetlm.models.bert import Encoder, EncoderConfig
 from bitnetlm.models.cache import KVCache
 from bitnetlm.models.config import ModelConfig
 from bitnetlm.models.transformer import CausalLM
@@ -54,4 +56,20 @@ def build_empty_model(config: ModelConfig, mode: str = "infer") -> CausalLM:
         return model_class(config)(config, mode)
 
 
-__all__ = ["CausalLM", "KVCache", "ModelConfig", "build_empty_model", "build_model", "model_class"]
+def build_empty_encoder(config: EncoderConfig, mode: str = "infer") -> Encoder:
+    """An encoder on the meta device without initialisation: for loaders that assign every tensor."""
+    with _skip_init(), torch.device("meta"):
+        return Encoder(config, mode)
+
+
+__all__ = [
+    "CausalLM",
+    "Encoder",
+    "EncoderConfig",
+    "KVCache",
+    "ModelConfig",
+    "build_empty_encoder",
+    "build_empty_model",
+    "build_model",
+    "model_class",
+]
