@@ -21,6 +21,7 @@ PACKAGES = {
     "yaml": ("pyyaml", "train"),
     "tensorboard": ("tensorboard", "train"),
     "huggingface_hub": ("huggingface_hub", "hub"),
+    "llguidance": ("llguidance", "structured"),
 }
 
 

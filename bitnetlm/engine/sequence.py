@@ -81,7 +81,15 @@ class Sequence:
     n_cached counts the tokens whose keys and values are in its row or queued to be written there; `pending`
     counts sampled tokens on their way to the host (a pipelined step's)."""
 
-    def __init__(self, group: Group, index: int, detok: StreamDetokenizer, stop_ids: set, random: RowRandom):
+    def __init__(
+        self,
+        group: Group,
+        index: int,
+        detok: StreamDetokenizer,
+        stop_ids: set,
+        random: RowRandom,
+        constraint=None,
+    ):
         self.group, self.index = group, index
         self.tokens = list(group.req.prompt_ids)  # prompt + generated
         self.n_prompt = len(self.tokens)
@@ -95,6 +103,7 @@ class Sequence:
         self.done = False
         self.finish_reason: str | None = None
         self.drafted = self.accepted = 0  # speculative decoding: draft tokens scored, and accepted
+        self.constraint = constraint  # structured output (engine/grammar.py): the tokens allowed next
 
     @property
     def params(self) -> SamplingParams:
@@ -112,10 +121,16 @@ class Sequence:
     def push(self, token: int) -> str:
         """Record a sampled token; return the text it makes visible and set finish_reason when the choice ends."""
         self.tokens.append(token)
+        c = self.constraint
+        if c is not None:
+            c.consume(token)
         if token in self.stop_ids:  # never shown; flush an incomplete character held by the detokenizer
             self.finish_reason = "stop"
             return self._scan(self.detok.finalize(), final=True)
         text = self._scan(self.detok.add(token), final=False)
+        if self.finish_reason is None and c is not None and c.stopped:  # the grammar allows nothing more
+            self.finish_reason = "stop"
+            text += self._scan(self.detok.finalize(), final=True)
         if self.finish_reason is None and len(self.generated) >= self.group.max_tokens:
             self.finish_reason = "length"
             text += self._scan(self.detok.finalize(), final=True)

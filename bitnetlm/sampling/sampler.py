@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bitnetlm.sampling import reductions
+from bitnetlm.sampling.structured import StructuredOutput
 
 
 @dataclass
@@ -39,8 +40,12 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0  # also report the n most likely tokens per step
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = (
+        None  # the output must match it (a dict such as {"json": schema} works)
+    )
 
     def __post_init__(self):
+        self.structured = StructuredOutput.of(self.structured)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
@@ -239,8 +244,9 @@ def row_tensors(params: Sequence[SamplingParams], v: int, device) -> RowTensors:
     )
 
 
-def _penalised(logits, params, prompt_tokens, output_tokens) -> torch.Tensor:
-    """float32 copy of logits [B, V] with penalties and logit_bias applied."""
+def _penalised(logits, params, prompt_tokens, output_tokens, allowed=None) -> torch.Tensor:
+    """float32 copy of logits [B, V] with penalties and logit_bias applied, and the tokens a row's `allowed`
+    bitmask excludes (structured output) removed."""
     b, v = logits.shape
     if len(params) != b:
         raise ValueError(f"process_logits: {b} logit rows but {len(params)} SamplingParams")
@@ -250,7 +256,29 @@ def _penalised(logits, params, prompt_tokens, output_tokens) -> torch.Tensor:
         if p.logit_bias:
             ids, vals = bias_tensors(p, v, x.device)
             x[i, ids] += vals
+    if allowed is not None:
+        apply_allowed(x, allowed)
     return x
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_allowed(x: torch.Tensor, allowed: Sequence[torch.Tensor | None]) -> None:
+    """Remove (-inf, in place) from each row of x [B, V] the tokens its bitmask does not allow: allowed[i] is None
+    (anything goes) or int32 [ceil(V'/32)] with bit j of word w allowing token 32w + j (llguidance's and
+    xgrammar's layout); tokens past its V' are not allowed."""
+    rows = [i for i, m in enumerate(allowed) if m is not None]
+    if not rows:
+        return
+    v = x.shape[1]
+    words = torch.stack([allowed[i] for i in rows]).to(torch.int32).cpu()  # [R, W]
+    bits = ((words[:, :, None] >> _BITS) & 1).reshape(len(rows), -1).bool()  # [R, 32W]
+    ok = torch.zeros(len(rows), v, dtype=torch.bool)
+    n = min(v, bits.shape[1])
+    ok[:, :n] = bits[:, :n]
+    idx = torch.tensor(rows, device=x.device)
+    x[idx] = x[idx].masked_fill(~ok.to(x.device), float("-inf"))
 
 
 def bias_tensors(p: SamplingParams, v: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -457,11 +485,13 @@ def sample(
     prompt_tokens: Sequence | None = None,
     output_tokens: Sequence | None = None,
     num_top_logprobs: int = 0,
+    allowed: Sequence[torch.Tensor | None] | None = None,
 ) -> SampleOutput:
     """Sample one token per row of `logits` [B, V] with that row's params and random stream (a RowRandom, a
-    generator, or None for torch's global RNG)."""
+    generator, or None for torch's global RNG), among the tokens its `allowed` bitmask allows (see
+    `apply_allowed`; structured output)."""
     b, v = logits.shape
-    x = _penalised(logits, params, prompt_tokens, output_tokens)
+    x = _penalised(logits, params, prompt_tokens, output_tokens, allowed)
     greedy = [p.greedy for p in params]
     if all(greedy):  # (what choose gives, without building the row tensors)
         tokens = reductions.argmax(x)

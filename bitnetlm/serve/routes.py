@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 
+from bitnetlm.deps import MissingDependency
 from bitnetlm.sampling import SamplingParams
 from bitnetlm.serve import protocol as P
 from bitnetlm.serve.body import read_body
@@ -48,7 +49,23 @@ async def _read_json(request: Request) -> Any:
     return await st.offload.json(await read_body(request, st.cfg.max_body_bytes))
 
 
-def _params(req: P._Sampling, max_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
+async def _structured(request: Request, e: Engine, req: P._Sampling):
+    """The request's structured output, compiled once here (on the pool) so that what cannot be enforced is a
+    400 naming it, before the request is queued."""
+    so, param = req.structured()
+    if so is not None:
+        try:
+            await _state(request).offload.run(e.core.compile, so)
+        except MissingDependency as ex:
+            raise P.APIError(501, str(ex), type="server_error", param=param, code="not_implemented") from None
+        except ValueError as ex:
+            raise P.APIError(400, str(ex), param=param) from None
+    return so
+
+
+def _params(
+    req: P._Sampling, max_tokens: int, logprobs: bool, top_logprobs: int, structured=None
+) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=req.temperature,
@@ -65,6 +82,7 @@ def _params(req: P._Sampling, max_tokens: int, logprobs: bool, top_logprobs: int
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        structured=structured,
     )
 
 
@@ -156,7 +174,7 @@ async def completions(request: Request):
     if max_tokens is None:  # null: the rest of the context, as for chat (and in vLLM)
         max_tokens = max(1, e.max_model_len - max(map(len, ids)))
     k = req.logprobs
-    params = _params(req, max_tokens, k is not None, k or 0)
+    params = _params(req, max_tokens, k is not None, k or 0, await _structured(request, e, req))
     return await _generate(request, e, ids, params, req, chat=False)
 
 
@@ -171,5 +189,6 @@ async def chat_completions(request: Request):
     max_tokens = req.effective_max_tokens()
     if max_tokens is None:
         max_tokens = max(1, e.max_model_len - len(ids))
-    params = _params(req, max_tokens, req.logprobs, req.top_logprobs or 0)
+    so = await _structured(request, e, req)
+    params = _params(req, max_tokens, req.logprobs, req.top_logprobs or 0, so)
     return await _generate(request, e, [ids], params, req, chat=True)
