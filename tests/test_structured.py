@@ -16,7 +16,7 @@ from structured_schemas import SCHEMAS
 
 from bitnetlm.engine.speculative import SpeculativeConfig
 from bitnetlm.generate import SamplingParams, batch_generate, generate, stream_generate
-from bitnetlm.sampling.sampler import apply_allowed
+from bitnetlm.sampling.sampler import EXCLUDED, apply_allowed
 from bitnetlm.sampling.structured import StructuredOutput
 from bitnetlm.serve import start
 
@@ -93,7 +93,8 @@ def test_apply_allowed_removes_exactly_the_tokens_the_bitmask_excludes():
     assert torch.equal(y[0], x[0]) and torch.equal(y[2], x[2])
     keep = torch.zeros(70, dtype=torch.bool)
     keep[allowed_ids] = True
-    assert torch.equal(y[1][keep], x[1][keep]) and bool((y[1][~keep] == float("-inf")).all())
+    assert torch.equal(y[1][keep], x[1][keep]) and bool((y[1][~keep] == EXCLUDED).all())
+    assert bool((torch.softmax(y[1], dim=-1)[~keep] == 0).all())
 
 
 def test_regex_choice_and_grammar_offline(mt):

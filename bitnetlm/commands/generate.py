@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 
@@ -95,6 +96,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="format the prompt as one user message with the chat template (implied by --system)",
     )
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--json-schema", metavar="FILE", help="the output is JSON valid under this JSON schema file"
+    )
+    g.add_argument("--regex", metavar="PATTERN", help="the output matches this regular expression")
+    g.add_argument("--grammar", metavar="FILE", help="the output follows this grammar file (Lark or GBNF)")
+
+
+def structured_from_args(args):
+    """The StructuredOutput that --json-schema / --regex / --grammar ask for, or None."""
+    from bitnetlm.sampling.structured import StructuredOutput
+
+    if getattr(args, "regex", None):
+        return StructuredOutput(regex=args.regex)
+    for flag, path in (("--json-schema", getattr(args, "json_schema", None)), ("--grammar", args.grammar)):
+        if path:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    text = f.read()
+            except OSError as e:
+                raise FileNotFoundError(f"{flag} {path}: cannot be read ({e.strerror})") from None
+            if flag == "--grammar":
+                return StructuredOutput(grammar=text)
+            try:
+                schema = json.loads(text)
+            except ValueError as e:
+                raise ValueError(f"{flag} {path}: not valid JSON ({e})") from None
+            if not isinstance(schema, dict):
+                raise ValueError(
+                    f"{flag} {path}: expected a JSON schema object, found {type(schema).__name__}"
+                )
+            return StructuredOutput(json=schema)
+    return None
 
 
 def sampling_params(args):
@@ -189,12 +223,13 @@ def run(args) -> int:
     prompt = _read_prompt(args)
     runtime = runtime_from_args(args, OFFLINE)
     spec = speculative_from_args(args)
+    params = dataclasses.replace(sampling_params(args), structured=structured_from_args(args))
     model, tok = load_for_generation(args.model, runtime)
     res = generate_text(
         model,
         tok,
         prompt,
-        sampling_params(args),
+        params,
         system=args.system,
         chat=args.chat,
         ctx_size=runtime.max_seq_len,

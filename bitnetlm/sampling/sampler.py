@@ -261,24 +261,31 @@ def _penalised(logits, params, prompt_tokens, output_tokens, allowed=None) -> to
     return x
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
+# what a token a bitmask excludes gets added to its logit: its probability is then exactly 0 (a finite value: one
+# arithmetic pass over the vocabulary, where masked_fill / where over a bool mask take 4-6x as long on the CPU)
+EXCLUDED = -1e30
 
 
 def apply_allowed(x: torch.Tensor, allowed: Sequence[torch.Tensor | None]) -> None:
-    """Remove (-inf, in place) from each row of x [B, V] the tokens its bitmask does not allow: allowed[i] is None
+    """Exclude (in place) from each row of x [B, V] the tokens its bitmask does not allow: allowed[i] is None
     (anything goes) or int32 [ceil(V'/32)] with bit j of word w allowing token 32w + j (llguidance's and
-    xgrammar's layout); tokens past its V' are not allowed."""
+    xgrammar's layout); tokens past its V' are not allowed. An excluded token's logit becomes EXCLUDED."""
+    import numpy as np
+
     rows = [i for i, m in enumerate(allowed) if m is not None]
     if not rows:
         return
     v = x.shape[1]
-    words = torch.stack([allowed[i] for i in rows]).to(torch.int32).cpu()  # [R, W]
-    bits = ((words[:, :, None] >> _BITS) & 1).reshape(len(rows), -1).bool()  # [R, 32W]
-    ok = torch.zeros(len(rows), v, dtype=torch.bool)
-    n = min(v, bits.shape[1])
-    ok[:, :n] = bits[:, :n]
-    idx = torch.tensor(rows, device=x.device)
-    x[idx] = x[idx].masked_fill(~ok.to(x.device), float("-inf"))
+    words = torch.stack([allowed[i] for i in rows]).to(torch.int32).cpu().contiguous()  # [R, W]
+    bits = np.unpackbits(words.numpy().view(np.uint8), axis=1, bitorder="little")[:, :v]  # [R, <= V]
+    ok = torch.zeros(len(rows), v)
+    ok[:, : bits.shape[1]] = torch.from_numpy(bits)
+    pen = ok.sub_(1).mul_(-EXCLUDED).to(x.device)  # 0 where allowed, EXCLUDED elsewhere
+    if len(rows) == x.shape[0]:
+        x.add_(pen)
+    else:
+        idx = torch.tensor(rows, device=x.device)
+        x.index_add_(0, idx, pen)
 
 
 def bias_tensors(p: SamplingParams, v: int, device) -> tuple[torch.Tensor, torch.Tensor]:
