@@ -236,8 +236,9 @@ def test_errors_are_openai_style(mt, client, server):
             model="bitnet",
             messages=[{"role": "user", "content": "x"}],
             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
         )
-    assert e.value.body["param"] == "tools"
+    assert e.value.body["param"] == "tool_choice" and "'g'" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="bitnet", prompt="x", stream_options={"include_usage": True})
     assert e.value.body["param"] == "stream_options"

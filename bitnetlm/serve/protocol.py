@@ -21,6 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from bitnetlm.sampling.structured import StructuredOutput
+from bitnetlm.serve.tools import Tools
 
 MAX_STOP = 16  # OpenAI allows 4; more is harmless and some agents send more
 MAX_LOGPROBS = 20
@@ -241,10 +242,44 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -259,22 +294,42 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True  # vLLM extension
 
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def tool_setup(self) -> Tools | None:
+        """The tools this request offers the model (None: no tools, or tool_choice "none"); 400 for a choice
+        that names no offered tool."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none", "auto"):
+                raise APIError(400, "tool_choice needs 'tools' to choose from", param="tool_choice")
+            return None
+        if choice == "none":
+            return None
+        names = [t.function.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise APIError(400, f"tools: function names must be unique, found {names}", param="tools")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise APIError(
+                    400, f"tool_choice names function {choice.function.name!r}, which is not among the tools "
+                    f"({', '.join(names)})", param="tool_choice",
+                )  # fmt: skip
+            choice = choice.function.name
+        fns = [t.function.model_dump(exclude_none=True) for t in self.tools]
+        return Tools(fns, choice or "auto", self.parallel_tool_calls is not False)
+
 
 # Parameters OpenAI defines that we accept only at their neutral value: name -> (is_neutral(value), why).
 _NEUTRAL = {
     "echo": (lambda v: not v, "echo is not supported"),
     "suffix": (lambda v: v is None, "suffix (insertion) is not supported"),
-    "tools": (lambda v: not v, "tool calling is not supported"),
-    "tool_choice": (lambda v: v in (None, "none"), "tool calling is not supported"),
-    "parallel_tool_calls": (lambda v: True, ""),
 }
 
 

@@ -16,6 +16,7 @@ from bitnetlm.serve.body import read_body
 from bitnetlm.serve.engine import Engine
 from bitnetlm.serve.relay import Run
 from bitnetlm.serve.responses import respond
+from bitnetlm.serve.tools import Tools
 
 router = APIRouter()
 
@@ -49,10 +50,16 @@ async def _read_json(request: Request) -> Any:
     return await st.offload.json(await read_body(request, st.cfg.max_body_bytes))
 
 
-async def _structured(request: Request, e: Engine, req: P._Sampling):
-    """The request's structured output, compiled once here (on the pool) so that what cannot be enforced is a
-    400 naming it, before the request is queued."""
+async def _structured(request: Request, e: Engine, req: P._Sampling, tools: Tools | None = None):
+    """The request's structured output (asked for, or a forced tool call's schema), compiled once here (on the
+    pool) so that what cannot be enforced is a 400 naming it, before the request is queued."""
     so, param = req.structured()
+    if tools is not None and tools.forced:
+        if so is not None:
+            raise P.APIError(
+                400, f"tool_choice {tools.choice!r} and {param!r} cannot be combined", param=param
+            )
+        so, param = tools.structured(), "tools"
     if so is not None:
         try:
             await _state(request).offload.run(e.core.compile, so)
@@ -86,12 +93,13 @@ def _params(
     )
 
 
-async def _generate(request: Request, e: Engine, ids, params: SamplingParams, req, chat: bool):
+async def _generate(request: Request, e: Engine, ids, params: SamplingParams, req, chat: bool, tools=None):
     run = Run(e)
     _state(request).runs.add(run)
     run.submit(ids, params, req.n, param="messages" if chat else "prompt")
     n_prompt = sum(len(x) for x in ids)
-    return await respond(request, run, _state(request).cfg.model_name, req, n_prompt, params.logprobs, chat)
+    name = _state(request).cfg.model_name
+    return await respond(request, run, name, req, n_prompt, params.logprobs, chat, tools)
 
 
 # ---- routes -------------------------------------------------------------------------------------------
@@ -185,10 +193,11 @@ async def chat_completions(request: Request):
     _check_model(request, req.model)
     if req.top_logprobs and not req.logprobs:
         raise P.APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    ids = await st.offload.chat(st.tokenizer, req.messages, req.add_generation_prompt)
+    tools = req.tool_setup()
+    ids = await st.offload.chat(st.tokenizer, req.messages, req.add_generation_prompt, tools)
     max_tokens = req.effective_max_tokens()
     if max_tokens is None:
         max_tokens = max(1, e.max_model_len - len(ids))
-    so = await _structured(request, e, req)
+    so = await _structured(request, e, req, tools)
     params = _params(req, max_tokens, req.logprobs, req.top_logprobs or 0, so)
-    return await _generate(request, e, [ids], params, req, chat=True)
+    return await _generate(request, e, [ids], params, req, chat=True, tools=tools)
