@@ -284,6 +284,31 @@ def test_models_tokenize_detokenize_health_metrics(mt, client, server):
     assert m[f"vllm:inter_token_latency_seconds_count{lab}"] > 0
 
 
+def test_process_gauges_match_prometheus_client(server):
+    """/metrics carries the process_* gauges as prometheus_client writes them (same names, types, values)."""
+    from prometheus_client import ProcessCollector, generate_latest
+    from prometheus_client.registry import CollectorRegistry
+
+    reg = CollectorRegistry()
+    ProcessCollector(registry=reg)
+    before = parse_metrics(generate_latest(reg).decode())
+    text = httpx.get(server.url + "/metrics").text
+    after = parse_metrics(generate_latest(reg).decode())
+    ours = parse_metrics(text)
+    assert {k for k in ours if k.startswith("process_")} == set(before)
+    for name in ("process_resident_memory_bytes", "process_cpu_seconds_total"):
+        assert f"# TYPE {name} {'counter' if name.endswith('_total') else 'gauge'}" in text
+    for name in ("process_start_time_seconds", "process_max_fds"):
+        assert ours[name] == pytest.approx(before[name], abs=0.02)
+    for name in (
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "process_virtual_memory_bytes",
+    ):
+        lo, hi = sorted((before[name], after[name]))
+        assert 0.8 * lo <= ours[name] <= 1.2 * hi + 0.05, name
+
+
 def test_api_key_protects_everything_but_health(mt):
     model, tok = mt
     with start(model, tok, port=0, api_key="s3cret", log_level="warning") as h:
