@@ -5,15 +5,19 @@ and choices; a grammar that allows everything changes nothing; what cannot be en
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import jsonschema
 import openai
 import pytest
 import torch
-from serve_parts import tiny_model_and_tokenizer
+from serve_parts import tiny_model_and_tokenizer, tiny_tokenizer
 from structured_schemas import SCHEMAS
 
+from bitnetlm.engine import grammar
 from bitnetlm.engine.speculative import SpeculativeConfig
 from bitnetlm.generate import SamplingParams, batch_generate, generate, stream_generate
 from bitnetlm.sampling.sampler import EXCLUDED, apply_allowed
@@ -95,6 +99,39 @@ def test_apply_allowed_removes_exactly_the_tokens_the_bitmask_excludes():
     keep[allowed_ids] = True
     assert torch.equal(y[1][keep], x[1][keep]) and bool((y[1][~keep] == EXCLUDED).all())
     assert bool((torch.softmax(y[1], dim=-1)[~keep] == 0).all())
+
+
+def test_masks_equal_llguidances_own_and_import_no_compiler():
+    """The engine's masks are llguidance.torch's, computed without importing that module (its torch.compile
+    decorator pulled in torch's compiler stack: seconds on a server's first constrained request)."""
+    code = (
+        "import sys; sys.path.insert(0, 'tests'); from serve_parts import tiny_tokenizer\n"
+        "from bitnetlm.engine import grammar; from bitnetlm.sampling.structured import StructuredOutput\n"
+        "tok = tiny_tokenizer(); so = StructuredOutput(json=True)\n"
+        "c = grammar.Constraint(grammar.compile_grammar(so, tok, set(tok.eos_token_ids), tok.vocab_size))\n"
+        "assert int(grammar.masks([c])[0].count_nonzero()) > 0\n"
+        "print(sorted(m for m in ('torch._dynamo', 'torch._inductor', 'llguidance.torch') if m in sys.modules))"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr[-2000:] + r.stdout
+    import llguidance
+    import llguidance.torch as llt
+
+    tok = tiny_tokenizer()
+    so = StructuredOutput(
+        json={"type": "object", "properties": {"a": {"enum": ["x", "yz"]}}, "required": ["a"]}
+    )
+    compiled = grammar.compile_grammar(so, tok, set(tok.eos_token_ids), tok.vocab_size)
+    ours, ref = grammar.Constraint(compiled), grammar.Constraint(compiled)
+    for t in tok.encode('{"a": "yz"}', add_special_tokens=False):
+        want = torch.zeros(2, ours.words, dtype=torch.int32)
+        llt.fill_next_token_bitmask_par(llguidance.LLExecutor(), [(ref.matcher, 1)], want)
+        [got] = grammar.masks([ours])
+        assert torch.equal(got, want[1]) and (int(got[t // 32]) >> (t % 32)) & 1
+        ours.consume(t)
+        ref.consume(t)
+    assert not ours.failed and ours.matcher.is_accepting()
 
 
 def test_regex_choice_and_grammar_offline(mt):
