@@ -7,7 +7,8 @@ markdown table naming the machine and the date: compile time, the mean / worst m
 request's grammar time (compile + every mask).
 
 With --models: the cost of enforcement in generation, greedy decode tokens/s of zoo models with and without a
-json_schema (the engine's llguidance), the same number of tokens each way, best of --repeats.
+json_schema (the engine's llguidance), the same number of tokens each way: medians of --repeats runs each, run
+in pairs, and the median of the pairs' ratios as the overhead (robust to a shared machine's drift).
 
   python benchmarks/grammar_overhead.py                          # the LLaMA-3 tokenizer of .assets
   python benchmarks/grammar_overhead.py --tokenizer DIR --engines llguidance
@@ -165,13 +166,15 @@ def model_rows(names: list[str], threads: int | None, repeats: int) -> None:
             model, tok, prompt, on
         ).generation_tokens  # (also warms the grammar's tokenizer, the runner)
         off = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-        runs = {"on": [], "off": []}
-        for _ in range(repeats):  # alternated, so that a shared machine's drift hits both alike
-            runs["off"].append(generate(model, tok, prompt, off))
-            runs["on"].append(generate(model, tok, prompt, on))
-        best_on, best_off = (max(runs[k], key=lambda r: r.generation_tps) for k in ("on", "off"))
-        a, b = best_off.generation_tps, best_on.generation_tps
-        print(f"| {name} | {n} | {a:.1f} | {b:.1f} | {(a / b - 1) * 100:+.1f}% |")
+        tps = {"on": [], "off": []}
+        for i in range(
+            repeats
+        ):  # in pairs, the order alternating, so that a shared machine's drift hits both
+            for k in ("off", "on") if i % 2 == 0 else ("on", "off"):
+                tps[k].append(generate(model, tok, prompt, on if k == "on" else off).generation_tps)
+        ratio = statistics.median(a / b for a, b in zip(tps["off"], tps["on"], strict=True))
+        a, b = statistics.median(tps["off"]), statistics.median(tps["on"])
+        print(f"| {name} | {n} | {a:.1f} | {b:.1f} | {(ratio - 1) * 100:+.1f}% |")
 
 
 def _machine() -> str:
@@ -190,7 +193,7 @@ def main(argv=None) -> None:
     ap.add_argument("--engines", default="llguidance,xgrammar", help="comma-separated (llguidance,xgrammar)")
     ap.add_argument("--models", default=None, help="zoo models to generate with, comma-separated")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for --models")
-    ap.add_argument("--repeats", type=int, default=3, help="runs per row for --models (best kept)")
+    ap.add_argument("--repeats", type=int, default=3, help="run pairs per row for --models (median kept)")
     args = ap.parse_args(argv)
     import tokenizers
 
