@@ -15,6 +15,7 @@ request as soon as the previous one finished) and prints a markdown table naming
 --shared-prefix-words N puts the same N words before every prompt (a system prompt); --prefix-caching on,off
 serves each setting in turn and also prints the first and the second request's TTFT on a fresh server (the
 second finds the shared prefix computed).
+  python benchmarks/serve_load.py --json-schema        # every request constrained by a JSON schema (llguidance)
 
 DIR: e.g. the 2B4T-shaped checkpoint of benchmarks/make_checkpoint.py with the LLaMA-3 tokenizer's files copied
 in (benchmarks/gpu.py writes it so at .assets/bench-2b4t).
@@ -49,6 +50,21 @@ import common
 SAMPLERS = {
     "greedy": {"temperature": 0},
     "llama": {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05},
+}
+# --json-schema: more records than --max-tokens holds, so that every request runs to its end
+RECORDS = {
+    "type": "array",
+    "minItems": 1000,
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "year": {"type": "integer", "minimum": 1800, "maximum": 2100},
+            "kind": {"enum": ["novel", "poem", "letter"]},
+        },
+        "required": ["name", "year", "kind"],
+        "additionalProperties": False,
+    },
 }
 WORDS = "the quick brown fox jumps over the lazy dog while a single man in possession of a fortune".split()
 
@@ -130,14 +146,15 @@ def start_server(
 
 
 # ---- the clients --------------------------------------------------------------------------------------------
-async def one(client, url, prompt, max_tokens, sampler="greedy") -> tuple[float, float, int]:
-    """(ttft, total seconds, completion tokens) for one streaming request."""
+async def one(client, url, prompt, max_tokens, sampler="greedy", extra=None) -> tuple[float, float, int]:
+    """(ttft, total seconds, completion tokens) for one streaming request (`extra`: more body fields)."""
     body = {
         "prompt": prompt,
         "max_tokens": max_tokens,
         "stream": True,
         "ignore_eos": True,
         **SAMPLERS[sampler],
+        **(extra or {}),
     }
     body["stream_options"] = {"include_usage": True}
     t0 = time.perf_counter()
@@ -156,7 +173,7 @@ async def one(client, url, prompt, max_tokens, sampler="greedy") -> tuple[float,
     return ttft or 0.0, time.perf_counter() - t0, tokens
 
 
-async def level(url, concurrency, n_requests, prompts, max_tokens, sampler="greedy") -> dict:
+async def level(url, concurrency, n_requests, prompts, max_tokens, sampler="greedy", extra=None) -> dict:
     import httpx
 
     queue = list(range(n_requests))
@@ -167,7 +184,8 @@ async def level(url, concurrency, n_requests, prompts, max_tokens, sampler="gree
         async def worker():
             while queue:
                 i = queue.pop()
-                results.append(await one(client, url, prompts[i % len(prompts)], max_tokens, sampler))
+                prompt = prompts[i % len(prompts)]
+                results.append(await one(client, url, prompt, max_tokens, sampler, extra))
 
         t0 = time.perf_counter()
         await asyncio.gather(*[worker() for _ in range(concurrency)])
@@ -276,6 +294,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--sampler", choices=sorted(SAMPLERS), default="greedy", help="requests' sampling settings"
     )
     ap.add_argument(
+        "--json-schema", action="store_true", help="constrain every request's output by a JSON schema"
+    )
+    ap.add_argument(
         "--profile", default=None, metavar="FILE", help="run the server under py-spy; stacks into FILE"
     )
     ap.add_argument("--summary", action="store_true", help="with --profile: print the stacks summed")
@@ -314,6 +335,8 @@ def print_rows(args, label: str, ready_s: float, rows: list[dict]) -> None:
         path += f", head {args.head_dtype or 'default'}, KV cache {args.kv_cache_dtype or 'default'}"
     how = "greedy" if args.sampler == "greedy" else "llama.cpp defaults t0.8 k40 p.95 minp.05"
     shared = f" after {args.shared_prefix_words} shared words" if args.shared_prefix_words else ""
+    if args.json_schema:
+        how += ", output constrained by a JSON schema"
     common.header(
         f"bitnet serve load test: {label}",
         gpu=bool(args.device and args.device.startswith("cuda")),
@@ -338,15 +361,19 @@ def print_rows(args, label: str, ready_s: float, rows: list[dict]) -> None:
         print(json.dumps(rows, indent=1))
 
 
-def first_two(url: str, prompts: list[str], args) -> tuple[float, float]:
+def first_two(url: str, prompts: list[str], args, extra) -> tuple[float, float]:
     """TTFT (ms) of a fresh server's first request and of a second one with another prompt (same shared prefix)."""
     import httpx
 
     async def run():
         async with httpx.AsyncClient(timeout=3600) as client:
-            return [(await one(client, url, p, 1, args.sampler))[0] * 1000 for p in prompts[:2]]
+            return [(await one(client, url, p, 1, args.sampler, extra))[0] * 1000 for p in prompts[:2]]
 
     return tuple(asyncio.run(run()))
+
+
+def _schema_format() -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "records", "schema": RECORDS}}
 
 
 def main(argv=None) -> int:
@@ -363,13 +390,16 @@ def main(argv=None) -> int:
             for i in range(64)
         ]
         rows, firsts = [], []
+        extra = {"response_format": _schema_format()} if args.json_schema else None
         for setting in args.prefix_caching:
             proc, url, ready_s = start_server(model, args, env_extra, setting)
             try:
-                firsts.append([setting, *(f"{t:.0f}" for t in first_two(url, prompts[-2:], args))])
-                asyncio.run(level(url, 1, 2, prompts, 4, args.sampler))  # warm-up
+                firsts.append([setting, *(f"{t:.0f}" for t in first_two(url, prompts[-2:], args, extra))])
+                asyncio.run(level(url, 1, 2, prompts, 4, args.sampler, extra))  # warm-up
                 for c in args.concurrency:
-                    r = asyncio.run(level(url, c, args.requests, prompts, args.max_tokens, args.sampler))
+                    r = asyncio.run(
+                        level(url, c, args.requests, prompts, args.max_tokens, args.sampler, extra)
+                    )
                     rows.append({"prefix_caching": setting, **r})
                     print(f"  prefix caching {setting}, concurrency {c}: done", file=sys.stderr)
             finally:

@@ -24,6 +24,7 @@ PACKAGES = {
     "tensorboard": ("tensorboard", "train"),
     "huggingface_hub": ("huggingface_hub", "hub"),
     "ray": ("ray", "ray"),
+    "llguidance": ("llguidance", "structured"),
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 
@@ -98,6 +99,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="format the prompt as one user message with the chat template (implied by --system)",
     )
     add_tp_argument(p)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--json-schema", metavar="FILE", help="the output is JSON valid under this JSON schema file"
+    )
+    g.add_argument("--regex", metavar="PATTERN", help="the output matches this regular expression")
+    g.add_argument("--grammar", metavar="FILE", help="the output follows this grammar file (Lark or GBNF)")
+
+
+def structured_from_args(args):
+    """The StructuredOutput that --json-schema / --regex / --grammar ask for, or None."""
+    from bitnetlm.sampling.structured import StructuredOutput
+
+    if getattr(args, "regex", None):
+        return StructuredOutput(regex=args.regex)
+    for flag, path in (("--json-schema", getattr(args, "json_schema", None)), ("--grammar", args.grammar)):
+        if path:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    text = f.read()
+            except OSError as e:
+                raise FileNotFoundError(f"{flag} {path}: cannot be read ({e.strerror})") from None
+            if flag == "--grammar":
+                return StructuredOutput(grammar=text)
+            try:
+                schema = json.loads(text)
+            except ValueError as e:
+                raise ValueError(f"{flag} {path}: not valid JSON ({e})") from None
+            if not isinstance(schema, dict):
+                raise ValueError(
+                    f"{flag} {path}: expected a JSON schema object, found {type(schema).__name__}"
+                )
+            return StructuredOutput(json=schema)
+    return None
 
 
 def sampling_params(args):
@@ -216,11 +250,12 @@ def load_for_generation_sharded(name, runtime, tp):
 def _generate(args, prompt, model, tok, runtime, spec) -> int:
     from bitnetlm.loading import default_model_name, load_speculative
 
+    params = dataclasses.replace(sampling_params(args), structured=structured_from_args(args))
     res = generate_text(
         model,
         tok,
         prompt,
-        sampling_params(args),
+        params,
         system=args.system,
         chat=args.chat,
         ctx_size=runtime.max_seq_len,

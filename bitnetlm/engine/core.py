@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from bitnetlm.engine import grammar
 from bitnetlm.engine.metrics import Metrics
 from bitnetlm.engine.scheduler import ContextShift, Scheduler, SchedulerConfig
 from bitnetlm.engine.sequence import GenerationRequest, Group, Sequence
@@ -74,14 +75,23 @@ class EngineCore:
             )
         p = req.params
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
+        compiled = self.compile(p.structured, stop_ids) if p.structured is not None else None
         dev = self.runner.device
         for i in range(req.n):
             gen = None if p.seed is None else torch.Generator(device=dev).manual_seed(int(p.seed) + i)
             detok = StreamDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens)
-            s = Sequence(g, i, detok, stop_ids, RowRandom(gen, dev), keep)
+            c = grammar.Constraint(compiled) if compiled is not None else None
+            s = Sequence(g, i, detok, stop_ids, RowRandom(gen, dev), keep, c)
             g.seqs.append(s)
             self.scheduler.add(s)
         return g
+
+    def compile(self, structured, stop_ids=None):
+        """`structured` (a StructuredOutput) compiled for this engine's tokenizer, its sequences ending on
+        `stop_ids` (default: the end-of-sequence ids); ValueError naming what cannot be enforced (the server calls
+        it before it accepts a request)."""
+        ends = self.eos_ids if stop_ids is None else stop_ids
+        return grammar.compile_grammar(structured, self.tokenizer, ends, self.runner.vocab_size)
 
     def abort(self, g: Group) -> None:
         """End request `g` now: its queued choices leave the queue, running ones give their row back."""
@@ -98,11 +108,13 @@ class EngineCore:
         self.steps += 1
         w = self.worker
         plan = self.scheduler.schedule()
-        # (penalties need every step's tokens on the host; so does a speculating step's acceptance)
+        # (penalties and grammars need every step's tokens on the host; so does a speculating step's acceptance)
         pipelined = (
             self.runner.pipelined
             and self.speculator is None
-            and not any(s.params.needs_penalties for s in self.scheduler.running.values())
+            and not any(
+                s.params.needs_penalties or s.constraint is not None for s in self.scheduler.running.values()
+            )
         )
         if self.inflight is not None and not pipelined:  # this step's decode needs the tokens on the host
             old, self.inflight = self.inflight, None

@@ -90,6 +90,7 @@ class Sequence:
         stop_ids: set,
         random: RowRandom,
         shift_keep: int | None = None,
+        constraint=None,
     ):
         self.group, self.index = group, index
         self.tokens = list(group.req.prompt_ids)  # prompt + generated
@@ -109,6 +110,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.finish_detail: str | None = None  # why it ended, where the reason alone does not say
         self.drafted = self.accepted = 0  # speculative decoding: draft tokens scored, and accepted
+        self.constraint = constraint  # structured output (engine/grammar.py): the tokens allowed next
 
     @property
     def params(self) -> SamplingParams:
@@ -126,10 +128,16 @@ class Sequence:
     def push(self, token: int) -> str:
         """Record a sampled token; return the text it makes visible and set finish_reason when the choice ends."""
         self.tokens.append(token)
+        c = self.constraint
+        if c is not None:
+            c.consume(token)
         if token in self.stop_ids:  # never shown; flush an incomplete character held by the detokenizer
             self.finish_reason = "stop"
             return self._scan(self.detok.finalize(), final=True)
         text = self._scan(self.detok.add(token), final=False)
+        if self.finish_reason is None and c is not None and c.stopped:  # the grammar allows nothing more
+            self.finish_reason = "stop"
+            text += self._scan(self.detok.finalize(), final=True)
         if self.finish_reason is None and len(self.generated) >= self.group.max_tokens:
             self.finish_reason = "length"
             self.finish_detail = self.group.length_detail

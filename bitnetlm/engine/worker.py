@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from bitnetlm.engine import grammar
 from bitnetlm.engine.metrics import Metrics
 from bitnetlm.engine.scheduler import Plan, Scheduler
 from bitnetlm.engine.sequence import Finished, Sequence, Token
@@ -25,8 +26,8 @@ from bitnetlm.runtime.base import Pending, SampleSpec
 Queued = tuple[Pending, list[Sequence]]
 
 
-def spec(s: Sequence) -> SampleSpec:
-    """What the runner needs to sample `s`'s next token."""
+def spec(s: Sequence, allowed: torch.Tensor | None = None) -> SampleSpec:
+    """What the runner needs to sample `s`'s next token (among those `allowed`, a grammar's bitmask)."""
     p = s.params
     pen = p.needs_penalties
     return SampleSpec(
@@ -37,6 +38,15 @@ def spec(s: Sequence) -> SampleSpec:
         owner=s,
         prompt=s.tokens[: s.n_prompt] if pen else (),
         output=s.generated if pen else (),
+        allowed=allowed,
+    )
+
+
+def _masks(seqs: list[Sequence]) -> dict[int, torch.Tensor]:
+    """id(sequence) -> the bitmask of the tokens its grammar allows next, for the constrained ones."""
+    cs = [s for s in seqs if s.constraint is not None]
+    return (
+        dict(zip((id(s) for s in cs), grammar.masks([s.constraint for s in cs]), strict=True)) if cs else {}
     )
 
 
@@ -45,6 +55,7 @@ class Worker:
         self.runner, self.scheduler, self.metrics = runner, scheduler, metrics
         self.speculator = speculator  # (engine/speculative.py) drafts and verifies, when speculating
         self.batched_prefills = 0  # forwards that prefilled several prompts at once
+        self._mask_thread = None  # computes grammars' masks while a decode forward runs
 
     def execute(self, plan: Plan, pipelined: bool) -> tuple[Queued | None, Queued | None]:
         """Run `plan`. Pipelined, returns the sampling of the prompts' first tokens and the decode step's, each
@@ -56,23 +67,22 @@ class Worker:
         first = step = None
         if ready:
             seqs = [s for s, _ in ready]
-            pend = r.sample([spec(s) for s in seqs], torch.stack([lg for _, lg in ready]), carry=pipelined)
+            m = _masks(seqs)  # (a prompt's first mask: once per request, not worth a thread)
+            specs = [spec(s, m.get(id(s))) for s in seqs]
+            pend = r.sample(specs, torch.stack([lg for _, lg in ready]), carry=pipelined)
             first = self._queued(pend, seqs, pipelined)
         for sh in plan.shifts:  # (before the decode that feeds the token past the window)
             if sh.seq.row is not None:
                 r.shift(sh.seq.row, sh.keep, sh.drop)
         dec = [s for s in plan.decode if not s.done and s.budget > 0]
         if dec and self.speculator is not None and not pipelined:
-            drafts = self.speculator.propose(dec)
+            # a constrained sequence does not draft: its drafts would need the grammar's mask at every position
+            drafts = self.speculator.propose([s for s in dec if s.constraint is None])
             dec = [s for s in dec if s not in drafts]
             for s, d in drafts.items():  # (after the others' decode would be as good: different rows)
                 self._emit_verified(s, *self.speculator.verify(s, d))
         if dec:
-            tokens = [None if s.pending else s.tokens[-1] for s in dec]
-            positions = [s.n_cached - 1 for s in dec]
-            specs = [spec(s) for s in dec]
-            pend = r.decode_sample([s.row for s in dec], tokens, positions, specs, carry=pipelined)
-            step = self._queued(pend, dec, pipelined)
+            step = self._decode(dec, pipelined)
         return first, step
 
     def _start_row(self, s: Sequence, plan: Plan) -> None:
@@ -88,6 +98,25 @@ class Worker:
         if m is not None:
             m.inc("prefix_cache_queries_total", s.n_prompt)
             m.inc("prefix_cache_hits_total", n)
+
+    def _decode(self, dec: list[Sequence], pipelined: bool) -> Queued | None:
+        r = self.runner
+        tokens = [None if s.pending else s.tokens[-1] for s in dec]
+        positions = [s.n_cached - 1 for s in dec]
+        rows = [s.row for s in dec]
+        if all(s.constraint is None for s in dec):
+            pend = r.decode_sample(rows, tokens, positions, [spec(s) for s in dec], carry=pipelined)
+            return self._queued(pend, dec, pipelined)
+        # the grammars' masks are computed on another thread while the forward runs (llguidance releases the GIL)
+        if self._mask_thread is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="bitnet-grammar")
+        masks = self._mask_thread.submit(_masks, dec)
+        r.decode(rows, tokens, positions)
+        m = masks.result()
+        pend = r.sample([spec(s, m.get(id(s))) for s in dec], carry=False)
+        return self._queued(pend, dec, False)
 
     def _prefill(self, plan: Plan) -> list[tuple[Sequence, torch.Tensor]]:
         """The plan's prompt chunks and copies -> (sequence, its prompt's last logits [V]) of completed prompts."""

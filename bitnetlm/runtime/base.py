@@ -26,7 +26,8 @@ from bitnetlm.sampling import RowRandom, SamplingParams, sample
 class SampleSpec:
     """What a runner needs to sample a row: its parameters and random stream, the draws it may still need, and
     (for penalties) its prompt and output tokens. `owner` identifies the row's occupant (a new one on a row whose
-    sampler state is kept on the device reloads it)."""
+    sampler state is kept on the device reloads it). `allowed`: the bitmask of the tokens structured output
+    allows this step (`sampling.sampler.apply_allowed`), or None."""
 
     row: int
     params: SamplingParams
@@ -35,6 +36,12 @@ class SampleSpec:
     owner: Any = None
     prompt: Sequence[int] = ()
     output: Sequence[int] = ()
+    allowed: torch.Tensor | None = None
+
+    @property
+    def on_host(self) -> bool:
+        """Sampled by the host sampler: penalties and masks need this step's tokens on the host."""
+        return self.allowed is not None or self.params.needs_penalties
 
 
 @dataclass
@@ -122,6 +129,7 @@ def host_sample(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> Sampled:
         prompt_tokens=[s.prompt for s in specs] if pen else None,
         output_tokens=[s.output for s in specs] if pen else None,
         num_top_logprobs=top,
+        allowed=[s.allowed for s in specs] if any(s.allowed is not None for s in specs) else None,
     )
     return Sampled(
         out.tokens.tolist(),

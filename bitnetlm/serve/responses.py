@@ -11,14 +11,25 @@ from fastapi.responses import Response, StreamingResponse
 from bitnetlm.serve import protocol as P
 from bitnetlm.serve.relay import Run, sse, sse_json
 from bitnetlm.serve.requests import Chunk, Failed, Finished
+from bitnetlm.serve.tools import Tools, ToolStream
 
 
-async def respond(request, run: Run, model_name: str, req, n_prompt: int, want_lp: bool, chat: bool):
-    """The HTTP response for a submitted `run`: a stream of events, or the whole body once every choice ends."""
+async def respond(
+    request,
+    run: Run,
+    model_name: str,
+    req,
+    n_prompt: int,
+    want_lp: bool,
+    chat: bool,
+    tools: Tools | None = None,
+):
+    """The HTTP response for a submitted `run`: a stream of events, or the whole body once every choice ends.
+    With `tools` offered, a reply that calls them comes back as `tool_calls` (serve/tools.py)."""
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        gen = stream(request, run, rid, model_name, req.n, n_prompt, chat, include_usage)
+        gen = stream(request, run, rid, model_name, req.n, n_prompt, chat, include_usage, tools)
         return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     texts: dict[int, str] = {}
     lps: dict[int, list] = {}
@@ -44,7 +55,8 @@ async def respond(request, run: Run, model_name: str, req, n_prompt: int, want_l
         return Response(status_code=499)
     choices = [
         _detailed(
-            _choice(idx, texts[idx], lps[idx] if want_lp else None, finish.get(idx), chat), detail.get(idx)
+            _choice(idx, texts[idx], lps[idx] if want_lp else None, finish.get(idx), chat, tools),
+            detail.get(idx),
         )
         for idx in sorted(texts)
     ]
@@ -60,23 +72,26 @@ def _detailed(choice: dict, detail: str | None) -> dict:
     return choice
 
 
-def _choice(idx: int, text: str, lps: list | None, finish: str | None, chat: bool) -> dict:
+def _choice(idx: int, text: str, lps: list | None, finish: str | None, chat: bool, tools=None) -> dict:
     if chat:
         lp = P.chat_logprobs(lps) if lps is not None else None
-        return {
-            "index": idx,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": lp,
-            "finish_reason": finish,
-        }
+        message = {"role": "assistant", "content": text}
+        calls = tools.parse(text) if tools is not None else None
+        if calls:
+            message = {"role": "assistant", "content": None, "tool_calls": calls}
+            finish = "tool_calls" if finish == "stop" else finish
+        return {"index": idx, "message": message, "logprobs": lp, "finish_reason": finish}
     lp = P.completion_logprobs(lps) if lps is not None else None
     return {"index": idx, "text": text, "logprobs": lp, "finish_reason": finish}
 
 
-async def stream(request, run: Run, rid, model_name, n, n_prompt, chat, include_usage) -> AsyncIterator[str]:
+async def stream(
+    request, run: Run, rid, model_name, n, n_prompt, chat, include_usage, tools=None
+) -> AsyncIterator[str]:
     """Server-sent events: a chunk per visible text delta (and finish), then usage if asked for, then [DONE]; a
     failed or cut generation ends with an error event and [DONE]."""
     created = int(time.time())
+    calls: dict[int, ToolStream] = {}
     obj = "chat.completion.chunk" if chat else "text_completion"
     completion = 0
     offsets: dict[int, int] = {}
@@ -99,7 +114,13 @@ async def stream(request, run: Run, rid, model_name, n, n_prompt, chat, include_
     async for batch in run.batches(request):
         out = []  # the batch's frames, sent in one write
         for i, ev in batch:
-            if isinstance(ev, Chunk):
+            if isinstance(ev, Chunk) and tools is not None:
+                ts = calls.setdefault(i * n + ev.index, ToolStream(tools))
+                for delta, lps, fin in ts.feed(ev.text, ev.logprobs or [], ev.finish_reason):
+                    lp = P.chat_logprobs(lps) if lps else None
+                    c = {"index": i * n + ev.index, "delta": delta, "logprobs": lp, "finish_reason": fin}
+                    out.append(frame([c]))
+            elif isinstance(ev, Chunk):
                 c = _delta(ev, i * n + ev.index, chat, offsets)
                 if c is not None:
                     out.append(frame([c]))

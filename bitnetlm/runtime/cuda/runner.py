@@ -228,15 +228,16 @@ class CudaRunner:
                 if carry
                 else Pending(list(specs), host_sample(logits, specs))
             )
-        host = [s for s in specs if s.params.needs_penalties]
+        host = [s for s in specs if s.on_host]
         if host and carry:
             raise ValueError(
-                "rows with penalties need their tokens on the host: sample them with carry=False"
+                "rows with penalties or a structured-output mask need their tokens on the host: sample them "
+                "with carry=False"
             )
         if not carry:
             if len(host) == len(specs) or all(s.params.greedy for s in specs):
                 return Pending(list(specs), host_sample(self.logits[[s.row for s in specs]], specs))
-            cap = [s for s in specs if not s.params.needs_penalties]
+            cap = [s for s in specs if not s.on_host]
             got = {}
             if host:
                 got.update(
@@ -316,7 +317,7 @@ class CudaRunner:
             b in self.sizes
             and list(rows) == list(range(b))
             and all(t is None for t in tokens)
-            and not any(s.params.needs_penalties for s in specs)
+            and not any(s.on_host for s in specs)
         )
 
     def _steady_step(self, rows, positions, specs) -> Pending:
