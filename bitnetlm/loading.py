@@ -60,6 +60,12 @@ def load_model(
         from bitnetlm.formats import gguf
 
         read = lambda: gguf.load_gguf_model(p, mode=mode, dtype=dtype)
+    elif p.is_dir() and _is_encoder_dir(p):
+        from bitnetlm.formats.hf_bert import load_bert_hf
+
+        if cfg.head_dtype is not None:
+            raise ValueError(f"{p}: head_dtype applies to language models; an encoder has no LM head")
+        read = lambda: load_bert_hf(p, mode=mode, dtype=dtype)
     elif p.is_dir():
         from bitnetlm.formats.hf import read_config
         from bitnetlm.formats.native import load_native  # plain HF dirs too; zero-copy for packed ones
@@ -89,6 +95,22 @@ def load_model(
         cpu.apply(model, cfg)
     configure(model, cfg.replace(device=str(device)))
     return model
+
+
+def _is_encoder_dir(p: Path) -> bool:
+    """Whether directory `p` holds a BERT-family encoder (its config.json says so)."""
+    import json
+
+    from bitnetlm.formats.hf_bert import is_encoder_config
+
+    f = p / "config.json"
+    if not f.is_file():
+        return False
+    try:
+        raw = json.loads(f.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return False  # the decoder path reports the bad file
+    return isinstance(raw, dict) and is_encoder_config(raw)
 
 
 def _config(runtime: RuntimeConfig | None, options: dict) -> RuntimeConfig:

@@ -43,3 +43,40 @@ def layer_modules(num_layers: int, sub_norms: bool):
             for n in SUB_NORMS:
                 yield f"layers.{i}.{n}", "norm"
     yield "norm", "norm"
+
+
+# BERT-family encoders: our module name -> transformers' BertModel name (an optional "bert." prefix is accepted)
+BERT_EMBEDDINGS = {
+    "word_embeddings": "embeddings.word_embeddings",
+    "position_embeddings": "embeddings.position_embeddings",
+    "token_type_embeddings": "embeddings.token_type_embeddings",
+    "embed_norm": "embeddings.LayerNorm",
+}
+BERT_LAYER = {
+    "query": "attention.self.query",
+    "key": "attention.self.key",
+    "value": "attention.self.value",
+    "attn_output": "attention.output.dense",
+    "attn_norm": "attention.output.LayerNorm",
+    "ffn_up": "intermediate.dense",
+    "ffn_down": "output.dense",
+    "ffn_norm": "output.LayerNorm",
+}
+BERT_PROJECTIONS = ("query", "key", "value", "attn_output", "ffn_up", "ffn_down")
+# tensors of a BERT checkpoint that an encoder does not use: the pooler (sentence pooling replaces it, as in
+# llama.cpp's converter), task heads, transformers' position-id buffer
+BERT_IGNORED_PREFIXES = ("pooler.", "cls.", "embeddings.position_ids")
+
+
+def bert_modules(num_layers: int):
+    """Yield (our module name, HF module name, kind) for every weight-bearing module of an encoder: kind in
+    embed / norm / proj."""
+    for ours, hf in BERT_EMBEDDINGS.items():
+        yield ours, hf, "norm" if ours == "embed_norm" else "embed"
+    for i in range(num_layers):
+        for ours, hf in BERT_LAYER.items():
+            yield (
+                f"layers.{i}.{ours}",
+                f"encoder.layer.{i}.{hf}",
+                "proj" if ours in BERT_PROJECTIONS else "norm",
+            )

@@ -1,10 +1,11 @@
-"""Config dataclasses and architectures (BitNet b1.58 2B4T, 1bitLLM, LLaMA family)."""
+"""Config dataclasses and architectures (BitNet b1.58 2B4T, 1bitLLM, LLaMA family; BERT-family encoders)."""
 
 import contextlib
 
 import torch
 from torch import nn
 
+from bitnetlm.models.bert import Encoder, EncoderConfig
 from bitnetlm.models.cache import KVCache
 from bitnetlm.models.config import ModelConfig
 from bitnetlm.models.transformer import CausalLM
@@ -37,4 +38,19 @@ def build_empty_model(config: ModelConfig, mode: str = "infer") -> CausalLM:
         return CausalLM(config, mode)
 
 
-__all__ = ["CausalLM", "KVCache", "ModelConfig", "build_empty_model", "build_model"]
+def build_empty_encoder(config: EncoderConfig, mode: str = "infer") -> Encoder:
+    """An encoder on the meta device without initialisation: for loaders that assign every tensor."""
+    with _skip_init(), torch.device("meta"):
+        return Encoder(config, mode)
+
+
+__all__ = [
+    "CausalLM",
+    "Encoder",
+    "EncoderConfig",
+    "KVCache",
+    "ModelConfig",
+    "build_empty_encoder",
+    "build_empty_model",
+    "build_model",
+]
