@@ -246,6 +246,19 @@ class CausalLM(nn.Module):
         last_only: bool = False,
         return_hidden: bool = False,
     ):
+        h = self.trunk(input_ids, positions, cache, cache_pos, input_mask)
+        if last_only:
+            h = h[:, -1:]
+        out = self.logits(h)
+        return (out, h) if return_hidden else out
+
+    def hidden_states(self, input_ids, positions=None, input_mask=None) -> torch.Tensor:
+        """The last layer's hidden states after the final norm [B, T, H], without a cache or the LM head (what
+        transformers' output_hidden_states gives last): the token vectors that embeddings pool."""
+        return self.norm(self.trunk(input_ids, positions, input_mask=input_mask))
+
+    def trunk(self, input_ids, positions=None, cache=None, cache_pos=None, input_mask=None) -> torch.Tensor:
+        """Embedding and every layer: the hidden states [B, T, H] before the final norm."""
         b, t = input_ids.shape
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
@@ -263,7 +276,4 @@ class CausalLM(nn.Module):
             mask = (mask | eye)[:, None]  # [B, 1, T, T]
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, i, cache, cache_pos, mask)
-        if last_only:
-            h = h[:, -1:]
-        out = self.logits(h)
-        return (out, h) if return_hidden else out
+        return h
