@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from oracle import byte_level_bpe, make_checkpoint, oracle_model
+from oracle import embedder_tokenizer, make_checkpoint, oracle_model
 from oracle_bert import write_sentence_files
 
 import bitnetlm
@@ -24,21 +24,6 @@ TEXTS = [
 ]
 
 
-def _tokenizer():
-    """Byte-level BPE whose post-processor appends <|endoftext|>, as Qwen3-Embedding's does (last-token pooling
-    then reads the end token)."""
-    from tokenizers import processors
-
-    from bitnetlm.text.tokenizer import Tokenizer
-
-    tok = byte_level_bpe(400)
-    eot = tok.token_to_id("<|endoftext|>")
-    tok.post_processor = processors.TemplateProcessing(
-        single="$A <|endoftext|>", special_tokens=[("<|endoftext|>", eot)]
-    )
-    return Tokenizer.from_tokenizers(tok, {"eos_token": "<|endoftext|>"})
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """variant -> (our directory with a tokenizer, the transformers oracle directory)."""
@@ -47,7 +32,7 @@ def checkpoints(tmp_path_factory):
     for i, variant in enumerate(("packed-autobitlinear", "llama")):
         ours = base / variant
         oracle = make_checkpoint(ours, variant, seed=7 + i)
-        _tokenizer().save(ours)
+        embedder_tokenizer().save(ours)
         out[variant] = (ours, oracle)
     return out
 
