@@ -15,6 +15,7 @@ import openai
 import pytest
 import torch
 import torch.nn.functional as F
+import websockets
 from oracle import embedder_tokenizer, make_checkpoint, oracle_model
 from oracle_bert import make_bert
 
@@ -224,6 +225,14 @@ def test_served_encoder_equals_offline_embed_and_refuses_generation(encoder):
         with pytest.raises(openai.BadRequestError, match="model 'enc' is an embedding model") as e:
             call()
         assert e.value.body["param"] == "model"
+
+    async def ws_chat():
+        async with websockets.connect(h.url.replace("http://", "ws://") + "/v1/ws") as ws:
+            await ws.send(json.dumps({"messages": [{"role": "user", "content": "hi"}]}))
+            return json.loads(await ws.recv())
+
+    err = asyncio.run(ws_chat())["error"]
+    assert "model 'enc' is an embedding model" in err["message"] and err["param"] == "model"
     r = httpx.post(h.url + "/v1/embeddings", json={"input": "hello " * 200})
     assert r.status_code == 400 and "maximum context length is 128 tokens" in r.json()["error"]["message"]
     assert httpx.get(h.url + "/metrics").status_code == 200

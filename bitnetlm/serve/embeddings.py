@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
 
 from fastapi import APIRouter, Request
+from fastapi.responses import Response
 from pydantic import Field
 
 from bitnetlm import embedding
@@ -119,18 +121,20 @@ async def embeddings(request: Request):
     spec = _spec(m, req.dimensions)
     ids = await st.offload.run(_token_ids, m, inputs, req.truncate_prompt_tokens)
     vectors = []
-    for rows in embedding.batches([len(x) for x in ids], MAX_ROWS, e.config.prefill_chunk):
-        try:
+    try:
+        for rows in embedding.batches([len(x) for x in ids], MAX_ROWS, e.config.prefill_chunk):
             fut = e.call(embedding.pooled, e.model, [ids[i] for i in rows], spec.pooling)
-        except EngineClosed as ex:
-            raise P.APIError(503, str(ex), type="server_error", code="shutting_down") from None
-        vectors.append((rows, await asyncio.wrap_future(fut)))
+            vectors.append((rows, await asyncio.wrap_future(fut)))
+    except EngineClosed as ex:
+        raise P.APIError(503, str(ex), type="server_error", code="shutting_down") from None
     n_tokens = sum(map(len, ids))
     e.metrics.inc("prompt_tokens_total", n_tokens)
     e.metrics.inc("request_success_total")
-    data = await st.offload.run(_data, vectors, len(ids), spec.normalize, req.dimensions, req.encoding_format)
     use = {"prompt_tokens": n_tokens, "total_tokens": n_tokens}
-    return {"object": "list", "data": data, "model": m.name, "usage": use}
+    body = await st.offload.run(
+        _body, m.name, use, vectors, len(ids), (spec.normalize, req.dimensions, req.encoding_format)
+    )
+    return Response(body, media_type="application/json")
 
 
 def _spec(m: Served, dimensions: int | None) -> embedding.EmbedSpec:
@@ -191,19 +195,21 @@ def _token_ids(m: Served, inputs: list[str | list[int]], truncate: int | None) -
     return ids
 
 
-def _data(vectors, n: int, normalize: bool, dimensions: int | None, encoding: str) -> list[dict]:
-    """The response's `data`: one embedding object per input, in order (floats, or base64 of little-endian
-    float32 as OpenAI's client decodes it)."""
+def _body(model: str, usage: dict, vectors, n: int, how: tuple[bool, int | None, str]) -> bytes:
+    """The response as JSON bytes: one embedding object per input, in order, `how` = (normalize, dimensions,
+    encoding): floats, or base64 of little-endian float32 as OpenAI's client decodes it. Thousands of vectors
+    take a while to encode: here, on the offload pool, not on the event loop."""
+    normalize, dimensions, encoding = how
     rows: list = [None] * n
     for idx, got in vectors:
         for i, v in zip(idx, embedding.finish(got, normalize, dimensions)):
             rows[i] = v
-    out = []
+    data = []
     for i, v in enumerate(rows):
         value = (
             v.tolist()
             if encoding == "float"
             else base64.b64encode(v.numpy().astype("<f4").tobytes()).decode()
         )
-        out.append({"object": "embedding", "index": i, "embedding": value})
-    return out
+        data.append({"object": "embedding", "index": i, "embedding": value})
+    return json.dumps({"object": "list", "data": data, "model": model, "usage": usage}).encode()
