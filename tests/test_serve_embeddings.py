@@ -18,11 +18,13 @@ import torch.nn.functional as F
 import websockets
 from oracle import embedder_tokenizer, make_checkpoint, oracle_model
 from oracle_bert import make_bert
+from serve_parts import tiny_model_and_tokenizer
 
 import bitnetlm
 from bitnetlm.generate import SamplingParams, generate
 from bitnetlm.loading import load_for_generation
 from bitnetlm.serve import start
+from bitnetlm.serve.engine import Engine, EngineClosed
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 TEXTS = [
@@ -210,6 +212,11 @@ def test_engine_call_runs_on_the_engine_thread(decoder):
     with pytest.raises(ZeroDivisionError):
         fut.result(timeout=30)
     assert h.engine.call(lambda: "still serving").result(timeout=30) == "still serving"
+    model, tok = tiny_model_and_tokenizer(max_len=64)
+    e = Engine(model, tok)
+    e.shutdown()
+    with pytest.raises(EngineClosed, match="shutting down"):
+        e.call(print)
 
 
 def test_served_encoder_equals_offline_embed_and_refuses_generation(encoder):
