@@ -235,6 +235,11 @@ class CausalLM(nn.Module):
             dtype=dtype or p.dtype,
         )
 
+    def hidden_states(self, input_ids, positions=None, input_mask=None) -> torch.Tensor:
+        """The last layer's hidden states after the final norm [B, T, H], without a cache or the LM head (what
+        transformers' output_hidden_states gives last): the token vectors that embeddings pool."""
+        return self.norm(self.hidden(input_ids, positions, input_mask=input_mask))
+
     # ---- forward --------------------------------------------------------------------------
     def forward(
         self,
@@ -246,19 +251,14 @@ class CausalLM(nn.Module):
         last_only: bool = False,
         return_hidden: bool = False,
     ):
-        h = self.trunk(input_ids, positions, cache, cache_pos, input_mask)
+        h = self.hidden(input_ids, positions, cache, cache_pos, input_mask)
         if last_only:
             h = h[:, -1:]
         out = self.logits(h)
         return (out, h) if return_hidden else out
 
-    def hidden_states(self, input_ids, positions=None, input_mask=None) -> torch.Tensor:
-        """The last layer's hidden states after the final norm [B, T, H], without a cache or the LM head (what
-        transformers' output_hidden_states gives last): the token vectors that embeddings pool."""
-        return self.norm(self.trunk(input_ids, positions, input_mask=input_mask))
-
-    def trunk(self, input_ids, positions=None, cache=None, cache_pos=None, input_mask=None) -> torch.Tensor:
-        """Embedding and every layer: the hidden states [B, T, H] before the final norm."""
+    def hidden(self, input_ids, positions=None, cache=None, cache_pos=None, input_mask=None) -> torch.Tensor:
+        """The last layer's output (before the final norm) [B, T, hidden]."""
         b, t = input_ids.shape
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
