@@ -291,6 +291,8 @@ def convert(
     to = infer_target(out, TARGETS, to)
     _check_out(out, force, to)
     name, src = src, resolve_path(src)
+    if is_encoder(src):
+        return _convert_encoder(name, src, out, to, qtype, force, embed_type)
     cfg = source_config(src)  # everything that can fail on the header fails before the tensors are read
     if to == "gguf" and cfg.quant == "ternary":
         qtype = _gguf_type(cfg, qtype)
@@ -301,6 +303,50 @@ def convert(
         )
     model, tok_files = load_source(src)
     return save_model(model, out, to, tok_files, qtype, force, storage, embed_type, gguf_arch)
+
+
+def is_encoder(src: Path) -> bool:
+    """Whether `src` (an HF directory or a GGUF file) holds a BERT-family encoder."""
+    if source_kind(src) == "gguf":
+        from bitnetlm.formats.gguf_file import read_gguf
+
+        with read_gguf(src) as f:
+            return f.metadata.get("general.architecture") == "bert"
+    from bitnetlm.loading import _is_encoder_dir
+
+    return _is_encoder_dir(src)
+
+
+def _convert_encoder(name, src: Path, out: Path, to: str, qtype, force: bool, embed_type: str) -> Path:
+    """An encoder between its HF (+ sentence-transformers) directory and a llama.cpp `bert` GGUF."""
+    from bitnetlm.loading import load_tokenizer
+
+    if to == "onnx":
+        raise ValueError(f"{name}: ONNX export of an encoder is not supported (convert to hf or gguf)")
+    if source_kind(src) == "gguf":
+        from bitnetlm.formats.gguf import load_gguf_model
+
+        model = load_gguf_model(src)
+    else:
+        from bitnetlm.formats.hf_bert import load_bert_hf
+
+        model = load_bert_hf(src)
+    tok = load_tokenizer(src)
+    if to == "hf":
+        from bitnetlm.formats.hf_bert import save_bert_hf
+
+        return save_bert_hf(model, out, tokenizer=tok, overwrite=force)
+    from bitnetlm.formats.gguf import save_gguf
+
+    if model.config.quant != "ternary" and qtype not in (None, "auto"):
+        raise ValueError(f"{name}: a full-precision model has no ternary weights to store as {qtype}")
+    if qtype in (
+        None,
+        "auto",
+    ):  # TQ2_0 needs rows of 256 values; I2_S any matrix of 128k values (MiniLM: 384)
+        h, i = model.config.hidden_size, model.config.intermediate_size
+        qtype = "tq2_0" if h % 256 == 0 and i % 256 == 0 else "i2_s"
+    return save_gguf(model, out, qtype, tokenizer=tok, embed_type=embed_type)
 
 
 def ternarize_model(model):

@@ -199,3 +199,146 @@ def test_cli_embed_errors_are_one_line(tmp_path, capsys):
         assert main(argv) == 2
         line = _one_line(capsys.readouterr().err)
         assert line.startswith("bitnet embed: error: ") and want in line, line
+
+
+def _gguf_reference(path):
+    """What gguf's own tools say a llama.cpp `bert` file of the HF directory `path` holds: tensor names (its
+    TensorNameMap) and special-token metadata (its SpecialVocab, which llama.cpp's converter runs)."""
+    import gguf
+    from safetensors import safe_open
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, 2)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        hf = [k for k in f.keys() if not k.startswith("pooler.") and k.endswith((".weight", ".bias"))]
+    tensors = {names.get_name(k, try_suffixes=(".weight", ".bias")) for k in hf}
+    sv = gguf.SpecialVocab(path, load_merges=False, n_vocab=160)
+    key = {"unk": "unknown", "sep": "seperator", "pad": "padding"}
+    special = {
+        f"tokenizer.ggml.{key.get(k, k)}_token_id": v for k, v in sv.special_token_ids.items() if k != "cls"
+    }
+    special.update(
+        {f"tokenizer.ggml.add_{k}_token": v for k, v in sv.add_special_token.items() if k in ("bos", "eos")}
+    )
+    return tensors, special
+
+
+@pytest.mark.parametrize(
+    "variant,qtype", [("fp", "f32"), ("packed-autobitlinear", "tq2_0"), ("online", "i2_s")]
+)
+def test_gguf_round_trip_with_llama_cpp_names(tmp_path, variant, qtype):
+    from gguf import GGUFReader
+
+    from bitnetlm.formats.gguf import save_gguf
+
+    kw = (
+        {"hidden_size": 256, "intermediate_size": 256} if qtype == "tq2_0" else {}
+    )  # TQ2_0: rows of 256 values
+    path = make_bert(tmp_path / "m", variant, pooling=("cls",), normalize=True, **kw)
+    model, tok = bitnetlm.load(path)
+    out = save_gguf(
+        model,
+        tmp_path / "m.gguf",
+        qtype="tq2_0" if qtype == "f32" else qtype,
+        tokenizer=tok,
+        embed_type="f32" if qtype == "f32" else "auto",
+    )
+    if qtype == "i2_s":  # bitnet.cpp's type 36, which gguf's reader no longer knows
+        from bitnetlm.formats.gguf_file import read_gguf
+
+        f = read_gguf(out)
+        meta, names = f.metadata, set(f.tensors)
+    else:
+        r = GGUFReader(str(out))
+        meta, names = {f.name: f.contents() for f in r.fields.values()}, {t.name for t in r.tensors}
+    tensors, special = _gguf_reference(path)
+    assert names == tensors
+    assert meta["general.architecture"] == "bert" and meta["bert.pooling_type"] == 2
+    assert meta["bert.attention.causal"] is False and meta["tokenizer.ggml.model"] == "bert"
+    assert {k: meta[k] for k in special} == special
+    vocab = tok.backend.get_vocab()
+    assert (
+        meta["tokenizer.ggml.tokens"][vocab["##e"]] == "e"
+        and meta["tokenizer.ggml.tokens"][vocab["the"]] == "\u2581the"
+    )
+    again, tok2 = bitnetlm.load(out)
+    assert (
+        again.config.pooling == ("cls",)
+        and again.config.normalize
+        and again.config.quant == model.config.quant
+    )
+    assert [e.ids for e in tok2.backend.encode_batch(TEXTS)] == [
+        e.ids for e in tok.backend.encode_batch(TEXTS)
+    ]
+    ids, mask = _batch(tok, TEXTS)
+    with torch.no_grad():
+        want, got = model(ids, mask), again(ids, mask)
+    real = mask.bool()
+    if variant == "fp":
+        assert torch.equal(got[real], want[real])
+    else:  # the same ternary codes and scales; only the scale's float16 rounding in TQ2_0 / I2_S may differ
+        assert _cos_min(got[real], want[real]) > 1 - 1e-5
+    assert _cos_min(embed(again, tok2, TEXTS), embed(model, tok, TEXTS)) > 1 - 1e-5
+
+
+def test_gguf_refuses_what_llama_cpp_cannot_hold(tmp_path):
+    from bitnetlm.formats.gguf import save_gguf
+
+    model, tok = bitnetlm.load(make_bert(tmp_path / "m", "fp", pooling=("max",)))
+    with pytest.raises(ValueError, match="pooling max: a GGUF bert file holds one of mean, cls, lasttoken"):
+        save_gguf(model, tmp_path / "a.gguf")
+    model.config.pooling = ("mean",)
+    tok.backend.normalizer = None
+    with pytest.raises(ValueError, match="a cased tokenizer cannot be written"):
+        save_gguf(model, tmp_path / "b.gguf", tokenizer=tok)
+    assert not list(tmp_path.glob("*.gguf"))
+
+
+def test_cli_convert_encoder_to_gguf_and_back(tmp_path, capsys):
+    from bitnetlm.cli import main
+
+    path = make_bert(tmp_path / "m", "packed-autobitlinear")  # 64 values a row: TQ2_0 cannot, I2_S can
+    want = embed(*bitnetlm.load(path), TEXTS)
+    assert main(["convert", str(path), str(tmp_path / "m.gguf")]) == 0
+    assert main(["convert", str(tmp_path / "m.gguf"), str(tmp_path / "back")]) == 0
+    for out in (tmp_path / "m.gguf", tmp_path / "back"):
+        assert _cos_min(embed(*bitnetlm.load(out), TEXTS), want) > 1 - 1e-5
+    capsys.readouterr()
+    assert main(["convert", str(path), str(tmp_path / "m.onnx")]) == 2
+    assert "ONNX export of an encoder is not supported" in _one_line(capsys.readouterr().err)
+
+
+def test_a_tokenizer_files_fixed_padding_and_truncation_are_ignored(tmp_path):
+    """all-MiniLM-L6-v2's tokenizer.json pads and truncates every text to 128 tokens; transformers applies neither
+    unless a call asks, and an embedding of a padded text would differ from the text's own."""
+    from oracle_bert import wordpiece
+
+    from bitnetlm.text.tokenizer import Tokenizer
+
+    tk = wordpiece()
+    want = tk.encode(TEXTS[2]).ids
+    tk.enable_truncation(8)
+    tk.enable_padding(length=128, pad_id=0, pad_token="[PAD]")
+    tk.save(str(tmp_path / "tokenizer.json"))
+    assert json.loads((tmp_path / "tokenizer.json").read_text())["truncation"]["max_length"] == 8
+    assert Tokenizer.from_dir(tmp_path).backend.encode(TEXTS[2]).ids == want
+
+
+def test_inspect_an_encoder(tmp_path):
+    from transformers import BertModel
+
+    from bitnetlm.formats.gguf import save_gguf
+    from bitnetlm.inspect import inspect_path
+
+    path = make_bert(tmp_path / "m", "packed-autobitlinear")
+    info = inspect_path(path)
+    n = sum(
+        p.numel() for name, p in BertModel.from_pretrained(path).named_parameters() if "pooler" not in name
+    )
+    assert info["architecture"] == "bert" and info["parameters"] == n
+    assert (
+        info["quantization"] == "ternary (autobitlinear, offline)"
+        and info["ternary_parameters"] == 2 * 32768 + 64 * 64  # the file's: its packed pooler too
+    )
+    model, tok = bitnetlm.load(path)
+    g = inspect_path(save_gguf(model, tmp_path / "m.gguf", "i2_s", tokenizer=tok))
+    assert g["architecture"] == "bert (gguf: bert)" and g["quantization"] == "ternary (I2_S)"

@@ -1,4 +1,5 @@
-"""GGUF models: read and write BitNet (`bitnet`, `bitnet-b1.58`, `bitnet-25`) and LLaMA-family GGUF files.
+"""GGUF models: read and write BitNet (`bitnet`, `bitnet-b1.58`, `bitnet-25`) and LLaMA-family GGUF files
+(`bert` encoders: `bitnetlm.formats.gguf_bert`).
 
 Ternary projections are TQ1_0 / TQ2_0 / I2_S (multiply convention, W = T*s); everything else F32/F16/BF16
 (any type `gguf.quants` dequantizes on read: Q8_0 embeddings, Q4_0/Q4_1/Q4_K/Q6_K llama files, ...).
@@ -21,7 +22,7 @@ from bitnetlm.formats.gguf_arch import config_from_gguf, gguf_arch_name
 from bitnetlm.formats.gguf_file import GGUFError, GGUFFile, TensorToWrite, read_gguf, write_gguf
 from bitnetlm.formats.gguf_tokenizer import load_gguf_tokenizer  # noqa: F401  (bitnetlm.load uses it from here)
 from bitnetlm.formats.names import layer_modules
-from bitnetlm.models import CausalLM, build_empty_model
+from bitnetlm.models import CausalLM, Encoder, build_empty_model
 from bitnetlm.models.transformer import rope_inv_freq
 from bitnetlm.quant.bitlinear import BitLinear
 from bitnetlm.quant.packing import PackingFormat, pack_hf
@@ -99,6 +100,12 @@ def load_gguf_model(
 ) -> CausalLM:
     """A model from a GGUF file (CPU). Ternary tensors give packed BitLinear weights without a float detour."""
     f = read_gguf(path)
+    if f.metadata.get("general.architecture") == "bert":
+        from bitnetlm.formats.gguf_bert import load_bert_gguf
+
+        model = load_bert_gguf(f, mode=mode, dtype=dtype)
+        f.close()
+        return model
     cfg = config_from_gguf(f)
     model = build_empty_model(cfg, mode)
     permute = f.metadata.get("general.architecture") == "llama"
@@ -233,6 +240,14 @@ def save_gguf(
     model; a full-precision llama model is written with `embed_type` floats everywhere (f32/f16/bf16).
     `tokenizer`: a bitnetlm Tokenizer or a path to a directory with tokenizer.json (+ tokenizer_config.json).
     """
+    if isinstance(model, Encoder):
+        from bitnetlm.formats.gguf_bert import save_bert_gguf
+
+        if arch_name not in (None, "bert"):
+            raise ValueError(
+                f"GGUF architecture {arch_name!r} does not describe a BERT-family encoder (bert)"
+            )
+        return save_bert_gguf(model, path, qtype, tokenizer=tokenizer, embed_type=embed_type)
     cfg = model.config
     ternary = cfg.quant == "ternary"
     qkey = qtype.lower()
@@ -385,7 +400,12 @@ def inspect_gguf(path: str | os.PathLike) -> dict:
             meta[k] = v
     data_bytes = sum(ti.nbytes for ti in f.tensors.values())
     try:
-        cfg = config_from_gguf(f)
+        if f.metadata.get("general.architecture") == "bert":
+            from bitnetlm.formats.gguf_bert import encoder_config_from_gguf
+
+            cfg = encoder_config_from_gguf(f)
+        else:
+            cfg = config_from_gguf(f)
         arch, quant = cfg.arch, cfg.quant
     except GGUFError as e:
         arch, quant = f.metadata.get("general.architecture"), f"unknown ({e})"

@@ -94,6 +94,10 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any], source: str = "GGUF") -> 
         tok_of("unknown_token_id"),
         tok_of("padding_token_id"),
     )
+    if kind == "bert":
+        from bitnetlm.formats.gguf_bert import wordpiece_from_metadata
+
+        return wordpiece_from_metadata(meta, tokens, types, source)
     if kind == "gpt2":
         merges = [tuple(m.split(" ", 1)) for m in merges_raw or []]
         model = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in LLAMA3_PRES, fuse_unk=False)
@@ -135,7 +139,9 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any], source: str = "GGUF") -> 
         )
         alphabet = None
     else:
-        raise ValueError(f"{source}: tokenizer.ggml.model {kind!r} is not supported (supported: gpt2, llama)")
+        raise ValueError(
+            f"{source}: tokenizer.ggml.model {kind!r} is not supported (supported: gpt2, llama, bert)"
+        )
     special = [
         AddedToken(t, special=True, normalized=False)
         for t, ty in zip(tokens, types)

@@ -71,7 +71,8 @@ def read_encoder_config(path: str | os.PathLike) -> EncoderConfig:
     max_len = None
     st = path / "sentence_bert_config.json"
     if st.is_file():
-        max_len = _json(st).get("max_seq_length") if isinstance(_json(st), dict) else None
+        st_cfg = _json(st)
+        max_len = st_cfg.get("max_seq_length") if isinstance(st_cfg, dict) else None
         if max_len is not None and not (isinstance(max_len, int) and max_len > 0):
             raise ValueError(
                 f"{st}: field 'max_seq_length' must be a positive integer, found {max_len!r:.80}"
