@@ -149,6 +149,11 @@ def test_dimensions_on_a_matryoshka_decoder_and_a_plain_encoder(decoder, encoder
         ({"input": [[1, 2], [5000]]}, "input", "token id 5000 is outside the vocabulary [0, 512)"),
         ({"input": "a", "dimensions": 0}, "dimensions", "greater than or equal to 1"),
         ({"input": "a", "stream": True}, "stream", "Unsupported parameter"),
+        (
+            {"input": "a", "truncate_prompt_tokens": 0},
+            "truncate_prompt_tokens",
+            "a positive number of tokens",
+        ),
     ],
 )
 def test_errors_are_one_line_400s(decoder, body, param, text):

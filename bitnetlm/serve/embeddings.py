@@ -19,7 +19,7 @@ from typing import Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from bitnetlm import embedding
 from bitnetlm.engine.metrics import Metrics
@@ -38,9 +38,16 @@ class EmbeddingRequest(P._Strict):
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
-    user: str | None = None  # accepted for compatibility; only ever logged
+    user: str | None = None  # accepted for compatibility; unused
     # vLLM extension: cut each input to its first N tokens (special tokens kept); -1: to the model's context
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate(cls, v):
+        if v == 0:
+            raise ValueError("expected -1 (the model's context) or a positive number of tokens, found 0")
+        return v
 
     def inputs(self) -> list[str | list[int]]:
         """The input(s) as a list of strings or token-id lists; 400 for an empty one."""
@@ -77,9 +84,13 @@ class EmbeddingEngine:
         return self._accepting
 
     def call(self, fn, *args) -> Future:
-        if not self._accepting:
-            raise EngineClosed("server is shutting down")
-        return self._pool.submit(fn, *args)
+        """`fn(*args)` on the engine's thread, as `Engine.call`."""
+        try:
+            if self._accepting:
+                return self._pool.submit(fn, *args)
+        except RuntimeError:  # (the pool shut down since the check)
+            pass
+        raise EngineClosed("server is shutting down")
 
     def check_fits(self, sequences: int, what: str = "") -> None:
         raise ValueError(not_generative(self.name))  # (WebSocket and gRPC requests end here)
