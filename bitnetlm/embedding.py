@@ -162,14 +162,14 @@ def max_tokens(model) -> int:
     return model.config.max_tokens if _is_encoder(model) else model.config.max_position_embeddings
 
 
-def batches(lengths: Sequence[int], max_rows: int, max_tokens: int | None = None) -> list[list[int]]:
+def batches(lengths: Sequence[int], max_rows: int, max_padded: int | None = None) -> list[list[int]]:
     """Indices of texts in batches of similar length (shortest first): at most `max_rows` rows and, where
-    `max_tokens` is given, at most that many padded tokens (one text alone may exceed it)."""
+    `max_padded` is given, at most that many tokens with the padding (one text alone may exceed it)."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     out: list[list[int]] = []
     for i in order:
         cur = out[-1] if out else None
-        if cur and len(cur) < max_rows and (max_tokens is None or lengths[i] * (len(cur) + 1) <= max_tokens):
+        if cur and len(cur) < max_rows and (max_padded is None or lengths[i] * (len(cur) + 1) <= max_padded):
             cur.append(i)
         else:
             out.append([i])
@@ -177,7 +177,8 @@ def batches(lengths: Sequence[int], max_rows: int, max_tokens: int | None = None
 
 
 def pooled(model, rows: Sequence[Sequence[int]], pooling: tuple[str, ...], pad_id: int = 0) -> torch.Tensor:
-    """Pooled, unnormalised vectors [len(rows), D] (float32, CPU) of one batch of token-id lists, right-padded.
+    """Pooled, unnormalised vectors [len(rows), D] (float32, CPU) of one batch of token-id lists, right-padded
+    with `pad_id` (any id in the vocabulary: the padding is masked out).
 
     A decoder runs without a KV cache (its forward touches no runner state): causal attention with the padding
     masked out, each row's positions counted from its own first token, so a row's vector is what it is alone."""
@@ -227,7 +228,6 @@ def embed_decoder(
     if any(len(i) == 0 for i in ids):
         raise ValueError("embed: a text has no tokens (an empty text and a tokenizer that adds none)")
     out = torch.empty(len(ids), model.config.hidden_size * len(spec.pooling), dtype=torch.float32)
-    pad = _pad_id(model, tokenizer)
     for rows in batches([len(i) for i in ids], batch_size):
-        out[rows] = pooled(model, [ids[i] for i in rows], spec.pooling, pad)
+        out[rows] = pooled(model, [ids[i] for i in rows], spec.pooling)
     return finish(out, spec.normalize if normalize is None else normalize)
