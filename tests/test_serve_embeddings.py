@@ -10,6 +10,7 @@ import struct
 import threading
 import time
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -25,6 +26,8 @@ from bitnetlm.generate import SamplingParams, generate
 from bitnetlm.loading import load_for_generation
 from bitnetlm.serve import start
 from bitnetlm.serve.engine import Engine, EngineClosed
+from bitnetlm.serve.kserve import inference_pb2 as pb
+from bitnetlm.serve.kserve import inference_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 TEXTS = [
@@ -56,7 +59,7 @@ def decoder(decoder_dir):
 @pytest.fixture(scope="module")
 def encoder(tmp_path_factory):
     path = make_bert(tmp_path_factory.mktemp("enc") / "bert", "packed-autobitlinear", pooling=("mean",))
-    with start(path=path, model_name="enc", port=0, log_level="warning") as h:
+    with start(path=path, model_name="enc", port=0, grpc_port=0, log_level="warning") as h:
         c = openai.OpenAI(base_url=h.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         _wait_ready(h)
         yield path, h, c
@@ -245,6 +248,11 @@ def test_served_encoder_equals_offline_embed_and_refuses_generation(encoder):
 
     err = asyncio.run(ws_chat())["error"]
     assert "model 'enc' is an embedding model" in err["message"] and err["param"] == "model"
+    with grpc.insecure_channel(f"127.0.0.1:{h.grpc_port}") as channel:
+        with pytest.raises(grpc.RpcError) as e:
+            list(pb_grpc.GRPCInferenceServiceStub(channel).Generate(pb.GenerateRequest(text_input="hi")))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "model 'enc' is an embedding model" in e.value.details()
     r = httpx.post(h.url + "/v1/embeddings", json={"input": "hello " * 200})
     assert r.status_code == 400 and "maximum context length is 128 tokens" in r.json()["error"]["message"]
     assert httpx.get(h.url + "/metrics").status_code == 200
