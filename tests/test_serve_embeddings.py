@@ -153,6 +153,13 @@ def test_dimensions_on_a_matryoshka_decoder_and_a_plain_encoder(decoder, encoder
         ({"input": "a", "dimensions": 0}, "dimensions", "greater than or equal to 1"),
         ({"input": "a", "stream": True}, "stream", "Unsupported parameter"),
         (
+            {"input": [1, "a"]},
+            "input",
+            "expected a string, a list of strings, a list of token ids or a list of",
+        ),
+        ({"input": [[1], [True]]}, "input", "expected a string, a list of strings, a list of token ids"),
+        ({"input": None}, "input", "expected a string, a list of strings"),
+        (
             {"input": "a", "truncate_prompt_tokens": 0},
             "truncate_prompt_tokens",
             "a positive number of tokens",

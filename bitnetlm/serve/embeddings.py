@@ -42,6 +42,19 @@ class EmbeddingRequest(P._Strict):
     # vLLM extension: cut each input to its first N tokens (special tokens kept); -1: to the model's context
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
 
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input(cls, v):
+        def ids(x):
+            return isinstance(x, list) and all(type(t) is int for t in x)
+
+        lists = isinstance(v, list) and (all(isinstance(x, str) for x in v) or all(ids(x) for x in v))
+        if not (isinstance(v, str) or ids(v) or lists):
+            raise ValueError(
+                "expected a string, a list of strings, a list of token ids or a list of token-id lists"
+            )
+        return v
+
     @field_validator("truncate_prompt_tokens")
     @classmethod
     def _truncate(cls, v):
