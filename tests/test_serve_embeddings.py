@@ -25,7 +25,7 @@ import bitnetlm
 from bitnetlm.generate import SamplingParams, generate
 from bitnetlm.loading import load_for_generation
 from bitnetlm.serve import start
-from bitnetlm.serve.engine import Engine, EngineClosed
+from bitnetlm.serve.engine import Engine, EngineClosed, Failed, Finished, GenerationRequest
 from bitnetlm.serve.kserve import inference_pb2 as pb
 from bitnetlm.serve.kserve import inference_pb2_grpc as pb_grpc
 
@@ -232,6 +232,32 @@ def test_engine_call_runs_on_the_engine_thread(decoder):
     e.shutdown()
     with pytest.raises(EngineClosed, match="shutting down"):
         e.call(print)
+
+
+def test_calls_leave_running_sequences_half_the_engine_thread():
+    """After a call, the engine steps its running sequences for as long as the call took before the next one: a
+    queue of calls never runs back to back while a sequence decodes (no timing asserted: step counts)."""
+    model, tok = tiny_model_and_tokenizer(max_len=2048)
+    e = Engine(model, tok)
+    try:
+        done = threading.Event()
+        p = SamplingParams(max_tokens=1500, temperature=0, ignore_eos=True)
+        e.submit(
+            GenerationRequest(tok.encode("fox"), p),
+            lambda ev: isinstance(ev, (Finished, Failed)) and done.set(),
+        )
+        while e.steps < 2:
+            time.sleep(0.001)
+
+        def slow():
+            time.sleep(0.05)
+            return e.steps
+
+        at = [f.result(timeout=60) for f in [e.call(slow) for _ in range(4)]]
+        assert not done.is_set()  # (the sequence ran throughout)
+        assert all(b - a >= 3 for a, b in zip(at, at[1:])), at
+    finally:
+        e.shutdown(drain=False)
 
 
 def test_served_encoder_equals_offline_embed_and_refuses_generation(encoder):

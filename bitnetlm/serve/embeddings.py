@@ -2,8 +2,9 @@
 
 A decoder's embedding runs on its engine's thread between two generation steps (`Engine.call`): the eager
 forward without a KV cache touches no runner state, but the runner's kernels (CUDA streams, split-K scratch)
-belong to that thread. Inputs go in batches of at most `prefill_chunk` padded tokens, one batch per step, so
-generation goes on beside a large request as it does beside a long prompt. An encoder (BERT family) is served by
+belong to that thread. Inputs go in batches of at most `prefill_chunk` padded tokens, one batch per call, and
+while sequences generate the calls take at most half the engine's time, so generation goes on beside a stream
+of embedding requests (about half its speed at worst). An encoder (BERT family) is served by
 an `EmbeddingEngine` instead: the same surface for the registry, its forwards one at a time on a thread of its
 own; the generation routes refuse it with a 400. Tokenizing, pooling's last steps and the JSON or base64 body
 run on the offload pool, never on the event loop.

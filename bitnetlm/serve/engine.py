@@ -117,6 +117,7 @@ class Engine:
         self._groups: dict[int, Group] = {}  # gid -> its group (engine thread)
         self._live: set[int] = set()  # gids submitted and not yet ended
         self._calls: list[tuple[Callable, tuple, Future]] = []  # `call`s not yet run
+        self._owed = 0.0  # seconds of steps owed to the running sequences for the last call's time
         self._ids = itertools.count(1)
         self.max_cancel_lag_steps = 0  # most steps any cancellation waited before its rows were freed
         self._accepting = True
@@ -147,8 +148,8 @@ class Engine:
         """Run `fn(*args)` on the engine thread between two steps; its result (or error) in the future.
 
         For work on the model that must not overlap a step, as an embedding's forward: the runner's kernels,
-        scratch buffers and CUDA streams are used from this thread only. One call runs per step, so a long
-        queue of them delays each step by one call's time, as a prefill chunk does."""
+        scratch buffers and CUDA streams are used from this thread only. While sequences run, calls take at
+        most half the thread's time: after a call, steps run for as long as it took before the next call."""
         fut: Future = Future()
         with self._lock:
             if not self._accepting:
@@ -255,17 +256,22 @@ class Engine:
                     break
                 incoming, self._incoming = self._incoming, []
                 cancels, self._cancel = self._cancel, {}
-                call = self._calls.pop(0) if self._calls else None
+                due = self._calls and (self._owed <= 0 or not self.core.has_work())
+                call = self._calls.pop(0) if due else None
             if call is not None:
+                t0 = time.perf_counter()
                 _run_call(*call)
+                self._owed = time.perf_counter() - t0
             for gid, req, sink in incoming:
                 self._admit(gid, req, sink)
             self._apply_cancels(cancels)
+            t0 = time.perf_counter()
             try:
                 self.core.step()
             except Exception as e:  # fail the running requests, keep serving
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 self._fail_running(f"internal error during generation: {type(e).__name__}: {e}")
+            self._owed = max(self._owed - (time.perf_counter() - t0), 0.0)
         with self._lock:
             calls, self._calls = self._calls, []
             self._lock.notify_all()
