@@ -6,6 +6,7 @@ scripts/test.sh deselects. Run them after the build:
 
     scripts/build_llama_bench.sh && python -m pytest -m llamacpp tests/test_gguf_llamacpp.py
 
+Encoders (`bert`) are checked by llama.cpp's tokenizer (a float file: upstream has no I2_S).
 Upstream llama.cpp runs the SiLU architectures (`bitnet`, `llama`) with TQ1_0 / TQ2_0 and float tensors, which is
 every kind tested here. The ReLU^2 `bitnet-b1.58` architecture and I2_S are microsoft/BitNet's fork (bitnet.cpp),
 and llama.cpp's `bitnet` has no `output` tensor, so an untied SiLU BitNet (1bitLLM) loads only in bitnet-lm.
@@ -99,6 +100,29 @@ def test_llama_cpp_tokenizes_our_gguf_as_we_do(pre, tmp_path):
         )
         theirs = json.loads(out.decode().strip().splitlines()[-1])
         assert theirs == ours.encode(text) == ref.encode(text).ids, text
+
+
+def test_llama_cpp_tokenizes_our_bert_gguf_as_we_do(tmp_path):
+    """A `bert` file's WordPiece vocabulary (phantom-space tokens, [CLS] / [SEP]) read by llama.cpp's tokenizer."""
+    from oracle_bert import make_bert
+
+    path = make_bert(tmp_path / "m", "fp")
+    model, tok = bitnetlm.load(path)
+    out = save_gguf(model, tmp_path / "b.gguf", tokenizer=tok, embed_type="f32")
+    ours = bitnetlm.load(out)[1]
+    for text in TEXTS[:4] + ["Ünïcödé, the FIRST entering of a neighbourhood!"]:
+        got = _run(
+            _tool("llama-tokenize"),
+            "-m",
+            out,
+            "--stdin",
+            "--ids",
+            "--no-escape",
+            "--log-disable",
+            stdin=text.encode(),
+        )
+        theirs = json.loads(got.decode().strip().splitlines()[-1])
+        assert theirs == ours.encode(text) == tok.encode(text), text
 
 
 def _model(kind: str, vocab: int):
