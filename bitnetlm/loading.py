@@ -86,6 +86,10 @@ def load_model(
 
         warm.start(device, cfg.backend or os.environ.get("BITNETLM_BACKEND") or "triton", dtype, config)
     model = read()
+    if p.is_dir():
+        from bitnetlm import embedding
+
+        embedding.configure(model, embedding.read_spec(p, isinstance(model, embedding.Encoder)))
     if mode == "train":
         return model.to(device)
     model = prepare(model, device, cfg.backend)

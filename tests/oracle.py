@@ -186,6 +186,21 @@ def byte_level_bpe(vocab_size: int = 400):
     return tok
 
 
+def embedder_tokenizer():
+    """`byte_level_bpe` whose post-processor appends <|endoftext|>, as Qwen3-Embedding's does (last-token pooling
+    then reads the end token), as our Tokenizer."""
+    from tokenizers import processors
+
+    from bitnetlm.text.tokenizer import Tokenizer
+
+    tok = byte_level_bpe(400)
+    eot = tok.token_to_id("<|endoftext|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A <|endoftext|>", special_tokens=[("<|endoftext|>", eot)]
+    )
+    return Tokenizer.from_tokenizers(tok, {"eos_token": "<|endoftext|>"})
+
+
 def oracle_model(oracle_dir: Path):
     """The transformers model for an oracle directory, fp32, eval mode."""
     import transformers

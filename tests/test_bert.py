@@ -13,6 +13,10 @@ import bitnetlm
 from bitnetlm.embedding import embed
 from bitnetlm.models.bert import Encoder
 
+# one torch thread: with several, the BLAS may pick its thread count per call on a busy machine, and a batch's sums
+# then differ from a single text's by an ulp
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 TEXTS = [
     "It is a truth universally acknowledged.",
     "A single man in possession of a good fortune must be in want of a wife!",
@@ -151,9 +155,9 @@ def test_missing_tensor_and_bad_config_name_the_file(tmp_path):
         bitnetlm.load(path)
 
 
-def test_embed_refuses_a_decoder(tiny_model):
-    with pytest.raises(ValueError, match="expected an encoder model .* found CausalLM"):
-        embed(tiny_model, None, ["hello"])
+def test_embed_refuses_what_is_no_model():
+    with pytest.raises(ValueError, match="expected an encoder or a decoder model, found Linear"):
+        embed(torch.nn.Linear(2, 2), None, ["hello"])
 
 
 def _one_line(err: str) -> str:
@@ -183,7 +187,6 @@ def test_cli_embed_prints_the_library_vectors(tmp_path, capsys, monkeypatch):
 
 def test_cli_embed_errors_are_one_line(tmp_path, capsys):
     from bitnetlm.cli import main
-    from bitnetlm.zoo import DEFAULT_MODEL
 
     path = make_bert(tmp_path / "m", "fp")
     empty, binary, text = tmp_path / "empty.txt", tmp_path / "bin.txt", tmp_path / "t.txt"
@@ -195,10 +198,6 @@ def test_cli_embed_errors_are_one_line(tmp_path, capsys):
         (["embed", "-m", str(path), str(empty)], f"{empty}: no text to embed (expected one text per line)"),
         (["embed", "-m", str(path), str(binary)], f"{binary}: not UTF-8 text (byte 3)"),
         (["embed", "-m", str(path), str(tmp_path / "nope.txt")], "nope.txt"),
-        (
-            ["embed", "-m", DEFAULT_MODEL, str(text)],
-            "embed: expected an encoder model (BERT family), found CausalLM",
-        ),
         (["embed", "-m", str(path), str(text), "-b", "0"], "batch_size must be a positive integer, found 0"),
     ]
     for argv, want in cases:

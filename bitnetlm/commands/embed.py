@@ -10,7 +10,9 @@ from bitnetlm.commands import add_torch_threads, apply_torch_threads
 
 
 def add_arguments(p) -> None:
-    p.add_argument("-m", "--model", required=True, help="encoder model directory, .gguf file or zoo name")
+    p.add_argument(
+        "-m", "--model", required=True, help="model directory (encoder or decoder), .gguf file or zoo name"
+    )
     p.add_argument("input", nargs="?", default="-", help="text file, one text per line ('-' or none: stdin)")
     p.add_argument("-b", "--batch-size", type=int, default=32, help="texts per forward (default: 32)")
     p.add_argument(

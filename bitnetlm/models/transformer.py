@@ -273,6 +273,11 @@ class CausalLM(nn.Module):
             dtype=dtype or p.dtype,
         )
 
+    def hidden_states(self, input_ids, positions=None, input_mask=None) -> torch.Tensor:
+        """The last layer's hidden states after the final norm [B, T, H], without a cache or the LM head (what
+        transformers' output_hidden_states gives last): the token vectors that embeddings pool."""
+        return self.norm(self.hidden(input_ids, positions, input_mask=input_mask))
+
     # ---- forward --------------------------------------------------------------------------
     def forward(
         self,

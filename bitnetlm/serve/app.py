@@ -25,9 +25,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from bitnetlm.engine.scheduler import ContextShift
 from bitnetlm.engine.speculative import SpeculativeConfig
+from bitnetlm.models.bert import Encoder
 from bitnetlm.runtime.config import RuntimeConfig
 from bitnetlm.serve import protocol as P
 from bitnetlm.serve.admin import admin_router
+from bitnetlm.serve.embeddings import EmbeddingEngine, embeddings_router
 from bitnetlm.serve.engine import Engine, EngineConfig
 from bitnetlm.serve.models import Loader, Registry, ReleaseAtEnd, Served, reason
 from bitnetlm.serve.offload import Offload
@@ -123,12 +125,15 @@ class _State:
         s = self.models.get(None)
         return s.tokenizer if s is not None else None
 
-    def build(self, name: str, model, tokenizer) -> Engine:
-        """An engine serving `model` as `name` (the server's engine and runtime options)."""
+    def build(self, name: str, model, tokenizer) -> Engine | EmbeddingEngine:
+        """An engine serving `model` as `name` (the server's engine and runtime options); an encoder gets one
+        that only embeds."""
         if tokenizer is None:
             raise ValueError("serving needs a tokenizer (tokenizer.json next to the model)")
         c = self.cfg
         check_context(model, c.runtime)
+        if isinstance(model, Encoder):
+            return EmbeddingEngine(model, tokenizer, c.engine, name, c.runtime.max_seq_len)
         return Engine(model, tokenizer, c.engine, model_name=name, runtime=c.runtime)
 
     def start_engine(self, model, tokenizer, loader: Loader | None = None) -> None:
@@ -231,6 +236,7 @@ def create_app(
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal)
     app.include_router(router)
+    app.include_router(embeddings_router)
     app.include_router(ws_router)
     app.include_router(admin_router)
     app.add_middleware(ReleaseAtEnd)

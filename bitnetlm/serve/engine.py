@@ -15,6 +15,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,6 +131,8 @@ class Engine:
         self._cancel: dict[int, int] = {}  # gid -> engine step when cancel() was called
         self._groups: dict[int, Group] = {}  # gid -> its group (engine thread)
         self._live: set[int] = set()  # gids submitted and not yet ended
+        self._calls: list[tuple[Callable, tuple, Future]] = []  # `call`s not yet run
+        self._owed = 0.0  # seconds of steps owed to the running sequences for the last call's time
         self._ids = itertools.count(1)
         self.max_cancel_lag_steps = 0  # most steps any cancellation waited before its rows were freed
         self._accepting = True
@@ -155,6 +158,20 @@ class Engine:
             self._live.add(gid)
             self._lock.notify_all()
         return gid
+
+    def call(self, fn: Callable, *args) -> Future:
+        """Run `fn(*args)` on the engine thread between two steps; its result (or error) in the future.
+
+        For work on the model that must not overlap a step, as an embedding's forward: the runner's kernels,
+        scratch buffers and CUDA streams are used from this thread only. While sequences run, calls take at
+        most half the thread's time: after a call, steps run for as long as it took before the next call."""
+        fut: Future = Future()
+        with self._lock:
+            if not self._accepting:
+                raise EngineClosed("server is shutting down")
+            self._calls.append((fn, args, fut))
+            self._lock.notify_all()
+        return fut
 
     @property
     def capacity(self) -> int:
@@ -207,7 +224,7 @@ class Engine:
                     self._cancel.setdefault(gid, self.core.steps)
             self._lock.notify_all()
             deadline = None if timeout is None else time.monotonic() + timeout
-            while self._live and self._thread.is_alive():
+            while (self._live or self._calls) and self._thread.is_alive():
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     for gid in self._live:
@@ -247,22 +264,35 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not (self._stop or self._cancel or self._incoming or self.core.has_work()):
+                while not (
+                    self._stop or self._cancel or self._incoming or self._calls or self.core.has_work()
+                ):
                     self._lock.wait()
                 if self._stop:
                     break
                 incoming, self._incoming = self._incoming, []
                 cancels, self._cancel = self._cancel, {}
+                due = self._calls and (self._owed <= 0 or not self.core.has_work())
+                call = self._calls.pop(0) if due else None
+            if call is not None:
+                t0 = time.perf_counter()
+                _run_call(*call)
+                self._owed = time.perf_counter() - t0
             for gid, req, sink in incoming:
                 self._admit(gid, req, sink)
             self._apply_cancels(cancels)
+            t0 = time.perf_counter()
             try:
                 self.core.step()
             except Exception as e:  # fail the running requests, keep serving
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 self._fail_running(f"internal error during generation: {type(e).__name__}: {e}")
+            self._owed = max(self._owed - (time.perf_counter() - t0), 0.0)
         with self._lock:
+            calls, self._calls = self._calls, []
             self._lock.notify_all()
+        for _, _, fut in calls:  # (only when shutdown gave up waiting for them)
+            fut.set_exception(EngineClosed("server is shutting down"))
 
     def _admit(self, gid: int, req: GenerationRequest, sink: Callable[[Any], None]) -> None:
         """A submitted request into the core; one it cannot take fails alone, and the engine goes on."""
@@ -325,3 +355,12 @@ class Engine:
         for g in groups.values():
             self.core.abort(g)
             emit(g, Failed(message))
+
+
+def _run_call(fn: Callable, args: tuple, fut: Future) -> None:
+    if not fut.set_running_or_notify_cancel():
+        return
+    try:
+        fut.set_result(fn(*args))
+    except BaseException as e:  # the caller's to report; the engine goes on
+        fut.set_exception(e)

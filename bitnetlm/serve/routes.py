@@ -14,6 +14,7 @@ from bitnetlm.engine.metrics import render_many
 from bitnetlm.sampling import SamplingParams
 from bitnetlm.serve import protocol as P
 from bitnetlm.serve.body import read_body
+from bitnetlm.serve.embeddings import require_generator
 from bitnetlm.serve.engine import Engine
 from bitnetlm.serve.models import Served, hold
 from bitnetlm.serve.relay import Run
@@ -165,7 +166,7 @@ async def completions(request: Request):
     _engine(request)
     st = _state(request)
     req = P.parse_request(P.CompletionRequest, await _read_json(request))
-    m = _check_model(request, req.model)
+    m = require_generator(_check_model(request, req.model))
     e = m.engine
     prompts = req.prompts()
     if len(prompts) > st.cfg.max_prompts:
@@ -185,7 +186,7 @@ async def chat_completions(request: Request):
     _engine(request)
     st = _state(request)
     req = P.parse_request(P.ChatCompletionRequest, await _read_json(request))
-    m = _check_model(request, req.model)
+    m = require_generator(_check_model(request, req.model))
     if req.top_logprobs and not req.logprobs:
         raise P.APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     tools = req.tool_setup()
