@@ -322,6 +322,7 @@ def convert(
 def is_encoder(src: Path) -> bool:
     """Whether `src` (an HF directory or a GGUF file) holds a BERT-family encoder."""
     if source_kind(src) == "gguf":
+        deps.require("gguf", "reading GGUF files")
         from bitnetlm.formats.gguf_file import read_gguf
 
         with read_gguf(src) as f:
