@@ -35,6 +35,12 @@ WANTED = [
     "hypothesis",
     "pytest-xdist",
     "pytest-timeout",
+    "websockets",
+    "grpcio>=1.85.4",  # the committed gRPC stubs need it
+    "protobuf>=7.35.1",
+    "llguidance",
+    "jsonschema",
+    "prometheus_client",
 ]
 # Packages of the GPU machine's image (its package list, read 2026-11-17) that the closure above can reach.
 DEVICE_HAS = {

