@@ -183,6 +183,7 @@ async def _start_grpc(st: _State):
 
     try:
         require("grpc", "bitnet serve --grpc-port")
+        require("google.protobuf", "bitnet serve --grpc-port")
         from bitnetlm.serve.grpc_service import start_grpc
 
         server, st.grpc_port = await start_grpc(st, st.cfg.host, st.cfg.grpc_port)
