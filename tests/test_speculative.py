@@ -345,3 +345,38 @@ def test_cuda_speculative_greedy_unchanged(dtype):
         assert sum(g.accepted_tokens for g in got) > 0
         one = generate(model, tok, prompts[0], params[0], speculative=spec)
         assert one.tokens == base[0].tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_cuda_captured_verify_equals_the_eager_chunk(kv):
+    """CudaRunner.verify replays a captured graph (tokens padded to a power of two over a power-of-two span of
+    the cache, positions read on the device): its logits and the cache it leaves equal the eager chunk forward's,
+    in two rows, across a span boundary, and when a rejected draft is verified over again."""
+    from bitnetlm.runtime import make_runner
+    from bitnetlm.runtime.config import RuntimeConfig
+    from bitnetlm.runtime.cuda.runner import CudaRunner
+
+    model, _ = bitnetlm.load("bitnet-tiny", device="cuda", dtype="float32")
+    cfg = RuntimeConfig(device="cuda", kv_cache_dtype=kv)
+    graph, eager = make_runner(model, cfg, 2, 256), make_runner(model, cfg, 2, 256)
+    assert isinstance(graph, CudaRunner)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 500, (140,), generator=g).tolist()
+    tol = 1e-4 if kv == "auto" else 0.1  # (float8: e4m3 steps where the two attentions round apart)
+    for row, n0 in ((0, 20), (1, 61)):
+        for r in (graph, eager):
+            r.prefill(row, ids[:n0])
+        for start, n in ((n0, 5), (n0 + 2, 7), (n0 + 2, 3), (n0 + 4, 1)):  # (n0 + 2: after a rejection)
+            toks = ids[start : start + n]
+            got = graph.verify(row, toks, start)
+            tok = torch.tensor([toks], device="cuda")
+            pos = torch.full((1,), start, dtype=torch.int32, device="cuda")
+            want = eager.eng.forward(tok, pos, row0=row, start=start, last_only=False)
+            torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+            for a, b in zip(graph.eng.k_cache + graph.eng.v_cache, eager.eng.k_cache + eager.eng.v_cache):
+                if kv != "auto":
+                    break
+                a, b = a[row, :, : start + n].float(), b[row, :, : start + n].float()
+                torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+    assert sum(1 for k in graph.eng._graphs if k[0] == "verify") >= 4  # captured, not eager

@@ -55,6 +55,15 @@ class _Staging:
         return i
 
 
+def verify_span(n: int, start: int, max_seq_len: int) -> tuple[int, int]:
+    """(tokens, cache slots) of the captured verify of n tokens at positions start..start+n-1: n padded to a
+    power of two (at least 2) and the slots to one (at least 64), so that a handful of graphs serve every
+    draft length and context; (0, 0) where the padded tokens would pass the context's end."""
+    t = max(2, 1 << (n - 1).bit_length())
+    keys = min(max(64, 1 << (start + t - 1).bit_length()), max_seq_len)
+    return (t, keys) if start + t <= keys else (0, 0)
+
+
 def weights_kind(model) -> str | None:
     """ "ternary" when every projection is a BitLinear, "dense" when none is, None otherwise (mixed)."""
     from bitnetlm.quant.bitlinear import BitLinear
@@ -147,13 +156,28 @@ class CudaRunner:
 
     @torch.no_grad()
     def verify(self, row: int, tokens: Sequence[int], start: int) -> torch.Tensor:
+        """Through a captured graph of the tokens padded to a power of two, over a power-of-two span of the
+        cache (`verify_span`); the pad tokens' keys land past the row's length, where nothing reads them."""
         self._unsteady()
-        tok = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, T]
-        pos = torch.full((1,), start, dtype=torch.int32, device=self.device)
         if start == 0:
             raise ValueError("verify continues a cached prompt (start > 0)")
-        out = self.eng.forward(tok, pos, row0=row, start=start, last_only=False)  # [T, V]
-        self.lengths[row] = start + len(tokens)
+        n = len(tokens)
+        t, keys = verify_span(n, start, self.max_seq_len)
+        if t == 0:  # (the padded span would pass the context's end: eagerly, at its exact length)
+            tok = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, T]
+            pos = torch.full((1,), start, dtype=torch.int32, device=self.device)
+            out = self.eng.forward(tok, pos, row0=row, start=start, last_only=False)  # [T, V]
+        else:
+            host = torch.zeros((t + 1,), dtype=torch.long)
+            host[:n] = torch.tensor(list(tokens), dtype=torch.long)
+            host[t] = start
+            tok, pos = self.eng.verify_inputs(t)
+            tok.copy_(host[None, :t].to(self.device))
+            pos.copy_(host[t:].to(self.device, torch.int32))
+            st = self.eng.verify_state(row, t, keys)  # (captured on first use, from these inputs)
+            st.graph.replay()
+            out = st.logits[:n].clone()  # (the graphs share a memory pool: the next replay may reuse it)
+        self.lengths[row] = start + n
         return out
 
     def truncate(self, row: int, n: int) -> None:
