@@ -38,6 +38,9 @@ class SchedulerConfig:
     )
     prefix_reuse: bool = True  # a prompt skips the tokens a row already holds (see above)
     context: int = 0  # positions a row holds (0: unbounded); a sequence with shift_keep set shifts at the end
+    ring: object = (
+        None  # the runner's sliding-window rings (`Ring.keeps`: which held prefixes survive), or None
+    )
 
 
 REUSE_MIN = 16  # shorter common prefixes are recomputed: a copy is not worth its bookkeeping below this
@@ -111,6 +114,7 @@ class Scheduler:
         self.held: dict[
             int, tuple[int, ...]
         ] = {}  # free row -> the prompt prefix whose keys and values it holds
+        self.written: dict[int, int] = {}  # free row -> the most positions its last sequence wrote
         self.ended = 0  # counts sequences that gave a row back (the order in which held rows were freed)
         self.freed_at: dict[int, int] = {}
 
@@ -127,6 +131,7 @@ class Scheduler:
             self.free_rows.sort()
             if self.config.prefix_reuse:
                 self.held[seq.row] = tuple(self._computed(seq))
+                self.written[seq.row] = self._written(seq)
                 self.ended += 1
                 self.freed_at[seq.row] = self.ended
             seq.row = None
@@ -168,6 +173,12 @@ class Scheduler:
 
     # ---- admission and prefix reuse -------------------------------------------------------------------
     @staticmethod
+    def _written(s: Sequence) -> int:
+        """The most positions s's row has had written: planned decodes included, and the padding that a decode
+        step of other rows writes at its next position."""
+        return max(s.written, s.n_cached + 1)
+
+    @staticmethod
     def _computed(s: Sequence) -> list[int]:
         """The prompt tokens whose keys and values s's row holds, computed by a prefill (a shifted row: only its
         kept positions are still at their own places)."""
@@ -184,6 +195,7 @@ class Scheduler:
             row = empty[0] if empty else min(self.free_rows, key=lambda r: self.freed_at.get(r, 0))
         self.free_rows.remove(row)
         self.held.pop(row, None)
+        self.written.pop(row, None)
         s.row = row
         self.running[row] = s
         plan.admitted.append(s)
@@ -196,13 +208,16 @@ class Scheduler:
         the prompt but its last token (whose logits the first sample needs); (None, 0) below REUSE_MIN."""
         prompt, limit = tuple(s.tokens[: s.n_prompt]), s.n_prompt - 1
         best, best_n = None, REUSE_MIN - 1
-        rows = [*self.held.items(), *((r, tuple(self._computed(t))) for r, t in self.running.items())]
-        for r, h in rows:
+        held = [(r, h, self.written.get(r, 0)) for r, h in self.held.items()]
+        running = [(r, tuple(self._computed(t)), self._written(t)) for r, t in self.running.items()]
+        ring = self.config.ring
+        for r, h, written in [*held, *running]:
             m = min(len(h), limit)
             if m <= best_n or h[: best_n + 1] != prompt[: best_n + 1]:
                 continue
             n = next((i for i in range(m) if h[i] != prompt[i]), m)
-            if n > best_n:
+            # (a sliding layer's ring may have overwritten the window before position n: its keys are gone)
+            if n > best_n and (ring is None or ring.keeps(written, n)):
                 best, best_n = r, n
         return (best, best_n) if best is not None else (None, 0)
 
