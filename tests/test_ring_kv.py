@@ -196,6 +196,18 @@ def test_scheduler_reuses_what_the_ring_keeps():
     g2.seqs = [Sequence(g2, 0, None, set(), None)]
     sch.add(g2.seqs[0])
     assert sch.schedule().reused == {}  # 40 - W + 1 = 33 < 58 - 24
+    # a row reused while its ring keeps the window takes over what the ring lost (its source's writes)
+    sch = Scheduler(SchedulerConfig(rows=1, prefill_chunk=512, ring=ring))
+    g3 = Group(GenerationRequest([*system, 3], SamplingParams(max_tokens=4)), print)
+    g3.seqs = [Sequence(g3, 0, None, set(), None)]
+    sch.add(g3.seqs[0])
+    sch.schedule()
+    g3.seqs[0].written = 50
+    sch.finish(g3.seqs[0])
+    g4 = Group(GenerationRequest([*system, 4], SamplingParams(max_tokens=4)), print)
+    b = g4.seqs = [Sequence(g4, 0, None, set(), None)]
+    sch.add(b[0])
+    assert sch.schedule().reused == {id(b[0]): (0, 40)} and b[0].written == 50
 
 
 def test_context_shift_is_refused_with_sliding_layers(dirs):

@@ -188,6 +188,8 @@ class Scheduler:
     def _admit(self, s: Sequence, plan: Plan) -> None:
         """Give s a free row (reusing the longest held prefix of its prompt), and plan the row's reset."""
         src, n = self._longest_prefix(s) if self.config.prefix_reuse else (None, 0)
+        if src is not None:  # (a kept or copied ring lacks what its source's writes overwrote)
+            s.written = self.written[src] if src in self.held else self._written(self.running[src])
         if src is not None and src in self.held:  # an ended row: take it as it is
             row = src
         else:
