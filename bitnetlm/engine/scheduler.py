@@ -38,9 +38,8 @@ class SchedulerConfig:
     )
     prefix_reuse: bool = True  # a prompt skips the tokens a row already holds (see above)
     context: int = 0  # positions a row holds (0: unbounded); a sequence with shift_keep set shifts at the end
-    ring: object = (
-        None  # the runner's sliding-window rings (`Ring.keeps`: which held prefixes survive), or None
-    )
+    # the runner's sliding-window rings (`models.cache.Ring`: which held prefixes they keep), or None
+    ring: object = None
 
 
 REUSE_MIN = 16  # shorter common prefixes are recomputed: a copy is not worth its bookkeeping below this
