@@ -13,7 +13,7 @@ from oracle_families import make_checkpoint, oracle_model
 import bitnetlm
 from bitnetlm.engine.core import EngineCore
 from bitnetlm.engine.metrics import Metrics
-from bitnetlm.engine.scheduler import Scheduler, SchedulerConfig
+from bitnetlm.engine.scheduler import ContextShift, Scheduler, SchedulerConfig
 from bitnetlm.engine.sequence import GenerationRequest, Group, Sequence, Token
 from bitnetlm.engine.speculative import SpeculativeConfig
 from bitnetlm.models.cache import RING_SLACK, Ring
@@ -210,7 +210,39 @@ def test_scheduler_reuses_what_the_ring_keeps():
     assert sch.schedule().reused == {id(b[0]): (0, 40)} and b[0].written == 50
 
 
-def test_context_shift_is_refused_with_sliding_layers(dirs):
-    model, tok = bitnetlm.load(dirs["qwen3"])
-    with pytest.raises(ValueError, match="--context-shift: not available for qwen3 models .sliding-window"):
-        bitnetlm.generate(model, tok, _ids(8, seed=9), max_tokens=40, ctx_size=32, context_shift=True)
+def _shifted(model, tok, prompt: list[int], keep: int, ring: Ring | None) -> list[int]:
+    """150 greedy tokens in a 64-position context with context shift (the drops that `ring` allows), on a
+    runner with rings, or (ring None) the same shifts over a cache without them."""
+    runner = _runner(model, rows=1, ctx=64)
+    rings = runner.ring
+    if ring is None:
+        runner.cache, runner.ring = model.new_cache(1, 64, rings=False), None
+    core = EngineCore(runner, tok, context=64, context_shift=ContextShift(keep))
+    core.scheduler.config.ring = rings  # (the same drops both ways)
+    return _run(core, prompt, 150)
+
+
+@pytest.mark.parametrize("window,keep", [(W, 4), (24, 20)])
+def test_context_shift_on_rings_equals_the_shift_without_them(tmp_path, window, keep):
+    """Qwen3's one RoPE base re-rotates a ring's moved keys as it does a whole row's: generation past a
+    64-position context (several shifts) gives the tokens of the same shifts over a cache without rings. A window
+    longer than the slack, which after half the row goes would reach kept positions the ring has overwritten,
+    drops only the slack (dropping more is refused in one line)."""
+    path = make_checkpoint(
+        tmp_path, "qwen3", "fp", seed=10, **{**OVERRIDES["qwen3"], "sliding_window": window}
+    )
+    byte_level_bpe().save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    model, tok = bitnetlm.load(path)
+    ring = model.new_cache(1, 64).ring
+    assert ring == Ring(window, window + RING_SLACK)
+    drop = (64 - keep) // 2
+    assert ring.shift_drop(64, keep, drop) == (drop if window == W else ring.slack)
+    prompt = _ids(24, seed=11)
+    got = _shifted(model, tok, prompt, keep, ring)
+    assert got == _shifted(model, tok, prompt, keep, None) and len(got) == 150
+    if window != W:
+        runner = _runner(model, rows=1, ctx=64)
+        runner.prefill(0, _ids(64, seed=12))
+        with pytest.raises(ValueError, match="context shift: dropping 22 .* rings no longer hold"):
+            runner.shift(0, keep, drop)

@@ -166,6 +166,11 @@ class Scheduler:
         if not ctx or s.shift_keep is None or s.n_cached < ctx:
             return
         drop = (s.n_cached - s.shift_keep) // 2
+        if self.config.ring is not None:
+            drop = self.config.ring.shift_drop(s.n_cached, s.shift_keep, drop)
+        s.written = max(
+            s.written, s.n_cached + 1
+        )  # (positions before the shift: what the ring may have lost)
         plan.shifts.append(Shift(s, s.shift_keep, drop))
         s.n_cached -= drop
         s.shifted += drop

@@ -29,6 +29,14 @@ class Ring:
         that is written before it is attended to."""
         return self.size - self.window + 1
 
+    def shift_drop(self, n: int, keep: int, drop: int) -> int:
+        """A context shift's drop (of n positions, the first `keep` kept) that leaves the ring holding the window
+        it continues from: `drop`, or the slack where that window would reach kept positions already
+        overwritten."""
+        if drop <= self.slack or n <= self.size or keep <= n - drop - self.window + 1:
+            return drop
+        return self.slack
+
     def keeps(self, written: int, n: int) -> bool:
         """Whether a row that has had positions up to `written` - 1 written still holds what continuing at
         position n needs: the positions max(0, n-W+1)..n-1 (slots are overwritten from `written` - size down)."""
@@ -197,10 +205,36 @@ class KVCache:
 
     def shift(self, row: int, n: int, keep: int, drop: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Context shift of `row`, which holds n positions (see `shift_rows`); the freed slots become invalid."""
-        if self.ring is not None:
-            raise ValueError("context shift: not available for a KV cache with sliding-window rings")
-        shift_rows(self.k, self.v, row, n, keep, drop, cos, sin)
+        full = [i for i, on_ring in enumerate(self.rings) if not on_ring]
+        shift_rows([self.k[i] for i in full], [self.v[i] for i in full], row, n, keep, drop, cos, sin)
         self.valid[row, n - drop :] = False
+        if self.ring is not None:
+            self._shift_ring(row, n, keep, drop, cos, sin)
+
+    def _shift_ring(
+        self, row: int, n: int, keep: int, drop: int, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
+        """The shift on the rings: new position p takes old position p (p < keep) or p + drop, rotated back."""
+        r, m = self.ring, n - drop
+        dst = torch.arange(max(0, m - r.size), m, device=self.ring_pos.device)
+        src = torch.where(dst < keep, dst, dst + drop)
+        held = self.ring_pos[row, src % r.size] == src
+        if bool((~held & (dst > m - r.window)).any()):
+            raise ValueError(
+                f"context shift: dropping {drop} positions after the first {keep} of {n} needs kept positions "
+                f"that the sliding layers' rings no longer hold (drop at most {r.slack})"
+            )
+        moved = (dst >= keep)[:, None]
+        c, s = cos.float(), sin.float()
+        for on_ring, k, v in zip(self.rings, self.k, self.v, strict=True):
+            if on_ring:
+                x = k[row, :, src % r.size].float()  # (a copy: the slots it came from may be written below)
+                x1, x2 = x.chunk(2, dim=-1)
+                turned = torch.cat((x1 * c + x2 * s, x2 * c - x1 * s), dim=-1)
+                k[row, :, dst % r.size] = torch.where(moved, turned, x).to(k.dtype)
+                v[row, :, dst % r.size] = v[row, :, src % r.size]
+        self.ring_pos[row] = -1
+        self.ring_pos[row, dst % r.size] = torch.where(held, dst, -1)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

@@ -154,10 +154,7 @@ class ModelConfig:
     @property
     def shift_unsupported(self) -> str | None:
         """Why the context shift cannot re-rotate this model's cached keys by one RoPE angle, or None."""
-        why = {"gemma3": "two RoPE bases", "gpt2": "learned positions"}.get(self.arch)
-        if why is None and any(self.is_sliding(i) for i in range(self.num_hidden_layers)):
-            why = "sliding-window layers keep only their window"
-        return why
+        return {"gemma3": "two RoPE bases", "gpt2": "learned positions"}.get(self.arch)
 
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
