@@ -238,6 +238,19 @@ def test_context_shift_on_rings_equals_the_shift_without_them(tmp_path, window, 
     assert ring == Ring(window, window + RING_SLACK)
     drop = (64 - keep) // 2
     assert ring.shift_drop(64, keep, drop) == (drop if window == W else ring.slack)
+    # the row right after one shift: the logits of the next tokens (whose window holds moved keys) agree
+    runners = [_runner(model, rows=1, ctx=64) for _ in range(2)]
+    runners[1].cache = model.new_cache(1, 64, rings=False)
+    toks = _ids(64 + 12, seed=13)
+    step = ring.shift_drop(64, keep, drop)
+    logits = []
+    for r in runners:
+        r.prefill(0, toks[:64])
+        r.shift(0, keep, step)
+        logits.append(
+            torch.stack([r.decode([0], [t], [p]) for p, t in enumerate(toks[64:], start=64 - step)])
+        )
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)
     prompt = _ids(24, seed=11)
     got = _shifted(model, tok, prompt, keep, ring)
     assert got == _shifted(model, tok, prompt, keep, None) and len(got) == 150
