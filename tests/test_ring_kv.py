@@ -133,8 +133,8 @@ def test_rollback_after_the_ring_wrapped(dirs):
 
 
 def test_speculative_decoding_after_wraps_equals_plain_greedy(dirs):
-    """Prompt lookup on a repetitive prompt (drafts longer than the slack asked for: capped), 90 tokens round the
-    ring: the tokens of plain greedy decoding (and transformers'), with drafts rejected on the way."""
+    """Prompt lookup on a repetitive prompt, then a draft model (drafts longer than the slack asked for: capped),
+    90 tokens round the ring: the tokens of plain greedy decoding (and transformers'), drafts rejected on the way."""
     ref = oracle_model(dirs["qwen3"])
     model, tok = bitnetlm.load(dirs["qwen3"])
     prompt = _ids(6, seed=1) * 4
@@ -145,6 +145,13 @@ def test_speculative_decoding_after_wraps_equals_plain_greedy(dirs):
     got = bitnetlm.generate(model, tok, prompt, speculative=sp, **kw)
     assert got.tokens == want[0, len(prompt) :].tolist()
     assert got.draft_tokens > got.accepted_tokens > 0
+    # a draft model with rings of its own (Gemma 3's): its rows roll back too
+    draft, _ = bitnetlm.load(dirs["gemma3"])
+    got = bitnetlm.generate(
+        model, tok, prompt, speculative=SpeculativeConfig(num_tokens=32, draft=draft), **kw
+    )
+    assert got.tokens == want[0, len(prompt) :].tolist()
+    assert got.draft_tokens > got.accepted_tokens
 
 
 def _run(core: EngineCore, prompt: list[int], n: int) -> list[int]:
