@@ -2,8 +2,9 @@
 
 A full-attention layer keeps a row's position p at slot p. A sliding-window layer (a query at p sees positions
 p-W+1..p) keeps only a ring of `Ring.size` slots, position p at slot p % size, so a row's memory grows with its
-global layers alone. The ring holds `RING_SLACK` slots beyond the window: a row may write that many positions
-past the one it rolls back to (a rejected speculative draft) and still hold the window it continues from.
+global layers alone. The ring holds `RING_SLACK` slots beyond the window: a row may write up to `Ring.slack`
+positions past the one it rolls back to (a rejected speculative draft) and still hold the window it continues
+from.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ class Ring:
 class KVCache:
     """k[layer], v[layer]: [B, H_kv, S, D] (a ring layer: [B, H_kv, ring.size, D]); valid: [B, S] bool (a full
     layer's slot holds a real, attendable token); ring_pos: [B, ring.size] the position in each ring slot (-1:
-    none). window / sliding: the sliding layers' window and which layers slide (their masks are the model's);
-    rings=False keeps every layer whole (a temporary cache of whole prompts)."""
+    none). window / sliding: the sliding layers' window and which layers slide; rings=False (or a context no
+    longer than a ring) keeps every layer whole, the window then masked by slot (a temporary cache of prompts)."""
 
     def __init__(
         self,
@@ -127,8 +128,8 @@ class KVCache:
         return mask[:, None]
 
     def mark_ring(self, cache_pos: torch.Tensor, input_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The ring layers' mask [B, 1, T, K] for a forward writing positions `cache_pos` [B, T] (each row's run
-        consecutively), whose writes it records: key at position k is visible to the query at q if q-W < k <= q
+        """The ring layers' mask [B, 1, T, K] for a forward writing positions `cache_pos` [B, T] (consecutive in
+        each row), whose writes it records: key at position k is visible to the query at q if q-W < k <= q
         (a padding query sees itself). K: the ring; a chunk longer than the slack attends to the ring as it was
         and then the chunk (`store`), as its own writes would overwrite keys its first queries need."""
         r, (b, t) = self.ring, cache_pos.shape
