@@ -113,6 +113,25 @@ def test_chunks_longer_than_the_ring_and_decode_match_transformers(dirs, family)
     torch.testing.assert_close(torch.cat(got, 1), want, atol=1e-4, rtol=0)
 
 
+def test_float8_rings_equal_whole_float8_layers(dirs):
+    """A float8 ring (bytes scattered; a long chunk's keys rounded through float8 as if stored) computes what
+    whole float8 layers masked by position compute."""
+    model, _ = bitnetlm.load(dirs["gemma3"], backend="reference")
+    ids = torch.tensor([_ids(100, seed=1)])
+    cuts = [0, 5, 17, 20, 50, 59, *range(60, 101)]
+    out = []
+    for rings in (True, False):
+        cache = model.new_cache(1, 128, dtype=torch.float8_e4m3fn, rings=rings)
+        assert (cache.ring is not None) == rings
+        with torch.no_grad():
+            steps = [
+                model(ids[:, a:b], positions=torch.arange(a, b)[None], cache=cache)
+                for a, b in zip(cuts, cuts[1:])
+            ]
+        out.append(torch.cat(steps, 1))
+    torch.testing.assert_close(out[0], out[1], atol=1e-5, rtol=0)
+
+
 def test_rollback_after_the_ring_wrapped(dirs):
     """A verify of slack + 1 tokens after the ring wrapped, most of it rejected: the rolled-back positions are
     gone (the same tokens at those positions afterwards, or others, compute what a run without the draft
