@@ -49,6 +49,7 @@ class EngineCore:
                 not batched,
                 context=self.context,
                 prefix_reuse=prefix_reuse,
+                ring=runner.ring,
             )
         )
         self.speculator = speculator(runner, speculative, metrics, min(self.context, runner.max_seq_len))

@@ -38,6 +38,8 @@ class SchedulerConfig:
     )
     prefix_reuse: bool = True  # a prompt skips the tokens a row already holds (see above)
     context: int = 0  # positions a row holds (0: unbounded); a sequence with shift_keep set shifts at the end
+    # the runner's sliding-window rings (`models.cache.Ring`: which held prefixes they keep), or None
+    ring: object = None
 
 
 REUSE_MIN = 16  # shorter common prefixes are recomputed: a copy is not worth its bookkeeping below this
@@ -111,6 +113,7 @@ class Scheduler:
         self.held: dict[
             int, tuple[int, ...]
         ] = {}  # free row -> the prompt prefix whose keys and values it holds
+        self.written: dict[int, int] = {}  # free row -> the most positions its last sequence wrote
         self.ended = 0  # counts sequences that gave a row back (the order in which held rows were freed)
         self.freed_at: dict[int, int] = {}
 
@@ -127,6 +130,7 @@ class Scheduler:
             self.free_rows.sort()
             if self.config.prefix_reuse:
                 self.held[seq.row] = tuple(self._computed(seq))
+                self.written[seq.row] = self._written(seq)
                 self.ended += 1
                 self.freed_at[seq.row] = self.ended
             seq.row = None
@@ -162,11 +166,22 @@ class Scheduler:
         if not ctx or s.shift_keep is None or s.n_cached < ctx:
             return
         drop = (s.n_cached - s.shift_keep) // 2
+        if self.config.ring is not None:
+            drop = self.config.ring.shift_drop(s.n_cached, s.shift_keep, drop)
+        s.written = max(
+            s.written, s.n_cached + 1
+        )  # (positions before the shift: what the ring may have lost)
         plan.shifts.append(Shift(s, s.shift_keep, drop))
         s.n_cached -= drop
         s.shifted += drop
 
     # ---- admission and prefix reuse -------------------------------------------------------------------
+    @staticmethod
+    def _written(s: Sequence) -> int:
+        """The most positions s's row has had written: planned decodes included, and the padding that a decode
+        step of other rows writes at its next position."""
+        return max(s.written, s.n_cached + 1)
+
     @staticmethod
     def _computed(s: Sequence) -> list[int]:
         """The prompt tokens whose keys and values s's row holds, computed by a prefill (a shifted row: only its
@@ -177,6 +192,8 @@ class Scheduler:
     def _admit(self, s: Sequence, plan: Plan) -> None:
         """Give s a free row (reusing the longest held prefix of its prompt), and plan the row's reset."""
         src, n = self._longest_prefix(s) if self.config.prefix_reuse else (None, 0)
+        if src is not None:  # (a kept or copied ring lacks what its source's writes overwrote)
+            s.written = self.written[src] if src in self.held else self._written(self.running[src])
         if src is not None and src in self.held:  # an ended row: take it as it is
             row = src
         else:
@@ -184,6 +201,7 @@ class Scheduler:
             row = empty[0] if empty else min(self.free_rows, key=lambda r: self.freed_at.get(r, 0))
         self.free_rows.remove(row)
         self.held.pop(row, None)
+        self.written.pop(row, None)
         s.row = row
         self.running[row] = s
         plan.admitted.append(s)
@@ -196,13 +214,16 @@ class Scheduler:
         the prompt but its last token (whose logits the first sample needs); (None, 0) below REUSE_MIN."""
         prompt, limit = tuple(s.tokens[: s.n_prompt]), s.n_prompt - 1
         best, best_n = None, REUSE_MIN - 1
-        rows = [*self.held.items(), *((r, tuple(self._computed(t))) for r, t in self.running.items())]
-        for r, h in rows:
+        held = [(r, h, self.written.get(r, 0)) for r, h in self.held.items()]
+        running = [(r, tuple(self._computed(t)), self._written(t)) for r, t in self.running.items()]
+        ring = self.config.ring
+        for r, h, written in [*held, *running]:
             m = min(len(h), limit)
             if m <= best_n or h[: best_n + 1] != prompt[: best_n + 1]:
                 continue
             n = next((i for i in range(m) if h[i] != prompt[i]), m)
-            if n > best_n:
+            # (a sliding layer's ring may have overwritten the window before position n: its keys are gone)
+            if n > best_n and (ring is None or ring.keeps(written, n)):
                 best, best_n = r, n
         return (best, best_n) if best is not None else (None, 0)
 

@@ -96,6 +96,8 @@ class Sequence:
         self.tokens = list(group.req.prompt_ids)  # prompt + generated
         self.n_prompt = len(self.tokens)
         self.n_cached = 0
+        # the most positions its row has had written (a verify writes its draft past n_cached)
+        self.written = 0
         # context shift: the positions kept at the start of its row (None: it never shifts), and the tokens
         # dropped from the row so far (its row holds tokens[:keep] + tokens[keep + shifted:])
         self.shift_keep = shift_keep

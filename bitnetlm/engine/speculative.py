@@ -117,6 +117,7 @@ class Speculator:
         if metrics is not None:
             metrics.speculating()
         self.rows: dict[Sequence, RowState] = {}
+        self.longest = _longest_draft(runner, draft_runner)
         self.drafts = self.drafted = self.accepted = 0  # verifies, draft tokens, accepted draft tokens
 
     def state(self, s: Sequence) -> RowState:
@@ -151,7 +152,7 @@ class Speculator:
             if st.paused:
                 st.paused -= 1
                 continue
-            k = min(st.k, s.budget - 1, cap - s.n_cached)  # the bonus token counts; positions up to P + k
+            k = min(st.k, s.budget - 1, cap - s.n_cached, self.longest)  # the bonus token counts: up to P + k
             if k > 0:
                 want[s] = k
         if not want:
@@ -205,6 +206,7 @@ class Speculator:
         p0 = s.n_cached - 1  # the last token's position
         d = draft.tokens
         logits = self.runner.verify(s.row, [s.tokens[-1], *d], p0)  # [k + 1, V]
+        s.written = max(s.written, p0 + 1 + len(d))
         out, accepted = self._accept(s, d, draft.q, logits)
         top_n = s.params.top_logprobs
         lp, top_v, top_i = raw_logprobs(logits[: len(out)], torch.tensor(out, device=logits.device), top_n)
@@ -277,6 +279,14 @@ class Speculator:
                 st.paused, st.history, st.pauses = PAUSE << min(st.pauses, 6), [], st.pauses + 1
             else:
                 st.pauses = 0
+
+
+def _longest_draft(runner, draft_runner) -> int:
+    """The longest draft whose rejection both runners can roll back: a row writes at most k positions past the
+    last one it keeps (a verify's draft; a draft model's k - 1 decodes and a padding write), and a sliding
+    layer's ring holds `slack` positions past it."""
+    rings = [r.ring for r in (runner, draft_runner) if r is not None and r.ring is not None]
+    return min((ring.slack for ring in rings), default=1 << 30)
 
 
 def _penalised_row(logits: torch.Tensor, s: Sequence, output) -> torch.Tensor:

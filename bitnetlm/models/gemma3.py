@@ -79,7 +79,7 @@ class Gemma3ForCausalLM(CausalLM):
         h = self.embed(input_ids)
         ropes = [self.rope(positions, h.dtype, inv) for inv in self.inv_freq]  # global, local
         cache_pos, mask = attention_mask(cache, positions, cache_pos, input_mask)
-        local = window_mask(mask, positions, cache, cache_pos, self.config.sliding_window)
+        local = window_mask(mask, positions, cache, cache_pos, self.config.sliding_window, input_mask)
         for i, layer in enumerate(self.layers):
             sliding = self.config.is_sliding(i)
             cos, sin = ropes[sliding]

@@ -100,25 +100,16 @@ class AttentionCore(nn.Module):
         b, t, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)  # [B, H, T, D], [B, Hkv, T, D] x 2
         if cache is not None:
-            idx = cache_pos[:, None, :, None].expand(b, self.n_kv, t, self.head_dim)  # [B, Hkv, T, D]
-            ck, cv = cache.k[layer], cache.v[layer]
-            if ck.element_size() == 1:  # float8: no scatter kernel for it, so scatter its bytes
-                ck.view(torch.uint8).scatter_(2, idx, k.to(ck.dtype).view(torch.uint8))
-                cv.view(torch.uint8).scatter_(2, idx, v.to(cv.dtype).view(torch.uint8))
-            else:
-                ck.scatter_(2, idx, k.to(ck.dtype))
-                cv.scatter_(2, idx, v.to(cv.dtype))
-            k, v = cache.k[layer], cache.v[layer]
+            k, v = cache.store(layer, k, v, cache_pos)  # the keys and values the mask's key axis names
             if k.device.type == "cpu" and not torch.compiler.is_compiling():
-                # CPU: attend over the slots written so far only (later ones are masked out anyway), each row of a
+                # CPU: attend over the keys written so far only (later ones are masked out anyway), each row of a
                 # decode step over its own (torch's CPU attention sums differently with the number of keys: a row
                 # would otherwise compute something else beside longer rows)
                 if t == 1 and b > 1:
-                    o = torch.cat(
-                        [self._attend_row(q, k, v, mask, i, int(cache_pos[i, -1]) + 1) for i in range(b)]
-                    )
+                    ends = [cache.extent(layer, int(cache_pos[i, -1]), t) for i in range(b)]
+                    o = torch.cat([self._attend_row(q, k, v, mask, i, n) for i, n in enumerate(ends)])
                     return self._out(o, b, t)
-                n = int(cache_pos.max()) + 1
+                n = cache.extent(layer, int(cache_pos.max()), t)
                 k, v, mask = k[:, :, :n], v[:, :, :n], mask[..., :n]
             k, v = k.to(q.dtype), v.to(q.dtype)
         return self._out(self._attend(q, k, v, mask), b, t)
@@ -257,8 +248,11 @@ class CausalLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def new_cache(self, batch_size: int, max_seq_len: int | None = None, device=None, dtype=None) -> KVCache:
-        """A cache for this model (dtype None: the activations' dtype)."""
+    def new_cache(
+        self, batch_size: int, max_seq_len: int | None = None, device=None, dtype=None, rings: bool = True
+    ) -> KVCache:
+        """A cache for this model (dtype None: the activations' dtype); its sliding-window layers keep rings
+        unless `rings` is False."""
         cfg = self.config
         p = self.embed_tokens.weight
         # the heads its attention holds (a tensor-parallel shard holds only some of the model's)
@@ -271,6 +265,9 @@ class CausalLM(nn.Module):
             cfg.head_dim,
             device=device or p.device,
             dtype=dtype or p.dtype,
+            window=cfg.sliding_window,
+            sliding=[cfg.is_sliding(i) for i in range(cfg.num_hidden_layers)],
+            rings=rings,
         )
 
     def hidden_states(self, input_ids, positions=None, input_mask=None) -> torch.Tensor:
@@ -303,7 +300,7 @@ class CausalLM(nn.Module):
         h = self.embed(input_ids)
         cos, sin = self.rope(positions, h.dtype)
         cache_pos, mask = attention_mask(cache, positions, cache_pos, input_mask)
-        local = window_mask(mask, positions, cache, cache_pos, self.config.sliding_window)
+        local = window_mask(mask, positions, cache, cache_pos, self.config.sliding_window, input_mask)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, i, cache, cache_pos, local if self.config.is_sliding(i) else mask)
         return h
@@ -324,11 +321,15 @@ def attention_mask(cache, positions, cache_pos, input_mask):
     return cache_pos, (mask | eye)[:, None]  # [B, 1, T, T]
 
 
-def window_mask(mask, positions, cache, cache_pos, window: int | None):
+def window_mask(mask, positions, cache, cache_pos, window: int | None, input_mask=None):
     """The sliding-window layers' mask: `mask` (None: causal) and key position > query position - window (None:
-    no window). A cache row holds position p at slot p, so a cached key's position is its slot."""
+    no window). A cache with rings gives its ring layers' own (`KVCache.mark_ring`, which records this forward's
+    writes: called once per forward); elsewhere a cache row holds position p at slot p, so a key's position is
+    its slot."""
     if window is None:
         return mask
+    if cache is not None and cache.ring is not None:
+        return cache.mark_ring(cache_pos, input_mask)
     if cache is None:
         keys, queries = positions, positions
         if mask is None:

@@ -71,6 +71,9 @@ class Runner(Protocol):
     vocab_size: int
     pipelined: bool  # sample(carry=True) may return before the tokens reach the host
     batched_prefill: bool  # prefill_many runs several whole prompts in one forward
+    # the sliding-window layers' rings (models.cache.Ring), or None: a row holds only the last ring.size
+    # positions there, which bounds how far it may roll back (`truncate`) and which prefixes it can keep
+    ring: Any
 
     def prefill(self, row: int, tokens: Sequence[int], start: int = 0) -> torch.Tensor:
         """`tokens` at positions start.. into `row` -> float32 logits [V] after the last one."""

@@ -55,6 +55,8 @@ def fused_step(model) -> FusedStep | str:
     cfg = model.config
     if cfg.family != "llama":
         return f"the fused C step runs LLaMA/BitNet layers, not {cfg.arch}"
+    if any(cfg.is_sliding(i) for i in range(cfg.num_hidden_layers)):
+        return "the fused C step has no sliding-window layers"
     layers = []
     for blk in model.layers:
         got = _layer(blk, cfg.rms_norm_eps)

@@ -36,6 +36,7 @@ class EagerRunner:
         self.vocab_size = model.config.vocab_size
         act = model.norm.weight.dtype  # (the embedding's may be a compact head's int8 or bf16 storage)
         self.cache = model.new_cache(rows, max_seq_len, device=self.device, dtype=config.kv_dtype(act))
+        self.ring = self.cache.ring  # the sliding layers' rings (what a row can roll back to, reuse), or None
         self.lengths = [0] * rows  # positions each row holds
         self.carry: dict[int, int] = {}  # row -> its last sample(carry=True) token
         self._last: tuple[torch.Tensor, dict[int, int]] | None = None  # the last decode's logits and rows
@@ -55,10 +56,7 @@ class EagerRunner:
 
     def _view(self, lo: int, hi: int) -> KVCache:
         """The cache's rows [lo, hi): slices share storage, so writes land in the runner's cache."""
-        c = self.cache
-        v = object.__new__(KVCache)
-        v.k, v.v, v.valid = [t[lo:hi] for t in c.k], [t[lo:hi] for t in c.v], c.valid[lo:hi]
-        return v
+        return self.cache.view(lo, hi)
 
     def _check(self, row: int, end: int) -> None:
         if not 0 <= row < self.rows:
@@ -90,7 +88,7 @@ class EagerRunner:
         offset = (big - lens)[:, None]
         mask = slots[None, :] >= offset  # [k, L]
         positions = (slots[None, :] - offset).clamp(min=0)
-        tmp = self.model.new_cache(k, big, device=self.device, dtype=self.cache.k[0].dtype)
+        tmp = self.model.new_cache(k, big, device=self.device, dtype=self.cache.k[0].dtype, rings=False)
         dev = self.device
         logits = self.forward(
             ids.to(dev),
@@ -101,9 +99,7 @@ class EagerRunner:
         )
         for i, (r, p) in enumerate(zip(rows, prompts, strict=True)):
             n = len(p)
-            for main, t in zip(self.cache.k + self.cache.v, tmp.k + tmp.v, strict=True):
-                main[r, :, :n] = t[i, :, big - n :]
-            self.cache.valid[r, :n] = True
+            self.cache.load_row(r, tmp, i, big - n, n)
             self.lengths[r] = n
         return logits.float()
 
@@ -118,7 +114,7 @@ class EagerRunner:
         return logits.float()
 
     def truncate(self, row: int, n: int) -> None:
-        self.cache.valid[row, n:] = False
+        self.cache.forget(row, n)
         self.lengths[row] = min(self.lengths[row], n)
 
     @torch.inference_mode()
@@ -129,14 +125,11 @@ class EagerRunner:
         self.lengths[row] = n - drop
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        c = self.cache
-        for t in c.k + c.v:
-            t[dst, :, :n] = t[src, :, :n]
-        c.valid[dst, :n] = c.valid[src, :n]
+        self.cache.copy_prefix(src, dst, n)
         self.lengths[dst] = n
 
     def reset(self, row: int, keep: int = 0) -> None:
-        self.cache.valid[row, keep:] = False
+        self.cache.forget(row, keep)
         self.lengths[row] = keep
         self.carry.pop(row, None)
 

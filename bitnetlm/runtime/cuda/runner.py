@@ -99,6 +99,7 @@ def engine_config(
 class CudaRunner:
     pipelined = True
     batched_prefill = False
+    ring = None  # (the captured engine runs LLaMA-shaped layers: no sliding windows)
 
     def __init__(self, model, config: RuntimeConfig, rows: int, max_seq_len: int, plan=None):
         from bitnetlm.kernels.triton.attention import key_range  # (Triton: only once a CUDA engine exists)
