@@ -26,14 +26,22 @@ class OutOfBlocks(ValueError):
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"KV block pool: expected >= 1 blocks of >= 1 positions, found {num_blocks} of {block_size}")
+            raise ValueError(
+                f"KV block pool: expected >= 1 blocks of >= 1 positions, found {num_blocks} of {block_size}"
+            )
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.free = list(range(num_blocks))  # a heap: the lowest id first (the pool's memory is touched in order)
+        self.free = list(
+            range(num_blocks)
+        )  # a heap: the lowest id first (the pool's memory is touched in order)
         self.refs = [0] * num_blocks
-        self.gen = [0] * num_blocks  # times each block was allocated: a cache key names its parent's generation
+        self.gen = [
+            0
+        ] * num_blocks  # times each block was allocated: a cache key names its parent's generation
         self.key_of: dict[int, tuple] = {}  # cached block -> its key
         self.by_key: dict[tuple, int] = {}
-        self.lru: OrderedDict[int, None] = OrderedDict()  # cached blocks no row references, least recent first
+        self.lru: OrderedDict[int, None] = (
+            OrderedDict()
+        )  # cached blocks no row references, least recent first
         self.hits = self.queries = 0  # blocks found / looked up by `match`
 
     # ---- counts -------------------------------------------------------------------------------------

@@ -131,7 +131,13 @@ class RuntimeConfig:
             raise ValueError(
                 f"head_dtype: expected one of {', '.join(HEAD_DTYPES)}, found {self.head_dtype!r}"
             )
-        for name, low in (("threads", 1), ("max_batch", 1), ("max_seq_len", 2), ("kv_tokens", 1), ("kv_block_size", 1)):
+        for name, low in (
+            ("threads", 1),
+            ("max_batch", 1),
+            ("max_seq_len", 2),
+            ("kv_tokens", 1),
+            ("kv_block_size", 1),
+        ):
             v = getattr(self, name)
             if v is None and name not in ("max_batch", "kv_block_size"):
                 continue

@@ -49,7 +49,9 @@ class PagedCpuRunner(EagerRunner):
         self.table = torch.zeros(rows, self.max_blocks, dtype=torch.int32)
         self.blocks: list[list[int]] = [[] for _ in range(rows)]
         self.tokens: list[list[int]] = [[] for _ in range(rows)]  # the token at each position a row holds
-        self.prefilled = [0] * rows  # positions 0..n-1 were all written by prefills (their blocks may be cached)
+        self.prefilled = [
+            0
+        ] * rows  # positions 0..n-1 were all written by prefills (their blocks may be cached)
         self.lengths = [0] * rows
         self.carry: dict[int, int] = {}
         self._last = None
@@ -118,12 +120,11 @@ class PagedCpuRunner(EagerRunner):
         self.lengths[row] = end
         if prefill and self.prefilled[row] == start:
             self.prefilled[row] = end
-            self._cache_blocks(row)
         else:
             self.prefilled[row] = min(self.prefilled[row], start)
 
     def _cache_blocks(self, row: int) -> None:
-        """Offer the row's full blocks of prefilled prompt positions to the prefix cache."""
+        """Offer the row's full blocks of prefilled prompt positions (written) to the prefix cache."""
         bs, have = self.pool.block_size, self.blocks[row]
         for i in range(self.prefilled[row] // bs):
             if not self.pool.cached(have[i]):
@@ -170,6 +171,7 @@ class PagedCpuRunner(EagerRunner):
     @torch.inference_mode()
     def prefill(self, row: int, tokens: Sequence[int], start: int = 0) -> torch.Tensor:
         h = self._run(row, tokens, start, prefill=True)
+        self._cache_blocks(row)
         return logits(self.model, h[-1:]).float()[0]
 
     @torch.inference_mode()
@@ -205,6 +207,7 @@ class PagedCpuRunner(EagerRunner):
         for i, (r, p) in enumerate(zip(rows, prompts, strict=True)):
             self._store(r, [t[i, :, big - len(p) :] for t in tmp.k], [t[i, :, big - len(p) :] for t in tmp.v])
             self._written(r, 0, p, prefill=True)
+            self._cache_blocks(r)
         return out[:, -1].float()
 
     def _store(self, row: int, ks: list[torch.Tensor], vs: list[torch.Tensor], start: int = 0) -> None:

@@ -125,6 +125,8 @@ class Engine:
         self.metrics.gauges["kv_cache_usage_perc"] = lambda: (
             sum(min(len(s.tokens), self.max_model_len) for s in list(sched.running.values())) / positions
         )
+        if hasattr(self.runner, "usage"):  # a paged KV cache: its blocks in use
+            self.metrics.gauges["kv_cache_usage_perc"] = self.runner.usage
 
         self._lock = threading.Condition()
         self._incoming: list[tuple[int, GenerationRequest, Callable]] = []
