@@ -68,7 +68,7 @@ class EngineCore:
         n, ctx = len(req.prompt_ids), self.context
         if n >= ctx:
             raise ValueError(f"the prompt has {n} tokens but the context window holds {ctx} positions")
-        self._check_blocks(n, g.max_tokens)
+        self.check_blocks(n, g.max_tokens)
         keep = None
         if self.context_shift is not None:
             keep = self.context_shift.keep(req.prompt_ids, getattr(self.tokenizer, "bos_token_id", None), ctx)
@@ -91,8 +91,9 @@ class EngineCore:
             self.scheduler.add(s)
         return g
 
-    def _check_blocks(self, n_prompt: int, max_tokens: int) -> None:
-        """A request whose sequence could fill more blocks than a paged KV cache holds would wait forever."""
+    def check_blocks(self, n_prompt: int, max_tokens: int) -> None:
+        """ValueError for a request whose sequence could fill more blocks than a paged KV cache holds (it would
+        wait forever)."""
         cfg = self.scheduler.config
         if not cfg.kv_blocks:
             return

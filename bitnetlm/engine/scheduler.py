@@ -160,7 +160,12 @@ class Scheduler:
     # ---- planning -----------------------------------------------------------------------------------
     def schedule(self) -> Plan:
         plan = Plan()
-        while self.waiting and self.free_rows and self._fits(self.waiting[0]):
+        while (
+            self.waiting
+            and self.free_rows
+            and self._fits(self.waiting[0])
+            and not self._defer(self.waiting[0])
+        ):
             s = self.waiting.popleft()
             self._admit(s, plan)
         completing = self._plan_prefill(plan)
@@ -198,6 +203,24 @@ class Scheduler:
     def _fits(self, s: Sequence) -> bool:
         cfg = self.config
         return not cfg.kv_blocks or sum(self.reserved.values()) + cfg.blocks(s) <= cfg.kv_blocks
+
+    def _defer(self, s: Sequence) -> bool:
+        """Paged: s waits while a running prompt that starts with more of s's full blocks than the block cache
+        holds is still being prefilled (requests that arrive together with one system prompt compute it once)."""
+        cfg = self.config
+        if not cfg.kv_blocks or not cfg.prefix_reuse or cfg.lookup is None:
+            return False
+        prompt, bs = s.tokens[: s.n_prompt - 1], cfg.block_size
+        ahead = [t for t in self.running.values() if t.group is not s.group and t.n_cached < t.n_prompt]
+        if len(prompt) < bs or not any(t.tokens[:bs] == prompt[:bs] for t in ahead):
+            return False
+        have = cfg.lookup(prompt)
+        for t in ahead:
+            m = min(len(prompt), t.n_prompt)
+            common = next((i for i in range(m) if t.tokens[i] != prompt[i]), m) // bs * bs
+            if common > have and t.n_cached < common:
+                return True
+        return False
 
     def _admit(self, s: Sequence, plan: Plan) -> None:
         """Give s a free row (reusing the longest held prefix of its prompt), and plan the row's reset."""
