@@ -189,9 +189,9 @@ def engine_model():
     return tiny_model_and_tokenizer(max_len=256, backend="cpu")
 
 
-def _serve_all(model_tok, runner, prompts, reuse=True, max_tokens=6):
+def _serve_all(model_tok, runner, prompts, reuse=True, max_tokens=6, **options):
     metrics = Metrics("m")
-    core = EngineCore(runner, model_tok[1], prefill_chunk=64, metrics=metrics, prefix_reuse=reuse)
+    core = EngineCore(runner, model_tok[1], prefill_chunk=64, metrics=metrics, prefix_reuse=reuse, **options)
     got: dict[int, list[int]] = {}
 
     def sink(i):
@@ -229,6 +229,33 @@ def test_engine_shared_system_prompt_equal_with_and_without_reuse(engine_model):
         assert counters["prompt_tokens_total"] + hits == sum(map(len, prompts))
 
 
+@pytest.mark.parametrize("case", ["speculative", "context_shift"])
+def test_engine_speculative_rollback_and_context_shift_equal_static(engine_model, case):
+    """Prompt lookup drafts rolled back by truncate, and context shifts past a 48-position window, over shared
+    prompt blocks: the same greedy tokens as the static cache."""
+    from bitnetlm.engine.scheduler import ContextShift
+    from bitnetlm.engine.speculative import SpeculativeConfig
+
+    model = engine_model[0]
+    vocab = model.config.vocab_size
+    loop = [int(t) % vocab for t in _prompt(6, 11)]
+    prompts = [loop * 3 + [int(t) % vocab for t in _prompt(2 + i, 50 + i)] for i in range(6)]
+    if case == "speculative":
+        opts, n = dict(speculative=SpeculativeConfig(4, lookup=3)), 24
+    else:
+        opts, n = dict(context=48, context_shift=ContextShift(4)), 70
+    want, _, _ = _serve_all(
+        engine_model, CpuRunner(model, RuntimeConfig(device="cpu"), 4, 96), prompts, True, n, **opts
+    )
+    paged = make_runner(model, RuntimeConfig(device="cpu", kv_tokens=320, kv_block_size=4), 4, 96)
+    got, counters, _ = _serve_all(engine_model, paged, prompts, True, n, **opts)
+    assert got == want and counters["prefix_cache_hits_total"] > 0 and paged.pool.in_use() == 0
+    if case == "speculative":
+        assert (
+            counters["spec_decode_num_accepted_tokens_total"] < counters["spec_decode_num_draft_tokens_total"]
+        )
+
+
 def test_scheduler_defers_a_prompt_whose_prefix_is_being_prefilled():
     """Requests that arrive together with one system prompt: the second waits one step for the first's prefill,
     then maps its blocks (the worker's part is not needed for the bookkeeping: the cache is a dict here)."""
@@ -256,3 +283,49 @@ def test_engine_rejects_a_request_the_pool_can_never_hold(engine_model):
     core = EngineCore(runner, engine_model[1])
     with pytest.raises(ValueError, match="may fill 40 KV positions .* holds: 32 \\(--kv-tokens\\)"):
         core.add(GenerationRequest(_prompt(30, 1), SamplingParams(max_tokens=10)), print)
+
+
+def test_server_paged_outputs_equal_static_without_reuse(engine_model):
+    """16 concurrent chats sharing a system prompt through the server on a paged cache (reuse on) give the tokens
+    of the static cache with reuse off; /metrics counts the hits and the blocks in use (none once done); a
+    request the pool could never hold is a 400 naming --kv-tokens."""
+    import concurrent.futures as cf
+
+    import httpx
+    import openai
+
+    from bitnetlm.engine.metrics import parse_metrics
+    from bitnetlm.serve import start
+
+    model, tok = engine_model
+    words = "truth universally acknowledged single man possession good fortune want wife".split()
+    system = " ".join(words[i % len(words)] for i in range(150))
+    chats = [
+        [{"role": "system", "content": system}, {"role": "user", "content": f"{words[i % 10]} {i}"}]
+        for i in range(16)
+    ]
+
+    def run(**options):
+        h = start(model, tok, port=0, max_batch=8, max_queue=64, log_level="warning", **options)
+        try:
+            c = openai.OpenAI(base_url=h.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+            def one(msgs):
+                r = c.chat.completions.create(model="bitnet", messages=msgs, max_tokens=6, temperature=0)
+                return r.choices[0].message.content
+
+            with cf.ThreadPoolExecutor(16) as ex:
+                outs = list(ex.map(one, chats))
+            big = httpx.post(
+                h.url + "/v1/completions", json={"model": "bitnet", "prompt": system, "max_tokens": 100}
+            )
+            return outs, parse_metrics(httpx.get(h.url + "/metrics").text), big
+        finally:
+            h.stop()
+
+    want, _, _ = run(prefix_caching=False)
+    got, m, big = run(kv_tokens=240, kv_block_size=16, max_seq_len=256)  # one chat at a time
+    assert got == want
+    lab = '{model_name="bitnet"}'
+    assert m[f"vllm:prefix_cache_hits_total{lab}"] >= 8 * 144 and m[f"vllm:kv_cache_usage_perc{lab}"] == 0
+    assert big.status_code == 400 and "--kv-tokens" in big.text
