@@ -5,9 +5,9 @@ The static cache gives every row --ctx positions, so a budget of R rows holds R 
 The paged cache (`--kv-tokens R * ctx`, the same bytes) gives a row blocks as its tokens arrive: a request is
 admitted when the blocks it may fill (prompt + max_tokens) fit. This runs the engine over the model's CPU runner
 for N requests of --prompt tokens (the first --shared of them the same for every request: a system prompt) and
---max-tokens greedy tokens, and prints per cache: the KV memory, the most requests running at once, the KV
-positions held at that time (blocks in use, shared prompt blocks counted once), the requests/s and the prompt
-tokens computed (the rest were reused). Prompts are random token ids.
+--max-tokens greedy tokens, and prints per cache: the KV memory, the most requests running at once, the most KV
+positions held at any step (static: every row's; paged: blocks in use, a shared prompt block counted once), the
+requests/s and the prompt tokens computed (the rest were reused). Prompts are random token ids.
 
   python benchmarks/kv_memory.py                                   # a tiny random model
   python benchmarks/kv_memory.py -m smollm2-135m-1.58 --ctx 4096 --rows 8 --prompt 700 --shared 600
@@ -70,10 +70,8 @@ def run(model, tok, runtime, rows: int, prompts, args) -> dict:
     t0 = time.perf_counter()
     while core.has_work():
         core.step()
-        n = len(core.running())
-        if n > most:
-            most = n
-            held = pool.in_use() * pool.block_size if pool is not None else n * args.ctx
+        most = max(most, len(core.running()))
+        held = max(held, pool.in_use() * pool.block_size if pool is not None else rows * args.ctx)
     wall = time.perf_counter() - t0
     nbytes = runner.nbytes() if pool is not None else runner.cache.nbytes()
     computed = metrics.counters["prompt_tokens_total"]
@@ -127,8 +125,8 @@ def main(argv=None) -> int:
     cols = [
         "cache",
         "KV MiB",
-        "requests at once",
-        "positions held then",
+        "most requests at once",
+        "most positions held",
         "requests/s",
         "prompt tokens computed",
     ]

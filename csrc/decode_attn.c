@@ -1,4 +1,5 @@
-/* GQA attention for the fused decode / prefill step: each query token attends to its cache row's slots.
+/* GQA attention for the fused decode / prefill step: each query token attends to its cache row's slots (a paged
+ * cache's row: its blocks in table order, each block's keys contiguous, summed in the same order as a static row's).
  *
  * One task = (query token, KV head, a block of up to 8 of its query heads): scores of every key for the block, softmax
  * per head over the visible keys (fp32), then the weighted sum of values. All query heads of a KV head stay in

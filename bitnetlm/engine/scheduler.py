@@ -22,7 +22,7 @@ Each step:
 Over a paged KV cache (`kv_blocks` > 0) a row holds only the blocks its positions fill, and prefix reuse is the
 runner's block cache instead of rows held after their sequence ends: a new prompt skips the leading full blocks
 that `lookup` finds cached (kept from any prompt prefilled before, running or ended), which the worker maps into
-its row (`Runner.adopt`). A sequence is admitted only when the blocks it may fill (prompt + max_tokens, at most
+its row (`PagedCpuRunner.adopt`). A sequence is admitted only when the blocks it may fill (prompt + max_tokens, at most
 the context) fit beside those every running sequence may fill, so a step never runs out of blocks: the queue
 waits instead. A row that ends gives its blocks back at once (`released`, for the worker).
 """
