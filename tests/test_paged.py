@@ -256,6 +256,35 @@ def test_engine_speculative_rollback_and_context_shift_equal_static(engine_model
         )
 
 
+def test_engine_choices_share_their_prompt_blocks(engine_model):
+    """n = 3 seeded sampled choices of one prompt: the siblings share the first's prompt blocks (the partly filled
+    last one copied on their first write) and sample what they sample over the static cache."""
+    model, tok = engine_model
+    prompt = [int(t) % model.config.vocab_size for t in _prompt(30, 21)]
+    params = SamplingParams(max_tokens=12, temperature=0.9, seed=5)
+
+    def run(runner):
+        core = EngineCore(runner, tok)
+        got: dict[int, list[int]] = {}
+        core.add(
+            GenerationRequest(prompt, params, n=3),
+            lambda ev: got.setdefault(ev.seq.index, []).append(ev.token) if isinstance(ev, Token) else None,
+        )
+        most = 0
+        while core.has_work():
+            core.step()
+            if getattr(runner, "pool", None) is not None:
+                most = max(most, runner.pool.in_use())
+        return got, most
+
+    want, _ = run(CpuRunner(model, RuntimeConfig(device="cpu"), 3, 64))
+    paged = make_runner(model, RuntimeConfig(device="cpu", kv_tokens=128, kv_block_size=8), 3, 64)
+    got, most = run(paged)
+    assert got == want and len({tuple(v) for v in got.values()}) > 1
+    assert most < 3 * 6  # 42 positions each (6 blocks): the 3 full prompt blocks held once
+    assert paged.pool.in_use() == 0
+
+
 def test_scheduler_defers_a_prompt_whose_prefix_is_being_prefilled():
     """Requests that arrive together with one system prompt: the second waits one step for the first's prefill,
     then maps its blocks (the worker's part is not needed for the bookkeeping: the cache is a dict here)."""
