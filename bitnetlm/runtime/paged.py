@@ -83,6 +83,7 @@ class PagedCpuRunner(EagerRunner):
 
     def _writable(self, row: int, start: int, end: int) -> None:
         have, pool, bs = self.blocks[row], self.pool, self.pool.block_size
+        changed = False
         for i in range(start // bs, min(len(have), -(-end // bs))):
             b = have[i]
             if pool.refs[b] > 1:  # copy on write: the other rows keep the block as it is
@@ -90,7 +91,7 @@ class PagedCpuRunner(EagerRunner):
                 for t in self.k + self.v:
                     t[new] = t[b]
                 pool.decref(b)
-                have[i] = new
+                have[i], changed = new, True
             elif pool.cached(b):
                 pool.uncache(b)
         while len(have) < pool.blocks_for(end):
@@ -98,7 +99,9 @@ class PagedCpuRunner(EagerRunner):
             for t in self.k + self.v:  # (an unwritten slot between valid ones is read with weight 0: no NaN)
                 t[new].zero_()
             have.append(new)
-        self.table[row, : len(have)] = torch.tensor(have, dtype=torch.int32)
+            changed = True
+        if changed:
+            self.table[row, : len(have)] = torch.tensor(have, dtype=torch.int32)
 
     def _drop_from(self, row: int, n: int) -> None:
         """`row` forgets positions n.. (the blocks wholly past them go back to the pool)."""
@@ -111,12 +114,14 @@ class PagedCpuRunner(EagerRunner):
         self.lengths[row] = min(self.lengths[row], n)
         self.prefilled[row] = min(self.prefilled[row], n)
 
-    def _written(self, row: int, start: int, tokens: Sequence[int], prefill: bool) -> None:
+    def _written(self, row: int, start: int, tokens: Sequence[int], prefill: bool, mark: bool = True) -> None:
+        """`tokens` are at positions start.. of `row` (marked valid unless the caller marks them)."""
         t = self.tokens[row]
         del t[start:]
         t += list(tokens)
         end = start + len(tokens)
-        self.valid[row, start:end] = True
+        if mark:
+            self.valid[row, start:end] = True
         self.lengths[row] = end
         if prefill and self.prefilled[row] == start:
             self.prefilled[row] = end
@@ -241,8 +246,9 @@ class PagedCpuRunner(EagerRunner):
         self._reserve([(r, p, p + 1) for r, p in zip(rows, positions, strict=True)])
         toks = [self.carry[r] if t is None else t for r, t in zip(rows, tokens, strict=True)]
         for r, t, p in zip(rows, toks, positions, strict=True):
-            self._written(r, p, [t], prefill=False)
+            self._written(r, p, [t], prefill=False, mark=False)
         pos = torch.tensor(list(positions))[:, None]
+        self.valid[torch.tensor(rows), pos[:, 0]] = True
         h = self._step(rows, torch.tensor(toks)[:, None], pos)
         out = logits(self.model, h[:, -1]).float()
         self._last = (out, {r: i for i, r in enumerate(rows)})
