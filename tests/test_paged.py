@@ -173,6 +173,12 @@ def test_out_of_blocks_is_an_error_that_changes_nothing(model):
         paged.prefill(1, _prompt(8, 6))
     assert paged.blocks[1] == [] and paged.lengths[1] == 0 and paged.pool.available() == 1
     assert torch.equal(paged.decode([0], [3], [10]), static.decode([0], [3], [10]))
+    # the C step checks every block id a token reads or writes against the pool
+    paged.table[0, 1] = 4
+    before = [k.clone() for k in paged.k]
+    with pytest.raises(RuntimeError, match="fused C step failed with code -1"):
+        paged.decode([0], [3], [11])
+    assert all(torch.equal(a, b) for a, b in zip(paged.k, before, strict=True))
 
 
 def test_kv_tokens_falls_back_to_a_static_cache_where_it_cannot_page(model):

@@ -50,6 +50,8 @@ def make_runner(model, config: RuntimeConfig, rows: int, max_seq_len: int):
     dev = _device(model)
     from bitnetlm.parallel import group_of
 
+    if config.kv_tokens is not None and (dev.type != "cpu" or group_of(model) is not None):
+        log.warning("--kv-tokens: the paged KV cache runs in one CPU process; using a static one")
     if group_of(model) is not None:  # a tensor-parallel shard: the eager forward, mirrored to the other ranks
         from bitnetlm.runtime.tp import TPRunner
 

@@ -8,9 +8,9 @@ dispatches per token. A `FusedStep` runs them all in C over a plain description 
 Steps of t > 1 tokens per row (prefill, chunked prefill) send the B*T tokens through each projection as one
 GEMM, write every token's k, v to the cache, then attend causally over the cache rows (keys at slots <= the
 query's that `valid` marks, and the query's own slot). A paged cache (`PagedKV`: a pool of blocks and each row's
-block table) is read block by block in slot order, so its results equal a static cache's bit for bit. KV cache fp32 or bf16; projections packed for the "cpu"
-backend; relu2 or silu; head_dim even and <= 512. Results equal the torch layers up to float summation order
-(RMSNorm means, attention sums).
+block table) is read block by block in slot order, so its results equal a static cache's bit for bit. KV cache
+fp32 or bf16; projections packed for the "cpu" backend; relu2 or silu; head_dim even and <= 512. Results equal the
+torch layers up to float summation order (RMSNorm means, attention sums).
 
 Attention accuracy: with random 2B4T-shaped weights (attention scores in the thousands, 1024 cached positions)
 one layer's output with the fused step agreed with the torch layer using a float64 attention to 2e-7 of its
