@@ -5,7 +5,9 @@ The static cache gives every row --ctx positions, so a budget of R rows holds R 
 The paged cache (`--kv-tokens R * ctx`, the same bytes) gives a row blocks as its tokens arrive: a request is
 admitted when the blocks it may fill (prompt + max_tokens) fit. This runs the engine over the model's CPU runner
 for N requests of --prompt tokens (the first --shared of them the same for every request: a system prompt) and
---max-tokens greedy tokens, and prints per cache: the KV memory, the most requests running at once, the most KV
+--max-tokens greedy tokens, and prints per cache: the KV memory, the growth of the process's resident memory from
+before the runner was made to the end (the paged pool's pages are committed as blocks are first used), the most
+requests running at once, the most KV
 positions held at any step (static: every row's; paged: blocks in use, a shared prompt block counted once), the
 requests/s and the prompt tokens computed (the rest were reused). Prompts are random token ids.
 
@@ -59,6 +61,7 @@ def run(model, tok, runtime, rows: int, prompts, args) -> dict:
     from bitnetlm.runtime import make_runner
     from bitnetlm.sampling import SamplingParams
 
+    before = common.rss_bytes()
     runner = make_runner(model, runtime, rows, args.ctx)
     metrics = Metrics("m")
     core = EngineCore(runner, tok, metrics=metrics)
@@ -73,9 +76,12 @@ def run(model, tok, runtime, rows: int, prompts, args) -> dict:
         most = max(most, len(core.running()))
         held = max(held, pool.in_use() * pool.block_size if pool is not None else rows * args.ctx)
     wall = time.perf_counter() - t0
+    resident = common.rss_bytes() - before
     nbytes = runner.nbytes() if pool is not None else runner.cache.nbytes()
     computed = metrics.counters["prompt_tokens_total"]
-    return dict(bytes=nbytes, most=most, held=held, rps=len(prompts) / wall, computed=computed)
+    return dict(
+        bytes=nbytes, resident=resident, most=most, held=held, rps=len(prompts) / wall, computed=computed
+    )
 
 
 def main(argv=None) -> int:
@@ -111,6 +117,7 @@ def main(argv=None) -> int:
             [
                 name,
                 f"{r['bytes'] / 2**20:.0f}",
+                f"{r['resident'] / 2**20:.0f}",
                 r["most"],
                 r["held"],
                 f"{r['rps']:.2f}",
@@ -125,12 +132,13 @@ def main(argv=None) -> int:
     cols = [
         "cache",
         "KV MiB",
+        "resident MiB after",
         "most requests at once",
         "most positions held",
         "requests/s",
         "prompt tokens computed",
     ]
-    print(common.table(cols, out, right=[False, True, True, True, True, True]))
+    print(common.table(cols, out, right=[False, True, True, True, True, True, True]))
     return 0
 
 
