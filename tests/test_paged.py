@@ -185,6 +185,8 @@ def test_kv_tokens_falls_back_to_a_static_cache_where_it_cannot_page(model):
     m = tiny_model(VOCAB, max_len=64, backend="reference")  # no fused C step
     r = make_runner(m, RuntimeConfig(device="cpu", kv_tokens=64), 2, 32)
     assert not isinstance(r, PagedCpuRunner)
+    r = make_runner(model, RuntimeConfig(device="cpu", kv_tokens=64, kv_cache_dtype="fp8"), 2, 32)
+    assert not isinstance(r, PagedCpuRunner)
     with pytest.raises(ValueError, match="--kv-tokens 0"):
         RuntimeConfig(kv_tokens=0)
 

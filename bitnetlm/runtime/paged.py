@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from bitnetlm.kernels.cpu.decode import FusedStep, PagedKV
+from bitnetlm.kernels.cpu.decode import KV_DTYPES, FusedStep, PagedKV
 from bitnetlm.models import KVCache
 from bitnetlm.models.cache import shift_rows
 from bitnetlm.runtime.blocks import BlockPool, OutOfBlocks
@@ -49,9 +49,8 @@ class PagedCpuRunner(EagerRunner):
         self.table = torch.zeros(rows, self.max_blocks, dtype=torch.int32)
         self.blocks: list[list[int]] = [[] for _ in range(rows)]
         self.tokens: list[list[int]] = [[] for _ in range(rows)]  # the token at each position a row holds
-        self.prefilled = [
-            0
-        ] * rows  # positions 0..n-1 were all written by prefills (their blocks may be cached)
+        # positions 0..n-1 were all written by prefills (their full blocks may be cached)
+        self.prefilled = [0] * rows
         self.lengths = [0] * rows
         self.carry: dict[int, int] = {}
         self._last = None
@@ -300,6 +299,8 @@ def paged_runner(model, config: RuntimeConfig, rows: int, max_seq_len: int) -> P
         return "the model is in training mode"
     if model.norm.weight.dtype != torch.float32:
         return f"activations are {model.norm.weight.dtype} (the paged cache needs float32)"
+    if config.kv_dtype(torch.float32) not in KV_DTYPES:
+        return f"--kv-cache-dtype {config.kv_cache_dtype} (the fused step's cache: float32 or bf16)"
     step = fused_step(model)
     if isinstance(step, str):
         return step
