@@ -97,13 +97,13 @@ static void rope(float *x, const float *cos, const float *sin, int64_t d) {
 }
 
 /* tokens' rotated k, v -> their cache slots (token i: cache row i / t) */
-static void cache_write(const bn_decode_config *c, void *kc, void *vc, const float *qkv, int64_t ld,
-                        const int64_t *slot, int64_t m, int64_t t) {
-    int64_t D = c->head_dim, S = c->max_seq, qd = c->n_heads * D, kvd = c->n_kv * D;
+static void cache_write(const bn_decode_config *c, const bn_kv_pages *pages, void *kc, void *vc, const float *qkv,
+                        int64_t ld, const int64_t *slot, int64_t m, int64_t t) {
+    int64_t D = c->head_dim, qd = c->n_heads * D, kvd = c->n_kv * D;
     for (int64_t i = 0; i < m; i++)
         for (int64_t g = 0; g < c->n_kv; g++) {
             const float *k = qkv + i * ld + qd + g * D, *v = k + kvd;
-            int64_t off = ((i / t * c->n_kv + g) * S + slot[i]) * D;
+            int64_t off = bn_kv_offset(c, pages, i / t, g, slot[i]);
             if (c->kv_dtype == BN_KV_BF16) {
                 uint16_t *kd = (uint16_t *)kc + off, *vd = (uint16_t *)vc + off;
                 for (int64_t d = 0; d < D; d++) {
@@ -162,7 +162,7 @@ int64_t bn_decode_work_floats(const bn_decode_config *c, int64_t m) {
     return m * (c->hidden + (qd + 2 * kvd) + qd + c->hidden + 3 * c->inter + c->n_heads * c->max_seq);
 }
 
-static int layer_step(const bn_decode_config *c, const bn_decode_layer *L, void *kc, void *vc,
+static int layer_step(const bn_decode_config *c, const bn_kv_pages *pages, const bn_decode_layer *L, void *kc, void *vc,
                       const uint8_t *valid, const int64_t *slot, const float *cos, const float *sin, int64_t m,
                       int64_t t, float *h, const work_t *W) {
     int64_t H = c->hidden, I = c->inter, D = c->head_dim;
@@ -183,9 +183,9 @@ static int layer_step(const bn_decode_config *c, const bn_decode_layer *L, void 
     for (int64_t i = 0; i < m; i++)
         for (int64_t hd = 0; hd < c->n_heads + c->n_kv; hd++) /* q heads then k heads: contiguous in a row */
             rope(W->qkv + i * ld + hd * D, cos + i * D, sin + i * D, D);
-    cache_write(c, kc, vc, W->qkv, ld, slot, m, t); /* every token's k, v first, then the attention */
+    cache_write(c, pages, kc, vc, W->qkv, ld, slot, m, t); /* every token's k, v first, then the attention */
     phase(BN_PHASE_ROPE, &t0);
-    bn_decode_attention(c, kc, vc, valid, slot, W->qkv, ld, m, t, W->att, W->scores);
+    bn_decode_attention(c, pages, kc, vc, valid, slot, W->qkv, ld, m, t, W->att, W->scores);
     phase(BN_PHASE_ATTN, &t0);
     if (L->attn_sub_norm)
         for (int64_t i = 0; i < m; i++) rmsnorm(W->att + i * qd, L->attn_sub_norm, qd, c->eps, W->att + i * qd);
@@ -226,9 +226,10 @@ static int layer_step(const bn_decode_config *c, const bn_decode_layer *L, void 
     return 0;
 }
 
-int bn_decode_forward_f32(const bn_decode_config *c, const bn_decode_layer *layers, int64_t n_layers,
-                          void *const *k_cache, void *const *v_cache, const uint8_t *valid, const int64_t *slot,
-                          const float *cos, const float *sin, int64_t b, int64_t t, float *h, float *work) {
+static int forward(const bn_decode_config *c, const bn_kv_pages *pages, const bn_decode_layer *layers,
+                   int64_t n_layers, void *const *k_cache, void *const *v_cache, const uint8_t *valid,
+                   const int64_t *slot, const float *cos, const float *sin, int64_t b, int64_t t, float *h,
+                   float *work) {
     int64_t m = b * t;
     if (!c || !layers || b <= 0 || t <= 0 || c->n_kv <= 0 || c->n_heads % c->n_kv != 0 || c->head_dim <= 0 ||
         c->head_dim % 2 != 0 || c->head_dim > BN_DECODE_MAX_HEAD_DIM ||
@@ -239,10 +240,35 @@ int bn_decode_forward_f32(const bn_decode_config *c, const bn_decode_layer *laye
         if (slot[i] < 0 || slot[i] >= c->max_seq) return -1;
     work_t W = carve(c, m, work);
     for (int64_t l = 0; l < n_layers; l++) {
-        int rc = layer_step(c, &layers[l], k_cache[l], v_cache[l], valid, slot, cos, sin, m, t, h, &W);
+        int rc = layer_step(c, pages, &layers[l], k_cache[l], v_cache[l], valid, slot, cos, sin, m, t, h, &W);
         if (rc != 0) return rc;
     }
     return 0;
+}
+
+int bn_decode_forward_f32(const bn_decode_config *c, const bn_decode_layer *layers, int64_t n_layers,
+                          void *const *k_cache, void *const *v_cache, const uint8_t *valid, const int64_t *slot,
+                          const float *cos, const float *sin, int64_t b, int64_t t, float *h, float *work) {
+    if (!c) return -1;
+    bn_kv_pages pages = {NULL, c->max_seq, 1};
+    return forward(c, &pages, layers, n_layers, k_cache, v_cache, valid, slot, cos, sin, b, t, h, work);
+}
+
+int bn_decode_forward_paged_f32(const bn_decode_config *c, const bn_decode_layer *layers, int64_t n_layers,
+                                void *const *k_pool, void *const *v_pool, const int32_t *table, int64_t block_size,
+                                int64_t n_blocks, const uint8_t *valid, const int64_t *slot, const float *cos,
+                                const float *sin, int64_t b, int64_t t, float *h, float *work) {
+    if (!c || !table || block_size <= 0 || c->max_seq % block_size != 0 || b <= 0 || t <= 0) return -1;
+    bn_kv_pages pages = {table, block_size, c->max_seq / block_size};
+    /* every block a token writes or reads (slots 0..its own) must be one of the pool's */
+    for (int64_t i = 0; i < b * t; i++) {
+        if (slot[i] < 0 || slot[i] >= c->max_seq) return -1;
+        for (int64_t j = 0; j <= slot[i] / block_size; j++) {
+            int32_t blk = table[i / t * pages.max_blocks + j];
+            if (blk < 0 || blk >= n_blocks) return -1;
+        }
+    }
+    return forward(c, &pages, layers, n_layers, k_pool, v_pool, valid, slot, cos, sin, b, t, h, work);
 }
 
 int bn_decode_step_f32(const bn_decode_config *c, const bn_decode_layer *layers, int64_t n_layers,

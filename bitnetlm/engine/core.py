@@ -41,6 +41,7 @@ class EngineCore:
         self.context = context or runner.max_seq_len
         self.context_shift = context_shift
         batched = runner.batched_prefill
+        pool = getattr(runner, "pool", None)  # a paged KV cache's blocks (runtime/blocks.py)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 runner.rows,
@@ -50,6 +51,9 @@ class EngineCore:
                 context=self.context,
                 prefix_reuse=prefix_reuse,
                 ring=runner.ring,
+                kv_blocks=pool.num_blocks if pool is not None else 0,
+                block_size=pool.block_size if pool is not None else 16,
+                lookup=runner.cached_prefix if pool is not None else None,
             )
         )
         self.speculator = speculator(runner, speculative, metrics, min(self.context, runner.max_seq_len))
@@ -65,6 +69,7 @@ class EngineCore:
         n, ctx = len(req.prompt_ids), self.context
         if n >= ctx:
             raise ValueError(f"the prompt has {n} tokens but the context window holds {ctx} positions")
+        self.check_blocks(n, g.max_tokens)
         keep = None
         if self.context_shift is not None:
             keep = self.context_shift.keep(req.prompt_ids, getattr(self.tokenizer, "bos_token_id", None), ctx)
@@ -86,6 +91,19 @@ class EngineCore:
             g.seqs.append(s)
             self.scheduler.add(s)
         return g
+
+    def check_blocks(self, n_prompt: int, max_tokens: int) -> None:
+        """ValueError for a request whose sequence could fill more blocks than a paged KV cache holds (it would
+        wait forever)."""
+        cfg = self.scheduler.config
+        if not cfg.kv_blocks:
+            return
+        n = min(n_prompt + max_tokens, self.context)
+        if -(-n // cfg.block_size) > cfg.kv_blocks:
+            raise ValueError(
+                f"the request may fill {n} KV positions ({n_prompt} prompt + up to {max_tokens} generated), more "
+                f"than the paged KV cache holds: {cfg.kv_blocks * cfg.block_size} (--kv-tokens)"
+            )
 
     def compile(self, structured, stop_ids=None):
         """`structured` (a StructuredOutput) compiled for this engine's tokenizer, its sequences ending on
@@ -157,5 +175,6 @@ def speculator(
                 f"draft model: its vocabulary has {dm.config.vocab_size} tokens, the target's {runner.vocab_size}; "
                 "a draft model must share the target's tokenizer"
             )
-        draft = make_runner(dm, config_for(dm), runner.rows, runner.max_seq_len)
+        # (a static cache: the scheduler reserves the target's blocks only)
+        draft = make_runner(dm, config_for(dm).replace(kv_tokens=None), runner.rows, runner.max_seq_len)
     return Speculator(config, runner, draft, metrics, context)

@@ -64,7 +64,8 @@ class Metrics:
             "request_rejected_total": "Requests rejected with 429 because the queue was full.",
             "prefix_cache_queries_total": "Prefix cache queries, in prompt tokens.",
             "prefix_cache_hits_total": "Prefix cache hits, in prompt tokens (keys and values reused, not computed).",
-            "kv_cache_usage_perc": "KV-cache usage: positions held by running sequences over all positions (0-1).",
+            "kv_cache_usage_perc": "KV-cache usage (0-1): positions held by running sequences over all positions; a paged cache: "
+            "blocks in use over all blocks",
             "time_to_first_token_seconds": "Histogram of time to first token in seconds.",
             "inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
             "e2e_request_latency_seconds": "Histogram of end-to-end request latency in seconds.",

@@ -18,11 +18,19 @@ Each step:
      there (a pipelined step), or its first token, sampled in this same step from its prompt's last logits. A
      sequence whose token would land past the context window shifts its row first (llama.cpp's context shift:
      its first `keep` positions stay, the oldest half of the rest goes, `Shift` in the plan), when it may.
+
+Over a paged KV cache (`kv_blocks` > 0) a row holds only the blocks its positions fill, and prefix reuse is the
+runner's block cache instead of rows held after their sequence ends: a new prompt skips the leading full blocks
+that `lookup` finds cached (kept from any prompt prefilled before, running or ended), which the worker maps into
+its row (`PagedCpuRunner.adopt`). A sequence is admitted only when the blocks it may fill (prompt + max_tokens, at most
+the context) fit beside those every running sequence may fill, so a step never runs out of blocks: the queue
+waits instead. A row that ends gives its blocks back at once (`released`, for the worker).
 """
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bitnetlm.engine.sequence import Sequence
@@ -40,6 +48,14 @@ class SchedulerConfig:
     context: int = 0  # positions a row holds (0: unbounded); a sequence with shift_keep set shifts at the end
     # the runner's sliding-window rings (`models.cache.Ring`: which held prefixes they keep), or None
     ring: object = None
+    kv_blocks: int = 0  # a paged KV cache's blocks (0: a static cache, a whole context per row)
+    block_size: int = 16
+    lookup: Callable[[list[int]], int] | None = None  # paged: prompt positions the block cache holds
+
+    def blocks(self, s: Sequence) -> int:
+        """Blocks `s` may fill: its prompt and every token it may generate, within the context."""
+        n = s.n_prompt + s.group.max_tokens
+        return -(-min(n, self.context or n) // self.block_size)
 
 
 REUSE_MIN = 16  # shorter common prefixes are recomputed: a copy is not worth its bookkeeping below this
@@ -91,7 +107,7 @@ class Chunk:
 class Plan:
     admitted: list[Sequence] = field(default_factory=list)  # got a row this step (the worker resets it)
     # id(seq) -> (source row, n): an admitted sequence's row starts with the source row's first n positions (its
-    # own row: kept; another: copied)
+    # own row: kept; another: copied; None: the paged cache's cached blocks of its prompt's first n tokens)
     reused: dict[int, tuple[int, int]] = field(default_factory=dict)
     prefills: list[list[Chunk]] = field(default_factory=list)  # each inner list: one forward
     copies: list[tuple[Sequence, Sequence]] = field(
@@ -116,6 +132,8 @@ class Scheduler:
         self.written: dict[int, int] = {}  # free row -> the most positions its last sequence wrote
         self.ended = 0  # counts sequences that gave a row back (the order in which held rows were freed)
         self.freed_at: dict[int, int] = {}
+        self.reserved: dict[int, int] = {}  # paged: id(running sequence) -> the blocks it may fill
+        self.released: list[int] = []  # paged: rows ended whose blocks the runner has not been told to free
 
     # ---- state --------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -128,7 +146,10 @@ class Scheduler:
             del self.running[seq.row]
             self.free_rows.append(seq.row)
             self.free_rows.sort()
-            if self.config.prefix_reuse:
+            if self.config.kv_blocks:
+                self.reserved.pop(id(seq), None)
+                self.released.append(seq.row)
+            elif self.config.prefix_reuse:
                 self.held[seq.row] = tuple(self._computed(seq))
                 self.written[seq.row] = self._written(seq)
                 self.ended += 1
@@ -143,7 +164,12 @@ class Scheduler:
     # ---- planning -----------------------------------------------------------------------------------
     def schedule(self) -> Plan:
         plan = Plan()
-        while self.waiting and self.free_rows:
+        while (
+            self.waiting
+            and self.free_rows
+            and self._fits(self.waiting[0])
+            and not self._defer(self.waiting[0])
+        ):
             s = self.waiting.popleft()
             self._admit(s, plan)
         completing = self._plan_prefill(plan)
@@ -189,8 +215,33 @@ class Scheduler:
         n = min(s.n_cached, s.n_prompt)
         return s.tokens[: min(n, s.shift_keep) if s.shifted else n]
 
+    def _fits(self, s: Sequence) -> bool:
+        cfg = self.config
+        return not cfg.kv_blocks or sum(self.reserved.values()) + cfg.blocks(s) <= cfg.kv_blocks
+
+    def _defer(self, s: Sequence) -> bool:
+        """Paged: s waits while a running prompt that starts with more of s's full blocks than the block cache
+        holds is still being prefilled (requests that arrive together with one system prompt compute it once)."""
+        cfg = self.config
+        if not cfg.kv_blocks or not cfg.prefix_reuse or cfg.lookup is None:
+            return False
+        prompt, bs = s.tokens[: s.n_prompt - 1], cfg.block_size
+        ahead = [t for t in self.running.values() if t.group is not s.group and t.n_cached < t.n_prompt]
+        if len(prompt) < bs or not any(t.tokens[:bs] == prompt[:bs] for t in ahead):
+            return False
+        have = cfg.lookup(prompt)
+        for t in ahead:
+            m = min(len(prompt), t.n_prompt)
+            common = next((i for i in range(m) if t.tokens[i] != prompt[i]), m) // bs * bs
+            if common > have and t.n_cached < common:
+                return True
+        return False
+
     def _admit(self, s: Sequence, plan: Plan) -> None:
         """Give s a free row (reusing the longest held prefix of its prompt), and plan the row's reset."""
+        if self.config.kv_blocks:
+            self._admit_paged(s, plan)
+            return
         src, n = self._longest_prefix(s) if self.config.prefix_reuse else (None, 0)
         if src is not None:  # (a kept or copied ring lacks what its source's writes overwrote)
             s.written = self.written[src] if src in self.held else self._written(self.running[src])
@@ -207,6 +258,20 @@ class Scheduler:
         plan.admitted.append(s)
         if src is not None:
             plan.reused[id(s)] = (src, n)
+            s.n_cached = n
+
+    def _admit_paged(self, s: Sequence, plan: Plan) -> None:
+        """Give s the lowest free row and its blocks' reservation; its prompt's cached leading blocks (all of the
+        prompt but its last token at most) are reused: `plan.reused` (None, n)."""
+        cfg = self.config
+        row = self.free_rows.pop(0)
+        s.row = row
+        self.running[row] = s
+        self.reserved[id(s)] = cfg.blocks(s)
+        plan.admitted.append(s)
+        n = cfg.lookup(s.tokens[: s.n_prompt - 1]) if cfg.prefix_reuse and cfg.lookup is not None else 0
+        if n:
+            plan.reused[id(s)] = (None, n)
             s.n_cached = n
 
     def _longest_prefix(self, s: Sequence) -> tuple[int | None, int]:

@@ -61,6 +61,7 @@ class Worker:
         """Run `plan`. Pipelined, returns the sampling of the prompts' first tokens and the decode step's, each
         (pending, its sequences) still on its way to the host; otherwise both are read already (None, None)."""
         r = self.runner
+        self._release()
         for s in plan.admitted:
             self._start_row(s, plan)
         ready = self._prefill(plan)
@@ -95,6 +96,10 @@ class Worker:
             r.reset(s.row)
             if src is not None:
                 r.copy_prefix(src, s.row, n)
+            elif n and r.adopt(s.row, s.tokens[:n]) != n:  # (nothing is evicted between the plan and here)
+                raise RuntimeError(
+                    f"row {s.row}: the KV block cache no longer holds the {n} planned positions"
+                )
         if m is not None:
             m.inc("prefix_cache_queries_total", s.n_prompt)
             m.inc("prefix_cache_hits_total", n)
@@ -176,6 +181,13 @@ class Worker:
         """s ended (finished or aborted): per-sequence state elsewhere goes."""
         if self.speculator is not None:
             self.speculator.release(s)
+        self._release()
+
+    def _release(self) -> None:
+        """A paged runner frees the blocks of the rows that ended (their prompt blocks stay cached)."""
+        rows, self.scheduler.released = self.scheduler.released, []
+        for row in rows:
+            self.runner.reset(row)
 
     def _advance(self, s: Sequence, token: int, logprob: float, top, now: float) -> None:
         g, m = s.group, self.metrics

@@ -50,6 +50,8 @@ def make_runner(model, config: RuntimeConfig, rows: int, max_seq_len: int):
     dev = _device(model)
     from bitnetlm.parallel import group_of
 
+    if config.kv_tokens is not None and (dev.type != "cpu" or group_of(model) is not None):
+        log.warning("--kv-tokens: the paged KV cache runs in one CPU process; using a static one")
     if group_of(model) is not None:  # a tensor-parallel shard: the eager forward, mirrored to the other ranks
         from bitnetlm.runtime.tp import TPRunner
 
@@ -66,6 +68,13 @@ def make_runner(model, config: RuntimeConfig, rows: int, max_seq_len: int):
                 return CudaRunner(model, config, rows, max_seq_len, plan)
             except (TypeError, ValueError) as e:
                 log.info("the CUDA-graph engine cannot run this model (%s); using the eager forward", e)
+    if dev.type == "cpu" and config.kv_tokens is not None:
+        from bitnetlm.runtime.paged import paged_runner
+
+        got = paged_runner(model, config, rows, max_seq_len)
+        if not isinstance(got, str):
+            return got
+        log.warning("--kv-tokens: no paged KV cache for this model (%s); using a static one", got)
     if dev.type == "cpu":
         from bitnetlm.runtime.cpu import CpuRunner
 

@@ -56,6 +56,14 @@ RUNTIME_FLAGS = [
     ),
     (("-c", "--ctx-size"), "max_seq_len", int, "context length in tokens (default: the model's)"),
     (("-np", "--max-batch", "--parallel"), "max_batch", int, "sequences decoded together (KV-cache rows)"),
+    (
+        ("--kv-tokens",),
+        "kv_tokens",
+        int,
+        "CPU: a paged KV cache of this many positions shared by all rows, taken in blocks as tokens arrive, "
+        "prompt prefixes shared (default: a static cache of --ctx-size positions per row)",
+    ),
+    (("--kv-block-size",), "kv_block_size", int, "positions per block of the paged KV cache (--kv-tokens)"),
 ]
 ALL = tuple(f[1] for f in RUNTIME_FLAGS)
 OFFLINE = tuple(d for d in ALL if d != "max_batch")  # generate / chat: one row per prompt

@@ -96,6 +96,9 @@ class RuntimeConfig:
       engine's int8 head).  threads: C kernel threads (None: physical cores).
     enforce_eager: CUDA without captured graphs (the model's own forward).
     max_batch: sequences decoded together (KV rows).  max_seq_len: context (None: the model's).
+    kv_tokens: a paged KV cache (CPU, fused step) of this many positions shared by every row, allocated in blocks
+      of kv_block_size positions as tokens arrive, with prompt prefixes shared between rows (None: a static cache
+      of max_seq_len positions per row).
     """
 
     device: str = "auto"
@@ -107,6 +110,8 @@ class RuntimeConfig:
     enforce_eager: bool = False
     max_batch: int = 8
     max_seq_len: int | None = None
+    kv_tokens: int | None = None
+    kv_block_size: int = 16
 
     def __post_init__(self):
         dev = self.device
@@ -126,9 +131,15 @@ class RuntimeConfig:
             raise ValueError(
                 f"head_dtype: expected one of {', '.join(HEAD_DTYPES)}, found {self.head_dtype!r}"
             )
-        for name, low in (("threads", 1), ("max_batch", 1), ("max_seq_len", 2)):
+        for name, low in (
+            ("threads", 1),
+            ("max_batch", 1),
+            ("max_seq_len", 2),
+            ("kv_tokens", 1),
+            ("kv_block_size", 1),
+        ):
             v = getattr(self, name)
-            if v is None and name != "max_batch":
+            if v is None and name not in ("max_batch", "kv_block_size"):
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 flag = {"max_seq_len": "ctx-size"}.get(name, name.replace("_", "-"))

@@ -125,6 +125,8 @@ class Engine:
         self.metrics.gauges["kv_cache_usage_perc"] = lambda: (
             sum(min(len(s.tokens), self.max_model_len) for s in list(sched.running.values())) / positions
         )
+        if hasattr(self.runner, "usage"):  # a paged KV cache: its blocks in use
+            self.metrics.gauges["kv_cache_usage_perc"] = self.runner.usage
 
         self._lock = threading.Condition()
         self._incoming: list[tuple[int, GenerationRequest, Callable]] = []
@@ -203,6 +205,7 @@ class Engine:
                 f"{n_prompt + p.max_tokens} tokens ({n_prompt} in the prompt, {p.max_tokens} for the "
                 "completion). Please reduce the length of the prompt or the completion."
             )
+        self.core.check_blocks(n_prompt, p.max_tokens)  # (a paged KV cache: the request fits it at all)
         if p.logit_bias and any(not 0 <= t < self.vocab_size for t in p.logit_bias):
             raise ValueError(
                 f"logit_bias token ids must be in [0, {self.vocab_size}), found {sorted(p.logit_bias)}"
