@@ -90,8 +90,11 @@ def test_ternary_matches_transformers_bitnet(tmp_path, variant):
 def test_padding_invariance(tmp_path, variant):
     model, tok = bitnetlm.load(make_bert(tmp_path / "m", variant))
     batch = embed(model, tok, TEXTS)
+    # ternary layers quantize their inputs to int8: the last-bit differences of a padded batch's float attention
+    # (summed over other lengths) can move one activation across a rounding step, about 1e-4 in the output
+    tol = 1e-6 if variant == "fp" else 1e-3
     for i, text in enumerate(TEXTS):
-        assert torch.allclose(embed(model, tok, [text])[0], batch[i], atol=1e-6, rtol=0)
+        assert torch.allclose(embed(model, tok, [text])[0], batch[i], atol=tol, rtol=0)
 
 
 def test_truncation_keeps_special_tokens(tmp_path):

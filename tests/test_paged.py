@@ -178,7 +178,10 @@ def test_out_of_blocks_is_an_error_that_changes_nothing(model):
     before = [k.clone() for k in paged.k]
     with pytest.raises(RuntimeError, match="fused C step failed with code -1"):
         paged.decode([0], [3], [11])
-    assert all(torch.equal(a, b) for a, b in zip(paged.k, before, strict=True))
+    # (bitwise: the pool is allocated uninitialised, and its unused blocks may hold NaN patterns)
+    assert all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(paged.k, before, strict=True)
+    )
 
 
 def test_kv_tokens_falls_back_to_a_static_cache_where_it_cannot_page(model):
