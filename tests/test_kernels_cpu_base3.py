@@ -92,6 +92,22 @@ def test_linear_equals_the_reference_and_the_2bit_path(isa):
             assert all(torch.equal(y, y3) for y in ys)
 
 
+def test_custom_ops_trace_under_compile():
+    gen = torch.Generator().manual_seed(8)
+    t = _ternary(70, 150, gen)
+    p, s = cpuk.BACKEND_BASE3.pack(t), torch.tensor([0.3])
+    x = torch.randn(2, 150, generator=gen)
+    torch.library.opcheck(ops.cpu_ternary_linear, (x, p, s, 70, B3))
+    xq = torch.randint(-128, 128, (3, 150), dtype=torch.int8)
+    torch.library.opcheck(ops.cpu_ternary_matmul_i32, (xq, p, 70, B3))
+
+    def f(x):
+        return torch.relu(cpuk.BACKEND_BASE3.linear(x, p, s, 70)) * 2
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x), f(x))
+
+
 def test_wrong_packing_is_one_line_error():
     t = _ternary(8, 640, torch.Generator().manual_seed(4))
     with pytest.raises(ValueError, match="cpu-base3-v1"):

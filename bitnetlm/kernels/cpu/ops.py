@@ -215,7 +215,7 @@ def cpu_ternary_linear(
 
 
 @cpu_ternary_linear.register_fake
-def _(x, packed, scale, out_features, layout):
+def _(x, packed, scale, out_features, layout=0):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
@@ -231,7 +231,7 @@ def cpu_ternary_linear_multi(
 
 
 @cpu_ternary_linear_multi.register_fake
-def _(x, packed, scales, out_features, layout):
+def _(x, packed, scales, out_features, layout=0):
     return [x.new_empty((*x.shape[:-1], n)) for n in out_features]
 
 
@@ -243,7 +243,7 @@ def cpu_ternary_matmul_i32(
 
 
 @cpu_ternary_matmul_i32.register_fake
-def _(xq, packed, out_features, layout):
+def _(xq, packed, out_features, layout=0):
     return xq.new_empty((*xq.shape[:-1], out_features), dtype=torch.int32)
 
 
