@@ -1,4 +1,5 @@
-/* cpu-base3-v1 packing (bitnet_cpu.h): from int8 ternary values, back, and straight from cpu-2bit-v2. */
+/* cpu-base3-v1 (bitnet_cpu.h): its padded sizes, repacking between it and cpu-2bit-v2, its scalar kernel. */
+#include <stdlib.h>
 #include <string.h>
 
 #include "bn_internal.h"
@@ -7,69 +8,80 @@ int64_t bn3_padded_k(int64_t k) { return (k + BN3_BLOCK - 1) / BN3_BLOCK * BN3_B
 int64_t bn3_packed_row_bytes(int64_t k) { return bn3_padded_k(k) / 5; }
 
 /* five codes (most significant first) -> the byte ceil(v * 256 / 243) */
-static inline uint8_t encode5(const int c[5]) {
-    int v = (((c[0] * 3 + c[1]) * 3 + c[2]) * 3 + c[3]) * 3 + c[4];
+static inline uint8_t encode5(const uint8_t *c, int stride) {
+    int v = (((c[0] * 3 + c[stride]) * 3 + c[2 * stride]) * 3 + c[3 * stride]) * 3 + c[4 * stride];
     return (uint8_t)((v * 256 + 242) / 243);
 }
 
-/* codes of one row of a block, c(e) giving the code of element e of the row (padding: 1) */
-#define FILL_BLOCK(out, b, code_of)                                          \
-    for (int j = 0; j < BN3_BYTES; j++) {                                   \
-        int c[5];                                                           \
-        for (int i = 0; i < 5; i++) {                                       \
-            int64_t e = (b) * BN3_BLOCK + i * BN3_BYTES + j;                \
-            c[i] = code_of(e);                                              \
-        }                                                                   \
-        (out)[j] = encode5(c);                                              \
-    }
-
-void bn3_pack(const int8_t *t, int64_t n, int64_t k, uint8_t *out) {
-    int64_t rb = bn3_packed_row_bytes(k), nblk = bn3_padded_k(k) / BN3_BLOCK, np = bn_packed_rows(n);
-    for (int64_t r = 0; r < np; r++)
-        for (int64_t b = 0; b < nblk; b++) {
-            uint8_t *o = out + bn3_block_offset(r, b, rb);
-#define CODE(e) ((r < n && (e) < k) ? t[r * k + (e)] + 1 : 1)
-            FILL_BLOCK(o, b, CODE)
-#undef CODE
+/* row r's codes (t + 1) from a matrix in `layout` into codes[0, kp) (kp: the layout's padded K) */
+static void row_codes(const uint8_t *src, int layout, int64_t r, int64_t k, uint8_t *codes) {
+    if (layout == BN_LAYOUT_BASE3) {
+        int64_t rb = bn3_packed_row_bytes(k);
+        for (int64_t b = 0; b < rb / BN3_BYTES; b++) {
+            const uint8_t *p = src + bn3_block_offset(r, b, rb);
+            for (int j = 0; j < BN3_BYTES; j++) {
+                uint8_t q = p[j];
+                for (int i = 0; i < 5; i++, q = (uint8_t)(q * 3)) codes[b * BN3_BLOCK + i * BN3_BYTES + j] = (uint8_t)bn3_code(q);
+            }
         }
+    } else {
+        int64_t rb = bn_packed_row_bytes(k);
+        for (int64_t b = 0; b < rb / 32; b++) {
+            const uint8_t *p = src + bn_block_offset(r, b, rb);
+            for (int i = 0; i < 4; i++)
+                for (int j = 0; j < 32; j++) codes[b * BN_BLOCK + i * 32 + j] = (p[j] >> (2 * i)) & 3;
+        }
+    }
 }
 
-void bn3_unpack(const uint8_t *p, int64_t n, int64_t k, int8_t *out) {
-    int64_t rb = bn3_packed_row_bytes(k);
-    for (int64_t r = 0; r < n; r++)
-        for (int64_t e = 0; e < k; e++) {
-            int64_t b = e / BN3_BLOCK, off = e % BN3_BLOCK;
-            uint8_t q = p[bn3_block_offset(r, b, rb) + off % BN3_BYTES];
-            for (int64_t i = off / BN3_BYTES; i > 0; i--) q = (uint8_t)(q * 3);
-            out[r * k + e] = (int8_t)(bn3_code(q) - 1);
+/* codes[0, kp) of row r into a matrix in `layout` */
+static void put_row(const uint8_t *codes, int layout, int64_t r, int64_t k, uint8_t *out) {
+    if (layout == BN_LAYOUT_BASE3) {
+        int64_t rb = bn3_packed_row_bytes(k);
+        for (int64_t b = 0; b < rb / BN3_BYTES; b++) {
+            uint8_t *o = out + bn3_block_offset(r, b, rb);
+            for (int j = 0; j < BN3_BYTES; j++) o[j] = encode5(codes + b * BN3_BLOCK + j, BN3_BYTES);
         }
+    } else {
+        int64_t rb = bn_packed_row_bytes(k);
+        for (int64_t b = 0; b < rb / 32; b++) {
+            uint8_t *o = out + bn_block_offset(r, b, rb);
+            const uint8_t *c = codes + b * BN_BLOCK;
+            for (int j = 0; j < 32; j++) o[j] = (uint8_t)(c[j] | c[j + 32] << 2 | c[j + 64] << 4 | c[j + 96] << 6);
+        }
+    }
 }
 
 typedef struct {
     const uint8_t *src;
-    int64_t n, k, rb2, rb3;
     uint8_t *out;
-} repack3_ctx;
+    int64_t k;
+    int from, to;
+    int failed; /* a range could not allocate its row buffer */
+} repack_ctx;
 
-static void repack3_range(void *c, int64_t g0, int64_t g1) {
-    const repack3_ctx *q = c;
-    int64_t nblk = bn3_padded_k(q->k) / BN3_BLOCK;
-    for (int64_t r = g0 * BN_GROUP; r < g1 * BN_GROUP; r++)
-        for (int64_t b = 0; b < nblk; b++) {
-            uint8_t *o = q->out + bn3_block_offset(r, b, q->rb3);
-            /* cpu-2bit-v2: element e of row r at byte (e % 128) % 32 of its block, bits 2 * ((e % 128) / 32) */
-#define CODE(e)                                                                                            \
-    ((e) < q->k ? (q->src[bn_block_offset(r, (e) / BN_BLOCK, q->rb2) + ((e) % BN_BLOCK) % 32] >>            \
-                   (2 * (((e) % BN_BLOCK) / 32))) & 3                                                      \
-                : 1)
-            FILL_BLOCK(o, b, CODE)
-#undef CODE
-        }
+static void repack_range(void *c, int64_t g0, int64_t g1) {
+    const repack_ctx *q = c;
+    int64_t len = bn_padded_k(q->k) > bn3_padded_k(q->k) ? bn_padded_k(q->k) : bn3_padded_k(q->k);
+    uint8_t *codes = malloc((size_t)len);
+    if (!codes) {
+        __atomic_store_n(&((repack_ctx *)c)->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    for (int64_t r = g0 * BN_GROUP; r < g1 * BN_GROUP; r++) {
+        row_codes(q->src, q->from, r, q->k, codes);
+        memset(codes + q->k, 1, (size_t)(len - q->k)); /* padding: t = 0 */
+        put_row(codes, q->to, r, q->k, q->out);
+    }
+    free(codes);
 }
 
-void bn3_repack_2bit(const uint8_t *src, int64_t n, int64_t k, uint8_t *out) {
-    repack3_ctx q = {src, n, k, bn_packed_row_bytes(k), bn3_packed_row_bytes(k), out};
-    bn_locked_parallel_for(bn_packed_rows(n) / BN_GROUP, repack3_range, &q);
+int bn_repack(const uint8_t *src, int from, int64_t n, int64_t k, uint8_t *out, int to) {
+    int ok = (from == BN_LAYOUT_2BIT || from == BN_LAYOUT_BASE3) && (to == BN_LAYOUT_2BIT || to == BN_LAYOUT_BASE3);
+    if (!ok || k <= 0 || n <= 0) return -1;
+    repack_ctx q = {src, out, k, from, to, 0};
+    bn_locked_parallel_for(bn_packed_rows(n) / BN_GROUP, repack_range, &q);
+    return q.failed ? -2 : 0;
 }
 
 /* the scalar kernel: the semantics of every vector path's base-3 kernel */

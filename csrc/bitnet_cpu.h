@@ -67,10 +67,9 @@ void bn_repack_hf(const uint8_t *hf, int64_t n, int64_t k, uint8_t *out);
 /* cpu-base3-v1 packing: padded K, bytes per row (rows as bn_packed_rows) */
 int64_t bn3_padded_k(int64_t k);
 int64_t bn3_packed_row_bytes(int64_t k);
-void bn3_pack(const int8_t *t, int64_t n, int64_t k, uint8_t *out);
-void bn3_unpack(const uint8_t *p, int64_t n, int64_t k, int8_t *out);
-/* cpu-2bit-v2 [n, k] (src) -> cpu-base3-v1 (out), threaded, without an int8 copy */
-void bn3_repack_2bit(const uint8_t *src, int64_t n, int64_t k, uint8_t *out);
+/* a packed [n, k] matrix from layout `from` into layout `to` (BN_LAYOUT_*), threaded, without an int8 copy;
+ * returns 0, -1 for a bad layout or size, -2 out of memory */
+int bn_repack(const uint8_t *src, int from, int64_t n, int64_t k, uint8_t *out, int to);
 
 /* per-token int8 activation quantization: x fp32 [m, k] -> xq int8 [m, ldq] (zero padded from k to ldq),
  * a fp32 [m] (may be NULL), xsum int32 [m] = sum of each row of xq (may be NULL). */

@@ -52,6 +52,7 @@ def test_layout_definition_roundtrip_and_c_repacks_agree():
         two = cpuk.BACKEND.pack(t)
         assert torch.equal(cpuk.BACKEND_BASE3.repack(two, PackingFormat.CPU_2BIT, (n, k)), p)
         assert torch.equal(cpuk.BACKEND_BASE3.repack(pack_hf(t), PackingFormat.HF_2BIT, (n, k)), p)
+        assert torch.equal(cpuk.BACKEND.repack(p, PackingFormat.CPU_BASE3, (n, k)), two)  # and back
 
 
 def test_digits_are_tq1_0s():

@@ -47,7 +47,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "bn_pack": (None, [_vp, _i64, _i64, _vp]),
         "bn_unpack": (None, [_vp, _i64, _i64, _vp]),
         "bn_repack_hf": (None, [_vp, _i64, _i64, _vp]),
-        "bn3_repack_2bit": (None, [_vp, _i64, _i64, _vp]),
+        "bn_repack": (_i32, [_vp, _i32, _i64, _i64, _vp, _i32]),
         "bn_ternary_matmul_i32_layout": (_i32, [_vp, _i64, _i64, _vp, _i64, _vp, _i32]),
         "bn_ternary_linear_multi_f32_layout": (
             _i32,

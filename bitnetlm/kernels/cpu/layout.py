@@ -78,7 +78,7 @@ _POW3 = (81, 27, 9, 3, 1)
 
 def pack_base3_cpu(t: torch.Tensor) -> torch.Tensor:
     """int8 ternary [N, K] -> cpu-base3-v1 uint8 [Np, Kp3/5] (the layout's definition; the C library's
-    bn3_pack and bn3_repack_2bit write the same bytes)."""
+    bn_repack writes the same bytes from cpu-2bit-v2)."""
     if t.dtype != torch.int8 or t.dim() != 2:
         raise TypeError(f"pack_base3_cpu: expected int8 ternary [N, K], found {t.dtype} {tuple(t.shape)}")
     n, k = t.shape
