@@ -3,6 +3,8 @@ runs, the same logits as the 2-bit layout through the fused step, and the runtim
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_kernels_cpu_decode import greedy_with_runner
@@ -181,3 +183,14 @@ def test_option_and_flag():
     p = argparse.ArgumentParser()
     add_runtime_arguments(p)
     assert runtime_from_args(p.parse_args(["--weights-layout", "base3"])).weights_layout == "base3"
+
+
+def test_bench_takes_the_flag(oracle_dirs, capsys):
+    from bitnetlm.cli import main
+
+    ours, _ = oracle_dirs["packed-autobitlinear"]
+    argv = ["bench", "-m", str(ours), "-p", "8", "-n", "3", "-t", "1", "-r", "1", "--json", "--device", "cpu"]
+    assert main([*argv, "--weights-layout", "base3"]) == 0
+    assert [r["test"] for r in json.loads(capsys.readouterr().out)["results"]] == ["pp8", "tg3"]
+    assert main(["bench", "--shape", "2b4t", "--weights-layout", "1bit"]) == 2
+    assert "--weights-layout '1bit': expected one of auto, 2bit, base3" in capsys.readouterr().err
