@@ -358,10 +358,10 @@ BN_INLINE __m256i b3_next(__m256i s) { return _mm256_add_epi8(s, _mm256_add_epi8
 /* a block adds 10 maddubs pair sums (|.| <= 512) to a row's int16 sums: 6 blocks stay inside int16 */
 #define B3_I16_BLOCKS 6
 
-/* prefill: one weight row against NT <= 4 tokens; each decoded half block serves every token */
+/* prefill: one weight row against NT <= 8 tokens; each decoded half block serves every token */
 BN_INLINE void tile_1xT_b3(const bn_gemm_args *g, int64_t r, int64_t i0, const int NT) {
     B3_CONSTS;
-    __m256i acc[4], s16[4];
+    __m256i acc[8], s16[8];
     for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_si256();
     const uint8_t *w = bn3_row(g, r);
     const int8_t *x = g->xq + i0 * g->ldx;
@@ -430,6 +430,8 @@ static void gemm_rows_b3_avx2(const bn_gemm_args *g, int64_t r0, int64_t r1) {
     for (int64_t rc = r0; rc < r1; rc += B3_ROW_CHUNK) { /* a chunk's rows stay in L1/L2 while the tokens pass */
         int64_t re = rc + B3_ROW_CHUNK < r1 ? rc + B3_ROW_CHUNK : r1;
         int64_t i0 = 0;
+        for (; i0 + 8 <= g->m; i0 += 8)
+            for (int64_t r = rc; r < re; r++) tile_1xT_b3(g, r, i0, 8);
         for (; i0 + 4 <= g->m; i0 += 4)
             for (int64_t r = rc; r < re; r++) tile_1xT_b3(g, r, i0, 4);
         for (; i0 < g->m; i0++)
