@@ -4,8 +4,8 @@ cpu-base3-v1 reads 20% fewer bytes a token than cpu-2bit-v2 and spends more inst
 where decode waits on memory and loses where it waits on the cores. That depends on the memory bandwidth per core
 and on whether the weights stay in the last-level cache, which no instruction-set flag tells; so weights that
 outgrow the cache are timed both ways at load, on the model's own matrices, and those that fit keep 2-bit. The
-timing reads the weights about ten times and holds a base-3 copy of up to twice the cache's size meanwhile (2B4T on
-a 2-core VM: 3-4 s); `weights_layout="2bit"` or `"base3"` skips it.
+timing reads the weights about six times and holds a base-3 copy of up to twice the cache's size meanwhile (2B4T on
+a 2-vCPU VM: 1.4-3.1 s); `weights_layout="2bit"` or `"base3"` skips it.
 """
 
 from __future__ import annotations
