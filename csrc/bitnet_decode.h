@@ -46,6 +46,7 @@ typedef struct {
     const float *ffn_sub_norm;            /* [inter] or NULL */
     const uint8_t *w[BN_DEC_NPROJ];       /* packed ternary weights (bitnet_cpu.h layout), BN_DEC_* order */
     const float *scale[BN_DEC_NPROJ];     /* their weight scales, read at call time */
+    int32_t layout;                       /* the weights' layout, BN_LAYOUT_* */
 } bn_decode_layer;
 
 /* floats of scratch bn_decode_step_f32 needs for m rows */

@@ -162,6 +162,11 @@ int64_t bn_decode_work_floats(const bn_decode_config *c, int64_t m) {
     return m * (c->hidden + (qd + 2 * kvd) + qd + c->hidden + 3 * c->inter + c->n_heads * c->max_seq);
 }
 
+/* y [m, n] = projection j of layer L applied to x [m, k] */
+static int linear1(const float *x, int64_t m, int64_t k, const bn_decode_layer *L, int j, int64_t n, float *y) {
+    return bn_ternary_linear_multi_f32_layout(x, m, k, 1, &L->w[j], &n, &L->scale[j], &y, n, L->layout);
+}
+
 static int layer_step(const bn_decode_config *c, const bn_kv_pages *pages, const bn_decode_layer *L, void *kc, void *vc,
                       const uint8_t *valid, const int64_t *slot, const float *cos, const float *sin, int64_t m,
                       int64_t t, float *h, const work_t *W) {
@@ -177,7 +182,7 @@ static int layer_step(const bn_decode_config *c, const bn_kv_pages *pages, const
         const float *s[3] = {L->scale[BN_DEC_Q], L->scale[BN_DEC_K], L->scale[BN_DEC_V]};
         int64_t n[3] = {qd, kvd, kvd};
         float *y[3] = {W->qkv, W->qkv + qd, W->qkv + qd + kvd};
-        if ((rc = bn_ternary_linear_multi_f32_ld(W->xn, m, H, 3, w, n, s, y, ld)) != 0) return rc;
+        if ((rc = bn_ternary_linear_multi_f32_layout(W->xn, m, H, 3, w, n, s, y, ld, L->layout)) != 0) return rc;
     }
     phase(BN_PHASE_QKV, &t0);
     for (int64_t i = 0; i < m; i++)
@@ -190,7 +195,7 @@ static int layer_step(const bn_decode_config *c, const bn_kv_pages *pages, const
     if (L->attn_sub_norm)
         for (int64_t i = 0; i < m; i++) rmsnorm(W->att + i * qd, L->attn_sub_norm, qd, c->eps, W->att + i * qd);
     phase(BN_PHASE_NORM, &t0);
-    if ((rc = bn_ternary_linear_f32(W->att, m, qd, L->w[BN_DEC_O], H, *L->scale[BN_DEC_O], W->o)) != 0) return rc;
+    if ((rc = linear1(W->att, m, qd, L, BN_DEC_O, H, W->o)) != 0) return rc;
     phase(BN_PHASE_O, &t0);
     for (int64_t e = 0; e < m * H; e++) h[e] = h[e] + W->o[e];
     /* MLP */
@@ -201,7 +206,7 @@ static int layer_step(const bn_decode_config *c, const bn_kv_pages *pages, const
         const float *s[2] = {L->scale[BN_DEC_GATE], L->scale[BN_DEC_UP]};
         int64_t n[2] = {I, I};
         float *y[2] = {W->gu, W->gu + I};
-        if ((rc = bn_ternary_linear_multi_f32_ld(W->xn, m, H, 2, w, n, s, y, 2 * I)) != 0) return rc;
+        if ((rc = bn_ternary_linear_multi_f32_layout(W->xn, m, H, 2, w, n, s, y, 2 * I, L->layout)) != 0) return rc;
     }
     phase(BN_PHASE_GATE_UP, &t0);
     for (int64_t i = 0; i < m; i++) {
@@ -218,8 +223,7 @@ static int layer_step(const bn_decode_config *c, const bn_kv_pages *pages, const
         if (L->ffn_sub_norm) rmsnorm(y, L->ffn_sub_norm, I, c->eps, y);
     }
     phase(BN_PHASE_ACT, &t0);
-    if ((rc = bn_ternary_linear_f32(W->y, m, I, L->w[BN_DEC_DOWN], H, *L->scale[BN_DEC_DOWN], W->o)) != 0)
-        return rc;
+    if ((rc = linear1(W->y, m, I, L, BN_DEC_DOWN, H, W->o)) != 0) return rc;
     phase(BN_PHASE_DOWN, &t0);
     for (int64_t e = 0; e < m * H; e++) h[e] = h[e] + W->o[e];
     phase(BN_PHASE_NORM, &t0);

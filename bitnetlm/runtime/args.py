@@ -9,7 +9,14 @@ from __future__ import annotations
 import argparse
 import os
 
-from bitnetlm.runtime.config import BACKENDS, DTYPES, HEAD_DTYPES, KV_CACHE_DTYPES, RuntimeConfig
+from bitnetlm.runtime.config import (
+    BACKENDS,
+    DTYPES,
+    HEAD_DTYPES,
+    KV_CACHE_DTYPES,
+    WEIGHTS_LAYOUTS,
+    RuntimeConfig,
+)
 
 
 def parse_bool(raw) -> bool:
@@ -48,6 +55,13 @@ RUNTIME_FLAGS = [
         "engine's int8 head)",
     ),
     (("-t", "--threads"), "threads", int, "CPU threads for the kernels (default: physical cores)"),
+    (
+        ("--weights-layout",),
+        "weights_layout",
+        str,
+        f"CPU ternary weights: {', '.join(WEIGHTS_LAYOUTS)} (2 or 1.6 bits a weight: base3 reads 20% fewer "
+        "bytes a token and unpacks them with more work; auto times both at load and keeps the faster)",
+    ),
     (
         ("--enforce-eager",),
         "enforce_eager",

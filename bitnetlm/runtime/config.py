@@ -22,6 +22,7 @@ _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "hal
 KV_CACHE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 _KV_ALIASES = {"": "auto", "bfloat16": "bf16", "fp8_e4m3": "fp8", "float8_e4m3fn": "fp8"}
 HEAD_DTYPES = ("bf16", "int8")
+WEIGHTS_LAYOUTS = ("auto", "2bit", "base3")
 BACKENDS = ("reference", "cpu", "triton")
 
 
@@ -94,6 +95,8 @@ class RuntimeConfig:
     kv_cache_dtype: auto (the activations' dtype) | bf16 | fp8 (CUDA; e4m3, unscaled).
     head_dtype: None | bf16 | int8: storage of the embedding + LM head (CPU: the model's own; CUDA: the graph
       engine's int8 head).  threads: C kernel threads (None: physical cores).
+    weights_layout: auto | 2bit | base3: the CPU kernels' ternary weights, 2 or 1.6 bits a weight (auto: the
+      faster here, timed at load on the model's own matrices).
     enforce_eager: CUDA without captured graphs (the model's own forward).
     max_batch: sequences decoded together (KV rows).  max_seq_len: context (None: the model's).
     kv_tokens: a paged KV cache (CPU, fused step) of this many positions shared by every row, allocated in blocks
@@ -107,6 +110,7 @@ class RuntimeConfig:
     kv_cache_dtype: str = "auto"
     head_dtype: str | None = None
     threads: int | None = None
+    weights_layout: str = "auto"
     enforce_eager: bool = False
     max_batch: int = 8
     max_seq_len: int | None = None
@@ -130,6 +134,12 @@ class RuntimeConfig:
         if self.head_dtype is not None and self.head_dtype not in HEAD_DTYPES:
             raise ValueError(
                 f"head_dtype: expected one of {', '.join(HEAD_DTYPES)}, found {self.head_dtype!r}"
+            )
+        if self.weights_layout in (None, ""):
+            set_("weights_layout", "auto")
+        if self.weights_layout not in WEIGHTS_LAYOUTS:
+            raise ValueError(
+                f"--weights-layout {self.weights_layout!r}: expected one of {', '.join(WEIGHTS_LAYOUTS)}"
             )
         for name, low in (
             ("threads", 1),

@@ -17,6 +17,7 @@ from bitnetlm.kernels import cpu as cpu_kernels
 from bitnetlm.kernels.cpu.decode import PROJ, FusedStep, LayerTensors, StepShape, accepts
 from bitnetlm.kernels.cpu.decode import why_not as _kernel_why_not
 from bitnetlm.kernels.cpu.head import HEAD_DTYPES, CompactEmbedding, CompactHead
+from bitnetlm.kernels.cpu.probe import choose_layout
 from bitnetlm.models.transformer import MLP, Attention, Block, RMSNorm
 from bitnetlm.quant.bitlinear import BitLinear
 from bitnetlm.runtime.config import RuntimeConfig
@@ -34,14 +35,15 @@ def _layer(blk, eps: float) -> LayerTensors | str:
             return f"projection {type(lin).__name__} (needs inference BitLinear without bias)"
         if getattr(lin.kernel, "name", None) != "cpu" or lin.packed.device.type != "cpu":
             return f"projection backend {getattr(lin.kernel, 'name', None)!r}"
+        if lin.kernel is not lins[0].kernel:
+            return "projections of one layer in two weight layouts"
     norms = (blk.input_layernorm, blk.post_attention_layernorm, a.attn_sub_norm, f.ffn_sub_norm)
     for n in norms:
         if n is not None and (type(n) is not RMSNorm or n.eps != eps):
             return f"norm {type(n).__name__} (eps {getattr(n, 'eps', None)})"
     w = [None if n is None else n.weight.data for n in norms]
-    return LayerTensors(
-        w[0], w[1], w[2], w[3], tuple(m.packed for m in lins), tuple(m.weight_scale for m in lins)
-    )
+    packed, scales = tuple(m.packed for m in lins), tuple(m.weight_scale for m in lins)
+    return LayerTensors(w[0], w[1], w[2], w[3], packed, scales, lins[0].kernel.code)
 
 
 def why_not(model) -> str | None:
@@ -161,6 +163,37 @@ def set_head_dtype(model, dtype: str | None) -> None:
 
 
 def apply(model, config: RuntimeConfig) -> None:
-    """The CPU options of `config` on a loaded model: its head storage and the kernel threads."""
+    """The CPU options of `config` on a loaded model: its head storage, the kernel threads and the ternary
+    weights' layout (after the threads: choosing "auto" times the kernels)."""
     set_head_dtype(model, config.head_dtype)
     configure_threads(model, config.threads)
+    set_weights_layout(model, config.weights_layout)
+
+
+def weights_layout(model) -> str | None:
+    """The layout ("2bit" or "base3") of `model`'s ternary weights on the C kernels, None when none are."""
+    for m in model.modules():
+        if isinstance(m, BitLinear) and not m.training_mode and getattr(m.kernel, "name", None) == "cpu":
+            return "base3" if m.kernel.base3 else "2bit"
+    return None
+
+
+def set_weights_layout(model, layout: str) -> str | None:
+    """Repack `model`'s C-kernel ternary weights into `layout`: "2bit" (cpu-2bit-v2), "base3" (cpu-base3-v1, 1.6
+    bits a weight) or "auto" (the faster one here for this model's matrices, timed: `kernels.cpu.probe`). Returns
+    the layout now in use (None: no weights on the C kernels, nothing changed)."""
+    if layout not in ("auto", *cpu_kernels.WEIGHTS_LAYOUTS):
+        raise ValueError(f"weights_layout: expected auto, 2bit or base3, found {layout!r}")
+    lins = [
+        m
+        for m in model.modules()
+        if isinstance(m, BitLinear) and not m.training_mode and getattr(m.kernel, "name", None) == "cpu"
+    ]
+    if not lins:
+        return None
+    if layout == "auto":
+        layout = choose_layout(lins)
+    backend = cpu_kernels.WEIGHTS_LAYOUTS[layout]
+    for m in lins:
+        m.use_kernel(backend)
+    return layout

@@ -63,6 +63,7 @@ class _Layer(ctypes.Structure):  # bn_decode_layer
         ("ffn_sub_norm", _vp),
         ("w", _vp * len(PROJ)),
         ("scale", _vp * len(PROJ)),
+        ("layout", _i32),
     ]
 
 
@@ -82,7 +83,7 @@ class StepShape:
 @dataclass
 class LayerTensors:
     """One layer's tensors: fp32 norm weights (sub-norms None when absent), the seven projections' packed
-    weights ("cpu" layout) and float32 scales, in PROJ order."""
+    weights (all in the "cpu" backend layout `layout`, a _lib.LAYOUT_* code) and float32 scales, in PROJ order."""
 
     in_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -90,6 +91,7 @@ class LayerTensors:
     ffn_sub_norm: torch.Tensor | None
     weights: tuple[torch.Tensor, ...]
     scales: tuple[torch.Tensor, ...]
+    layout: int = _lib.LAYOUT_2BIT
 
 
 def _library():
@@ -171,6 +173,7 @@ class FusedStep:
                     setattr(st, field, w.data_ptr())
             for j, (w, s) in enumerate(zip(L.weights, L.scales)):
                 st.w[j], st.scale[j] = w.data_ptr(), s.data_ptr()
+            st.layout = L.layout
         self.work = torch.empty(0, dtype=torch.float32)
 
     def __call__(self, h, cos, sin, k, v, valid, slots, pages: PagedKV | None = None) -> torch.Tensor:
