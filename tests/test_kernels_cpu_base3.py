@@ -158,7 +158,8 @@ def test_layout_switches_back_and_saves_the_canonical_layout(oracle_dirs):
     assert set_weights_layout(ref, "base3") is None  # no C-kernel weights: nothing to repack
 
 
-def test_auto_keeps_2bit_in_cache_and_times_beyond_it(oracle_dirs, monkeypatch):
+def test_auto_keeps_2bit_in_cache_and_times_beyond_it(oracle_dirs, monkeypatch, tmp_path):
+    monkeypatch.setenv("BITNET_CACHE", str(tmp_path))
     ours, _ = oracle_dirs["packed-autobitlinear"]
     model = load_model(ours, backend="cpu", weights_layout="auto").eval()
     assert weights_layout(model) == "2bit"  # a tiny model's weights fit the last-level cache
@@ -194,3 +195,30 @@ def test_bench_takes_the_flag(oracle_dirs, capsys):
     assert [r["test"] for r in json.loads(capsys.readouterr().out)["results"]] == ["pp8", "tg3"]
     assert main(["bench", "--shape", "2b4t", "--weights-layout", "1bit"]) == 2
     assert "--weights-layout '1bit': expected one of auto, 2bit, base3" in capsys.readouterr().err
+
+
+def test_auto_times_once_per_machine(oracle_dirs, monkeypatch, tmp_path):
+    """The timed choice is kept in $BITNET_CACHE per machine (CPU, instruction set, threads): the next load reads
+    it instead of timing again; an unreadable file is timed again and rewritten."""
+    monkeypatch.setenv("BITNET_CACHE", str(tmp_path))
+    monkeypatch.setattr(probe, "last_level_cache_bytes", lambda: 1024)
+    ours, _ = oracle_dirs["packed-autobitlinear"]
+    model = load_model(ours, backend="cpu", weights_layout="2bit").eval()
+    lins = [
+        m for m in model.modules() if isinstance(m, BitLinear) and getattr(m.kernel, "name", None) == "cpu"
+    ]
+    passes = []
+    real = probe._pass
+    monkeypatch.setattr(probe, "_pass", lambda *a: passes.append(1) or real(*a))
+    first = probe.choose_layout(lins)
+    table = json.loads((tmp_path / "cpu_weights_layout.json").read_text())
+    assert list(table.values()) == [first] and passes
+    passes.clear()
+    assert probe.choose_layout(lins) == first and not passes  # remembered: no timing
+    with cpuk.use_isa("avx2" if cpuk.get_isa() != "avx2" else "scalar"):
+        probe.choose_layout(lins)  # another instruction set is another machine: timed, kept beside
+    assert passes and len(json.loads((tmp_path / "cpu_weights_layout.json").read_text())) == 2
+    (tmp_path / "cpu_weights_layout.json").write_text("{not json")
+    passes.clear()
+    assert probe.choose_layout(lins) in ("2bit", "base3") and passes
+    assert len(json.loads((tmp_path / "cpu_weights_layout.json").read_text())) == 1

@@ -5,11 +5,16 @@ where decode waits on memory and loses where it waits on the cores. That depends
 and on whether the weights stay in the last-level cache, which no instruction-set flag tells; so weights that
 outgrow the cache are timed both ways at load, on the model's own matrices, and those that fit keep 2-bit. The
 timing reads the weights about six times and holds a base-3 copy of up to twice the cache's size meanwhile (2B4T on
-a 2-vCPU VM: 1.4-3.1 s); `weights_layout="2bit"` or `"base3"` skips it.
+a 2-vCPU VM: 1.4-3.1 s); `weights_layout="2bit"` or `"base3"` skips it. The answer is kept per machine (CPU
+model, instruction set, threads, cache size) in $BITNET_CACHE/cpu_weights_layout.json, so one load pays the timing.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import platform
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,12 +53,67 @@ def _pass(mats, xs) -> float:
     return time.perf_counter() - t0
 
 
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _machine_key(llc: int) -> str:
+    from bitnetlm.kernels.cpu import get_isa, get_num_threads
+
+    return f"{_cpu_model()} | {get_isa()} | {get_num_threads()} threads | {llc >> 20} MiB cache"
+
+
+def _cache_file() -> Path:
+    from bitnetlm.paths import cache_root
+
+    return cache_root() / "cpu_weights_layout.json"
+
+
+def _remembered() -> dict:
+    try:
+        got = json.loads(_cache_file().read_text())
+    except (OSError, ValueError):
+        return {}  # (none yet, or unreadable: timed again and rewritten)
+    return got if isinstance(got, dict) else {}
+
+
+def _remember(key: str, layout: str) -> None:
+    """Best effort: a cache that cannot be written only costs the next load its timing."""
+    path = _cache_file()
+    table = {**_remembered(), key: layout}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".cpu_weights_layout.")
+        with os.fdopen(fd, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
 def choose_layout(lins) -> str:
     """ "2bit" or "base3" for the inference BitLinears `lins` on the C kernels (see the module docstring)."""
     total = sum(m.out_features * m.in_features for m in lins) // 4
     llc = last_level_cache_bytes()
     if total <= llc:
         return "2bit"
+    key = _machine_key(llc)
+    known = _remembered().get(key)
+    if known in ("2bit", "base3"):
+        return known
+    layout = _timed(lins, llc)
+    _remember(key, layout)
+    return layout
+
+
+def _timed(lins, llc: int) -> str:
+    """Both layouts timed on a prefix of `lins` (see the module docstring)."""
     # time a prefix of the matrices twice the cache's size: enough to stream from memory, bounded extra memory
     chosen, size = [], 0
     for m in lins:
