@@ -4,7 +4,7 @@
 
 #include "bn_internal.h"
 
-int64_t bn3_padded_k(int64_t k) { return (k + BN3_BLOCK - 1) / BN3_BLOCK * BN3_BLOCK; }
+int64_t bn3_padded_k(int64_t k) { return bn3_padk(k); }
 int64_t bn3_packed_row_bytes(int64_t k) { return bn3_padded_k(k) / 5; }
 
 /* five codes (most significant first) -> the byte ceil(v * 256 / 243) */

@@ -270,7 +270,7 @@ static void run_gemm(gemm_ctx *G, int64_t m) {
 
 /* K padded for `layout`; the weights' bytes per row and blocks per row */
 static int64_t layout_dims(int layout, int64_t k, int64_t *rb, int64_t *nblk) {
-    int64_t kp = layout == BN_LAYOUT_BASE3 ? bn3_padded_k(k) : bn_padded_k(k);
+    int64_t kp = layout == BN_LAYOUT_BASE3 ? bn3_padk(k) : bn_padded_k(k);
     *rb = layout == BN_LAYOUT_BASE3 ? kp / 5 : kp / 4;
     *nblk = kp / (layout == BN_LAYOUT_BASE3 ? BN3_BLOCK : BN_BLOCK);
     return kp;

@@ -77,6 +77,7 @@ static inline const uint8_t *bn_row(const bn_gemm_args *g, int64_t r) { return g
 /* cpu-base3-v1 addressing (see bitnet_cpu.h): blocks of BN3_BYTES bytes hold BN3_BLOCK elements, rows in groups
  * of 4 interleaved by block like cpu-2bit-v2 */
 #define BN3_BSTRIDE (BN3_BYTES * BN_GROUP)
+static inline int64_t bn3_padk(int64_t k) { return (k + BN3_BLOCK - 1) / BN3_BLOCK * BN3_BLOCK; }
 static inline int64_t bn3_block_offset(int64_t r, int64_t b, int64_t rb) {
     return (r / BN_GROUP) * BN_GROUP * rb + b * BN3_BSTRIDE + (r % BN_GROUP) * BN3_BYTES;
 }

@@ -11,7 +11,7 @@
 #include <string.h>
 
 #include "bn_internal.h"
-#include "decode_internal.h"
+#include "decode_attn.h"
 
 /* relu by clearing negative values' bits: integer ops the compiler vectorizes. The compare-and-select form
  * stayed a scalar branch that mispredicted on every other element (~9% of a prefill). Negative -> +0. */

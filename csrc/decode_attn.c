@@ -16,7 +16,7 @@
 #include <math.h>
 
 #include "bn_internal.h"
-#include "decode_internal.h"
+#include "decode_attn.h"
 
 #define LANES 8
 #define HEAD_BLOCK 8 /* query heads per task at most (accumulators on the stack) */

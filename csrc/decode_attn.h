@@ -1,6 +1,6 @@
 /* The attention of the fused decode step (decode_attn.c), called by decode.c. */
-#ifndef BN_DECODE_INTERNAL_H
-#define BN_DECODE_INTERNAL_H
+#ifndef BN_DECODE_ATTN_H
+#define BN_DECODE_ATTN_H
 
 #include <stdint.h>
 
