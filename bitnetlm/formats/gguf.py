@@ -24,12 +24,12 @@ from bitnetlm.formats.gguf_tensors import (
     FLOAT_TYPES,
     GGML_QUANT_VERSION,
     GGUF_FORMAT_VERSION,
-    float_bytes,
+    float_entry,
     float_tensor,
     permute_qk,
     projection,
     smallest_lossless,
-    ternary_of,
+    ternary_entry,
 )
 from bitnetlm.formats.gguf_tokenizer import load_gguf_tokenizer  # noqa: F401  (bitnetlm.load uses it from here)
 from bitnetlm.formats.names import model_modules
@@ -235,23 +235,6 @@ def _family_metadata(cfg, p: str, meta: dict, types: dict) -> None:
     types.update(ftypes)
 
 
-def _float_entry(gname: str, w: torch.Tensor, type_id: int = codecs.TYPE_F32) -> TensorToWrite:
-    return TensorToWrite(gname, float_bytes(w, type_id), type_id, tuple(w.shape))
-
-
-def _ternary_entry(gname: str, m, qkey: str, n_head: int | None = None) -> TensorToWrite:
-    t, s = ternary_of(m)
-    if n_head:
-        t = permute_qk(t, n_head)
-    tid = codecs.TERNARY_TYPES[qkey]
-    try:
-        data = codecs.encode(t.numpy(), s, tid)
-    except codecs.CodecError as e:
-        hint = " (I2_S needs only a multiple of 128 values per matrix: --type i2_s)" if tid != 36 else ""
-        raise ValueError(f"tensor {gname} {tuple(t.shape)}: {e}{hint}") from e
-    return TensorToWrite(gname, data, tid, tuple(t.shape))
-
-
 def _head_types(model, embed_type: str) -> tuple[int, int, int]:
     """(embedding, float projection, LM head) GGUF types for `embed_type`."""
     emb = model.embed_tokens.weight
@@ -270,7 +253,7 @@ def _llama_tensors(model, cfg, arch: str, qkey: str, embed_type: str, fname: str
     """The tensors of a LLaMA/BitNet-shaped model, in llama.cpp's order (q/k rows permuted for `llama`)."""
     permute = arch == "llama"
     emb_tid, proj_tid, head_tid = _head_types(model, embed_type)
-    tensors = [_float_entry("token_embd.weight", model.embed_tokens.weight, emb_tid)]
+    tensors = [float_entry("token_embd.weight", model.embed_tokens.weight, emb_tid)]
     for i, layer in _progress(list(enumerate(model.layers)), f"writing {fname}"):
         for ours, g in LAYER_NAMES.items():
             parent, _, leaf = ours.rpartition(".")
@@ -285,15 +268,15 @@ def _llama_tensors(model, cfg, arch: str, qkey: str, embed_type: str, fname: str
             elif permute and g == "attn_k":
                 n_head = cfg.num_key_value_heads
             if isinstance(m, BitLinear):
-                tensors.append(_ternary_entry(gname, m, qkey, n_head))
+                tensors.append(ternary_entry(gname, m, qkey, n_head))
             elif isinstance(m, torch.nn.Linear):
                 w = m.weight.detach()
-                tensors.append(_float_entry(gname, permute_qk(w, n_head) if n_head else w, proj_tid))
+                tensors.append(float_entry(gname, permute_qk(w, n_head) if n_head else w, proj_tid))
             else:
-                tensors.append(_float_entry(gname, m.weight))  # norms: F32
-    tensors.append(_float_entry("output_norm.weight", model.norm.weight))
+                tensors.append(float_entry(gname, m.weight))  # norms: F32
+    tensors.append(float_entry("output_norm.weight", model.norm.weight))
     if model.lm_head is not None:
-        tensors.append(_float_entry("output.weight", model.lm_head.weight, head_tid))
+        tensors.append(float_entry("output.weight", model.lm_head.weight, head_tid))
     return tensors
 
 
@@ -306,17 +289,17 @@ def _family_tensors(model, cfg, qkey: str, embed_type: str, fname: str) -> list[
         m = model.get_submodule(name)
         g = families.tensor_name(name, cfg.arch)
         if kind == "embed":
-            tensors.append(_float_entry(g + ".weight", m.weight, emb_tid))
+            tensors.append(float_entry(g + ".weight", m.weight, emb_tid))
         elif isinstance(m, BitLinear):
-            tensors.append(_ternary_entry(g + ".weight", m, qkey))
+            tensors.append(ternary_entry(g + ".weight", m, qkey))
         elif kind == "proj":
-            tensors.append(_float_entry(g + ".weight", m.weight, proj_tid))
+            tensors.append(float_entry(g + ".weight", m.weight, proj_tid))
         else:  # norms: F32, Gemma's as (1 + w)
-            tensors.append(_float_entry(g + ".weight", m.weight.detach().float() + shift))
+            tensors.append(float_entry(g + ".weight", m.weight.detach().float() + shift))
         if getattr(m, "bias", None) is not None:
-            tensors.append(_float_entry(g + ".bias", m.bias))
+            tensors.append(float_entry(g + ".bias", m.bias))
     if model.lm_head is not None:
-        tensors.append(_float_entry("output.weight", model.lm_head.weight, head_tid))
+        tensors.append(float_entry("output.weight", model.lm_head.weight, head_tid))
     return tensors
 
 

@@ -117,34 +117,23 @@ def save_bert_gguf(
 
 
 def _tensors(model: Encoder, name: str, g: str, kind: str, qkey: str, embed_type: str) -> list[TensorToWrite]:
-    from bitnetlm.formats.gguf_tensors import FLOAT_TYPES, float_bytes, smallest_lossless, ternary_of
+    from bitnetlm.formats.gguf_tensors import FLOAT_TYPES, float_entry, smallest_lossless, ternary_entry
 
     m = model.get_submodule(name)
-
-    def floats(gname, w, tid):
-        return TensorToWrite(gname, float_bytes(w, tid), tid, tuple(w.shape))
-
     out = []
     if isinstance(m, BitLinear):
-        t, s = ternary_of(m)
-        tid = codecs.TERNARY_TYPES[qkey]
-        try:
-            data = codecs.encode(t.numpy(), s, tid)
-        except codecs.CodecError as e:
-            hint = " (I2_S needs only a multiple of 128 values per matrix: --type i2_s)" if tid != 36 else ""
-            raise ValueError(f"tensor {g}.weight {tuple(t.shape)}: {e}{hint}") from e
-        out.append(TensorToWrite(g + ".weight", data, tid, tuple(t.shape)))
+        out.append(ternary_entry(g + ".weight", m, qkey))
     elif kind == "embed":
         w = m.weight
         tid = smallest_lossless(w) if embed_type == "auto" else FLOAT_TYPES[embed_type]
-        out.append(floats(g + ".weight", w, tid))
+        out.append(float_entry(g + ".weight", w, tid))
     elif kind == "proj":
         tid = FLOAT_TYPES["f16" if embed_type == "auto" else embed_type]
-        out.append(floats(g + ".weight", m.weight, tid))
+        out.append(float_entry(g + ".weight", m.weight, tid))
     else:
-        out.append(floats(g + ".weight", m.weight, codecs.TYPE_F32))
+        out.append(float_entry(g + ".weight", m.weight, codecs.TYPE_F32))
     if kind != "embed":
-        out.append(floats(g + ".bias", m.bias, codecs.TYPE_F32))
+        out.append(float_entry(g + ".bias", m.bias, codecs.TYPE_F32))
     return out
 
 

@@ -130,3 +130,26 @@ def ternary_of(module) -> tuple[torch.Tensor, float]:
             t, s = module.ternary_weight(), module.weight_scale
         return t.cpu(), float(s.reshape(-1)[0])
     raise TypeError("not a ternary projection")
+
+
+def float_entry(gname: str, w: torch.Tensor, type_id: int = codecs.TYPE_F32):
+    """The GGUF tensor `gname` of float weights `w` stored as `type_id`."""
+    from bitnetlm.formats.gguf_file import TensorToWrite
+
+    return TensorToWrite(gname, float_bytes(w, type_id), type_id, tuple(w.shape))
+
+
+def ternary_entry(gname: str, m, qkey: str, n_head: int | None = None):
+    """The GGUF tensor `gname` of ternary projection `m` encoded as `qkey` (q/k rows permuted for n_head heads)."""
+    from bitnetlm.formats.gguf_file import TensorToWrite
+
+    t, s = ternary_of(m)
+    if n_head:
+        t = permute_qk(t, n_head)
+    tid = codecs.TERNARY_TYPES[qkey]
+    try:
+        data = codecs.encode(t.numpy(), s, tid)
+    except codecs.CodecError as e:
+        hint = " (I2_S needs only a multiple of 128 values per matrix: --type i2_s)" if tid != 36 else ""
+        raise ValueError(f"tensor {gname} {tuple(t.shape)}: {e}{hint}") from e
+    return TensorToWrite(gname, data, tid, tuple(t.shape))
