@@ -17,6 +17,20 @@ from bitnetlm.runtime.base import Pending, Sampled, SampleSpec, host_sample
 from bitnetlm.runtime.config import RuntimeConfig
 
 
+def left_padded(prompts: Sequence[Sequence[int]]):
+    """Prompts as one left-padded batch: (ids, positions, cache slots [k, L], real-token mask or None if none is
+    padded), each prompt's last token in the last column."""
+    k, big = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros(k, big, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, big - len(p) :] = torch.tensor(list(p))
+    slots = torch.arange(big)
+    offset = (big - torch.tensor([len(p) for p in prompts]))[:, None]
+    mask = slots[None, :] >= offset  # [k, L]
+    positions = (slots[None, :] - offset).clamp(min=0)
+    return ids, positions, slots[None, :].expand(k, big), None if bool(mask.all()) else mask
+
+
 def model_device(model) -> torch.device:
     for t in model.parameters():
         return t.device
@@ -77,25 +91,18 @@ class EagerRunner:
 
     @torch.inference_mode()
     def prefill_many(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-        k, big = len(rows), max(len(p) for p in prompts)
         for r, p in zip(rows, prompts, strict=True):
             self._check(r, len(p))
-        ids = torch.zeros(k, big, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, big - len(p) :] = torch.tensor(list(p))
-        lens = torch.tensor([len(p) for p in prompts])
-        slots = torch.arange(big)
-        offset = (big - lens)[:, None]
-        mask = slots[None, :] >= offset  # [k, L]
-        positions = (slots[None, :] - offset).clamp(min=0)
+        ids, positions, slots, mask = left_padded(prompts)
+        k, big = ids.shape
         tmp = self.model.new_cache(k, big, device=self.device, dtype=self.cache.k[0].dtype, rings=False)
         dev = self.device
         logits = self.forward(
             ids.to(dev),
             positions.to(dev),
             tmp,
-            cache_pos=slots[None, :].expand(k, big).to(dev),
-            input_mask=None if bool(mask.all()) else mask.to(dev),
+            cache_pos=slots.to(dev),
+            input_mask=None if mask is None else mask.to(dev),
         )
         for i, (r, p) in enumerate(zip(rows, prompts, strict=True)):
             n = len(p)

@@ -26,7 +26,7 @@ from bitnetlm.models.cache import shift_rows
 from bitnetlm.runtime.blocks import BlockPool, OutOfBlocks
 from bitnetlm.runtime.config import RuntimeConfig
 from bitnetlm.runtime.cpu import fused_forward, logits
-from bitnetlm.runtime.eager import EagerRunner
+from bitnetlm.runtime.eager import EagerRunner, left_padded
 
 
 class PagedCpuRunner(EagerRunner):
@@ -186,29 +186,13 @@ class PagedCpuRunner(EagerRunner):
     @torch.inference_mode()
     def prefill_many(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Whole prompts in one left-padded forward over a static cache of their own, then into their blocks."""
-        k, big = len(rows), max(len(p) for p in prompts)
         for r, p in zip(rows, prompts, strict=True):
             self._check(r, len(p))
         self._reserve([(r, 0, len(p)) for r, p in zip(rows, prompts, strict=True)])
-        ids = torch.zeros(k, big, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, big - len(p) :] = torch.tensor(list(p))
-        lens = torch.tensor([len(p) for p in prompts])
-        slots = torch.arange(big)
-        offset = (big - lens)[:, None]
-        mask = slots[None, :] >= offset
-        positions = (slots[None, :] - offset).clamp(min=0)
+        ids, positions, slots, mask = left_padded(prompts)
+        k, big = ids.shape
         tmp = KVCache(len(self.k), k, self.k[0].shape[1], big, self.k[0].shape[3], dtype=self.k[0].dtype)
-        out = fused_forward(
-            self.model,
-            self.fused,
-            ids,
-            positions,
-            tmp,
-            slots[None, :].expand(k, big),
-            None if bool(mask.all()) else mask,
-            last_only=True,
-        )
+        out = fused_forward(self.model, self.fused, ids, positions, tmp, slots, mask, last_only=True)
         for i, (r, p) in enumerate(zip(rows, prompts, strict=True)):
             self._store(r, [t[i, :, big - len(p) :] for t in tmp.k], [t[i, :, big - len(p) :] for t in tmp.v])
             self._written(r, 0, p, prefill=True)
