@@ -40,11 +40,6 @@ def server(mt):
     h.stop()
 
 
-@pytest.fixture()
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def _prompt(rng):
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 24)))
 

@@ -40,11 +40,6 @@ def server(mt):
     h.stop()
 
 
-@pytest.fixture()
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def _text(out) -> str:
     return out if isinstance(out, str) else out.text
 

@@ -67,11 +67,6 @@ def server():
     h.stop()
 
 
-@pytest.fixture()
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def _check(calls) -> None:
     assert calls
     for c in calls:
