@@ -189,3 +189,23 @@ def shape_checkpoint(path: str | os.PathLike, shape: str, tokenizer: str | os.Pa
             if f.is_file():
                 shutil.copy(f, path / f.name)
     return path
+
+
+def records_schema(min_items: int, max_items: int | None = None) -> dict:
+    """The JSON schema the structured-output benchmarks enforce: an array of records of a bounded string, an
+    integer in a range and an enum."""
+    bounds = {"minItems": min_items} | ({"maxItems": max_items} if max_items is not None else {})
+    return {
+        "type": "array",
+        **bounds,
+        "items": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 12},
+                "year": {"type": "integer", "minimum": 1800, "maximum": 2100},
+                "kind": {"enum": ["novel", "poem", "letter"]},
+            },
+            "required": ["name", "year", "kind"],
+            "additionalProperties": False,
+        },
+    }

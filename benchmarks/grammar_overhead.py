@@ -26,6 +26,8 @@ import sys
 import time
 from datetime import date
 
+import common
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SCHEMAS = {
@@ -135,21 +137,7 @@ def run_xgrammar(tok_json: str, schema: dict, ids: list[int]) -> tuple[float, li
 ENGINES = {"llguidance": run_llguidance, "xgrammar": run_xgrammar}
 
 # a long, bounded output: 12 records of a string, an integer and an enum
-RECORDS = {
-    "type": "array",
-    "minItems": 12,
-    "maxItems": 12,
-    "items": {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 12},
-            "year": {"type": "integer", "minimum": 1800, "maximum": 2100},
-            "kind": {"enum": ["novel", "poem", "letter"]},
-        },
-        "required": ["name", "year", "kind"],
-        "additionalProperties": False,
-    },
-}
+RECORDS = common.records_schema(12, 12)
 
 
 def model_rows(names: list[str], threads: int | None, repeats: int) -> None:

@@ -52,20 +52,7 @@ SAMPLERS = {
     "llama": {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05},
 }
 # --json-schema: more records than --max-tokens holds, so that every request runs to its end
-RECORDS = {
-    "type": "array",
-    "minItems": 1000,
-    "items": {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 12},
-            "year": {"type": "integer", "minimum": 1800, "maximum": 2100},
-            "kind": {"enum": ["novel", "poem", "letter"]},
-        },
-        "required": ["name", "year", "kind"],
-        "additionalProperties": False,
-    },
-}
+RECORDS = common.records_schema(1000)
 WORDS = "the quick brown fox jumps over the lazy dog while a single man in possession of a fortune".split()
 
 

@@ -14,12 +14,11 @@ import json
 from pathlib import Path
 
 import torch
-from oracle import _clear_weight_ties
+from oracle import PROJ, _clear_weight_ties
 from safetensors.torch import load_file, save_file
 
 FAMILIES = ("qwen3", "gemma3", "gpt2")
 QUANT_VARIANTS = ("fp", "online", "offline")
-PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GPT2_PROJ = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 ONLINE = {"quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "online"}
 OFFLINE = {**ONLINE, "quantization_mode": "offline"}
