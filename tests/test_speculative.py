@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import bitnetlm
-from bitnetlm.engine.speculative import SpeculativeConfig, lookup_draft
+from bitnetlm.engine.speculative import NgramIndex, SpeculativeConfig
 from bitnetlm.generate import SamplingParams, batch_generate, generate
 from bitnetlm.models import ModelConfig, build_model
 from bitnetlm.quant import to_inference_
@@ -47,6 +47,19 @@ def random_draft(vocab: int, seed: int = 3):
     return to_inference_(m).eval()
 
 
+def scan_draft(t: list[int], n_max: int, n_min: int, k: int) -> list[int]:
+    """Prompt lookup by its definition: a scan for the latest earlier occurrence of the longest tail n-gram."""
+    for n in range(min(n_max, len(t) - 1), n_min - 1, -1):
+        for i in range(len(t) - n - 1, -1, -1):
+            if t[i : i + n] == t[-n:]:
+                return t[i + n : i + n + k]
+    return []
+
+
+def lookup_draft(t: list[int], n_max: int, n_min: int, k: int) -> list[int]:
+    return NgramIndex(n_max).draft(t, n_min, k)
+
+
 def test_lookup_draft():
     t = [5, 6, 7, 8, 1, 2, 5, 6, 7]
     assert lookup_draft(t, 3, 1, 4) == [8, 1, 2, 5]  # the 3-gram 5 6 7 occurred at 0
@@ -56,6 +69,19 @@ def test_lookup_draft():
     assert lookup_draft([1, 2, 3, 9, 3], 3, 2, 4) == []  # only a 1-gram matches, below lookup_min
     assert lookup_draft([1, 2, 3, 9, 3], 3, 1, 4) == [9, 3]
     assert lookup_draft([4], 3, 1, 4) == []
+
+
+def test_lookup_index_grown_token_by_token_equals_the_scan():
+    g = torch.Generator().manual_seed(0)
+    for vocab in (3, 8, 50):
+        t = torch.randint(vocab, (300,), generator=g).tolist()
+        index, grown = NgramIndex(4), []
+        for i, x in enumerate(t):
+            grown.append(x)
+            if i % 3:  # (the index also takes several new tokens at once)
+                continue
+            for n_min in (1, 2, 4):
+                assert index.draft(grown, n_min, 5) == scan_draft(grown, 4, n_min, 5), (vocab, i, n_min)
 
 
 def test_config_errors():

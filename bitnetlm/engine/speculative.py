@@ -70,16 +70,35 @@ class SpeculativeConfig:
         return self.lookup > 0 or self.draft is not None
 
 
-def lookup_draft(tokens: Seq[int], n_max: int, n_min: int, k: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the last n tokens (the longest n from n_max
-    down to n_min that occurs), or [] when none does."""
-    t = list(tokens)
-    for n in range(min(n_max, len(t) - 1), n_min - 1, -1):
-        tail = t[-n:]
-        for i in range(len(t) - n - 1, -1, -1):  # latest first; the match may not be the tail itself
-            if t[i : i + n] == tail:
-                return t[i + n : i + n + k]
-    return []
+class NgramIndex:
+    """Prompt lookup's index of a growing token list: for each n-gram (n from 1 to n_max) the latest position at
+    which it starts and is followed by at least one more token, so a lookup costs n_max dictionary reads rather
+    than a scan of the context (a scan of 1,000 tokens took ~0.9 ms where it found nothing)."""
+
+    def __init__(self, n_max: int):
+        self.n_max = n_max
+        self.seen: list[dict[tuple[int, ...], int]] = [{} for _ in range(n_max + 1)]
+        self.length = 0  # tokens indexed: n-grams starting before length - n are in
+
+    def extend(self, tokens: Seq[int]) -> None:
+        """Index what `tokens` (the same list, longer) added since the last call."""
+        if len(tokens) < self.length:  # (a list that shrank is not the one indexed: start over)
+            self.__init__(self.n_max)
+        for n in range(1, self.n_max + 1):
+            seen = self.seen[n]
+            for i in range(max(0, self.length - n), len(tokens) - n):
+                seen[tuple(tokens[i : i + n])] = i
+        self.length = len(tokens)
+
+    def draft(self, tokens: Seq[int], n_min: int, k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the last n tokens (the longest n from
+        n_max down to n_min that occurs), or [] when none does."""
+        self.extend(tokens)
+        for n in range(min(self.n_max, len(tokens) - 1), n_min - 1, -1):
+            i = self.seen[n].get(tuple(tokens[-n:]))
+            if i is not None:
+                return list(tokens[i + n : i + n + k])
+        return []
 
 
 @dataclass
@@ -93,6 +112,7 @@ class RowState:
     pauses: int = 0  # pauses in a row (a window at MIN_RATE or above resets it)
     draft_len: int = 0
     random: RowRandom | None = None  # the draft model's own draws (sampled rows)
+    index: NgramIndex | None = None  # prompt lookup's n-grams of the sequence's tokens
 
 
 @dataclass
@@ -158,10 +178,15 @@ class Speculator:
         if not want:
             return {}
         if self.draft_runner is None:
-            c = self.config
-            out = {s: Draft(lookup_draft(s.tokens, c.lookup, c.lookup_min, k)) for s, k in want.items()}
+            out = {s: Draft(self._lookup(s, k)) for s, k in want.items()}
             return {s: d for s, d in out.items() if d.tokens}
         return self._model_drafts(list(want.items()))
+
+    def _lookup(self, s: Sequence, k: int) -> list[int]:
+        st = self.state(s)
+        if st.index is None:
+            st.index = NgramIndex(self.config.lookup)
+        return st.index.draft(s.tokens, self.config.lookup_min, k)
 
     def _model_drafts(self, want: list[tuple[Sequence, int]]) -> dict[Sequence, Draft]:
         """k tokens from the draft model for each (sequence, k): its row caught up with the sequence's tokens
@@ -207,6 +232,11 @@ class Speculator:
         d = draft.tokens
         logits = self.runner.verify(s.row, [s.tokens[-1], *d], p0)  # [k + 1, V]
         s.written = max(s.written, p0 + 1 + len(d))
+        prm = s.params
+        if prm.greedy and not (prm.needs_penalties or prm.logit_bias or prm.top_logprobs):
+            out, lps = _greedy_accept(d, logits)
+            self._settle(s, len(d), len(out) - 1)
+            return out, lps, [None] * len(out)
         out, accepted = self._accept(s, d, draft.q, logits)
         top_n = s.params.top_logprobs
         lp, top_v, top_i = raw_logprobs(logits[: len(out)], torch.tensor(out, device=logits.device), top_n)
@@ -279,6 +309,16 @@ class Speculator:
                 st.paused, st.history, st.pauses = PAUSE << min(st.pauses, 6), [], st.pauses + 1
             else:
                 st.pauses = 0
+
+
+def _greedy_accept(d: list[int], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Greedy acceptance of draft d from the target's logits [len(d) + 1, V] and the emitted tokens' raw
+    log-probabilities: one pass over the logits (argmax and logsumexp together) and one copy to the host."""
+    best, lse = reductions.argmax_logsumexp(logits)
+    lp = logits.gather(1, best[:, None])[:, 0].float() - lse
+    best, lp = torch.stack((best.double(), lp.double())).tolist()
+    n = next((i for i, x in enumerate(d) if int(best[i]) != x), len(d))
+    return [*d[:n], int(best[n])], lp[: n + 1]
 
 
 def _longest_draft(runner, draft_runner) -> int:
