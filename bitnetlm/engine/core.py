@@ -54,6 +54,8 @@ class EngineCore:
                 kv_blocks=pool.num_blocks if pool is not None else 0,
                 block_size=pool.block_size if pool is not None else 16,
                 lookup=runner.cached_prefix if pool is not None else None,
+                free=pool.available if pool is not None else None,
+                cost=runner.admission_cost if pool is not None and prefix_reuse else None,
             )
         )
         self.speculator = speculator(runner, speculative, metrics, min(self.context, runner.max_seq_len))
@@ -93,8 +95,9 @@ class EngineCore:
         return g
 
     def check_blocks(self, n_prompt: int, max_tokens: int) -> None:
-        """ValueError for a request whose sequence could fill more blocks than a paged KV cache holds (it would
-        wait forever)."""
+        """ValueError for a request whose sequence could fill more blocks than a paged KV cache holds: alone in
+        the pool it could not finish (vLLM refuses at start a cache that cannot hold one request of the context;
+        here a smaller pool refuses only the requests it cannot hold)."""
         cfg = self.scheduler.config
         if not cfg.kv_blocks:
             return
