@@ -1,6 +1,6 @@
 """The paged KV cache: the block allocator alone, then the paged CPU runner against the static one (logits equal
 bit for bit: the fused step reads the same keys in the same order), then the engine over it (prefix reuse through
-shared blocks gives the tokens that no reuse gives, and a pool too small for every request makes them wait)."""
+shared blocks gives the tokens that no reuse gives; tests/test_preempt.py: a pool too small for every request)."""
 
 from __future__ import annotations
 

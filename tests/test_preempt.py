@@ -189,3 +189,16 @@ def test_server_paged_by_default_preempts_and_equals_static(mt):
     assert not isinstance(static, PagedCpuRunner) and none == 0
     got, preemptions, stats, _ = run(kv_tokens=TIGHT, kv_block_size=BS)
     assert got == want and preemptions > 0 and stats["preemptions"] == preemptions
+
+
+def test_context_shift_rows_preempted_run_past_the_window(mt):
+    """Rows that shift past a 32-position window are preempted and prefilled again from the tokens they held: each
+    request still gets all of its tokens, and every block comes back."""
+    from bitnetlm.engine.scheduler import ContextShift
+
+    model = mt[0]
+    reqs = [(p, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True), 1) for p in _prompts(model)]
+    paged = _paged(model, tokens=CTX)
+    got, counters, _, pre = _run(mt, paged, reqs, context=32, context_shift=ContextShift(2))
+    assert sorted(len(v) for v in got.values()) == [60] * ROWS
+    assert counters["num_preemptions_total"] > 0 and paged.pool.in_use() == 0

@@ -178,6 +178,6 @@ def speculator(
                 f"draft model: its vocabulary has {dm.config.vocab_size} tokens, the target's {runner.vocab_size}; "
                 "a draft model must share the target's tokenizer"
             )
-        # (a static cache: the scheduler reserves the target's blocks only)
+        # (a static cache: only the target's KV cache is paged, and only its blocks preempt)
         draft = make_runner(dm, config_for(dm).replace(kv_tokens=None), runner.rows, runner.max_seq_len)
     return Speculator(config, runner, draft, metrics, context)

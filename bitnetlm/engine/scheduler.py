@@ -179,7 +179,9 @@ class Scheduler:
     def preempt(self, s: Sequence) -> int:
         """Paged, recompute mode: running `s` gives its row back (returned: the worker frees its blocks now) and
         waits at the front of the queue to prefill every token its row held again. Its sampling stream, grammar
-        state and speculation stay with it, so it goes on as it would have."""
+        state and speculation stay with it, so it goes on as it would have. (A row that shifted past the context
+        window is prefilled from the tokens it held, whose keys are then computed at their new positions rather
+        than moved there: its output may differ from a run without preemption.)"""
         if s.pending:
             raise RuntimeError(f"row {s.row}: preempted with {s.pending} sampled tokens not yet read")
         row = s.row
