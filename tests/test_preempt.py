@@ -202,3 +202,31 @@ def test_context_shift_rows_preempted_run_past_the_window(mt):
     got, counters, _, pre = _run(mt, paged, reqs, context=32, context_shift=ContextShift(2))
     assert sorted(len(v) for v in got.values()) == [60] * ROWS
     assert counters["num_preemptions_total"] > 0 and paged.pool.in_use() == 0
+
+
+def test_scheduler_admits_on_prompt_blocks_and_requeues_a_preempted_sequence_first():
+    """Pure bookkeeping: with 10 free blocks of 8, prompts of 20 tokens (3 blocks each, their first decode
+    included) are admitted while they fit beside the watermark (1 block), whatever max_tokens says; a preempted
+    sequence goes back to the front of the queue and is prefilled again with the token it generated."""
+    from test_prefix_reuse import _seq
+
+    from bitnetlm.engine.scheduler import Scheduler, SchedulerConfig
+
+    free = [10]
+    sch = Scheduler(SchedulerConfig(rows=4, kv_blocks=10, block_size=8, free=lambda: free[0]))
+    a, b, c, d = (_seq([i] * 20, max_tokens=200) for i in range(4))
+    for s in (a, b, c, d):
+        sch.add(s)
+    plan = sch.schedule()
+    assert plan.admitted == [a, b, c] and list(sch.waiting) == [d]  # 3 x 3 blocks + 1 of watermark
+    assert sch.promised == 9 and sch.newest() is c
+    free[0] = 1  # their prompts are in
+    for s, t in ((a, 5), (b, 6), (c, 7)):  # each sampled its first token
+        s.tokens.append(t)
+    assert sch.preempt(c) == 2 and list(sch.waiting) == [c, d] and c.row is None
+    assert (c.n_fill, c.n_cached, c.preemptions, sch.preemptions) == (21, 0, 1, 1)
+    assert sch.schedule().admitted == []  # 3 blocks are not free
+    free[0] = 4
+    plan = sch.schedule()
+    assert plan.admitted == [c] and [(ch.start, ch.end) for g in plan.prefills for ch in g] == [(0, 21)]
+    assert c in plan.decode  # its next token is sampled from the prefill's last logits, then fed

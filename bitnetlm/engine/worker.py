@@ -46,6 +46,11 @@ def spec(s: Sequence, allowed: torch.Tensor | None = None) -> SampleSpec:
     )
 
 
+def _decoding(plan: Plan) -> list[Sequence]:
+    """The plan's sequences that still decode: not ended, with tokens to sample, and not preempted."""
+    return [s for s in plan.decode if not s.done and s.budget > 0 and s.row is not None]
+
+
 def _masks(seqs: list[Sequence]) -> dict[int, torch.Tensor]:
     """id(sequence) -> the bitmask of the tokens its grammar allows next, for the constrained ones."""
     cs = [s for s in seqs if s.constraint is not None]
@@ -79,8 +84,7 @@ class Worker:
         for sh in plan.shifts:  # (before the decode that feeds the token past the window)
             if sh.seq.row is not None:
                 self._fit([sh.seq], lambda ss, sh=sh: r.shift(sh.seq.row, sh.keep, sh.drop))
-        live = lambda: [s for s in plan.decode if not s.done and s.budget > 0 and s.row is not None]  # noqa: E731
-        dec = live()
+        dec = _decoding(plan)
         if dec and self.speculator is not None and not pipelined:
             # a constrained sequence does not draft: its drafts would need the grammar's mask at every position
             drafts = self.speculator.propose([s for s in dec if s.constraint is None])
@@ -90,7 +94,7 @@ class Worker:
                 got = self._fit([s], lambda ss, s=s, d=d: self.speculator.verify(s, d))
                 if got is not None:
                     self._emit_verified(s, *got)
-            dec = [s for s in live() if s not in drafts]
+            dec = [s for s in _decoding(plan) if s not in drafts]
         if dec:
             step = self._fit(dec, lambda ss: self._decode(ss, pipelined))
         return first, step
@@ -123,9 +127,7 @@ class Worker:
             r.reset(s.row)
             if src is not None:
                 r.copy_prefix(src, s.row, n)
-            elif (
-                n and r.adopt(s.row, s.row_tokens(0, n)) != n
-            ):  # (nothing is evicted between the plan and here)
+            elif n and r.adopt(s.row, s.row_tokens(0, n)) != n:  # (nothing is evicted since the plan)
                 raise RuntimeError(
                     f"row {s.row}: the KV block cache no longer holds the {n} planned positions"
                 )
