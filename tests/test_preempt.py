@@ -102,9 +102,11 @@ def test_seeded_sampling_continues_its_stream_across_preemption(mt):
     assert counters["num_preemptions_total"] > 0 and any(pre.values())
 
 
-def test_a_preempted_speculative_row_equals_plain_greedy(mt):
-    """Prompt lookup drafts over a pool of 2 rows' positions: the rows that were preempted and resumed (their
-    verify finding no block among them) give the greedy tokens of the static cache without speculation."""
+@pytest.mark.parametrize("drafter", ["lookup", "model"])
+def test_a_preempted_speculative_row_equals_plain_greedy(mt, drafter):
+    """Prompt lookup drafts, or a draft model's (its own static rows, set up again on the row a resumed sequence
+    gets), over a pool of 2 rows' positions: the rows that were preempted and resumed (their verify finding no
+    block among them) give the greedy tokens of the static cache without speculation."""
     from bitnetlm.engine.speculative import SpeculativeConfig
 
     model = mt[0]
@@ -114,11 +116,17 @@ def test_a_preempted_speculative_row_equals_plain_greedy(mt):
         for p in _prompts(model, 6)
     ]
     want, _, _, _ = _run(mt, _static(model), reqs)
-    spec = SpeculativeConfig(4, lookup=3, max_rows=8)
+    if drafter == "lookup":
+        spec = SpeculativeConfig(4, lookup=3, max_rows=8)
+    else:  # the model drafts for itself: a draft row that holds its sequence's tokens drafts what is accepted
+        spec = SpeculativeConfig(3, draft=model, max_rows=8, adaptive=False)
     got, counters, _, pre = _run(mt, _paged(model), reqs, speculative=spec)
     assert got == want
     assert counters["spec_decode_num_drafts_total"] > 0 and counters["num_preemptions_total"] > 0
     assert any(pre.values())
+    if drafter == "model":  # (a resumed row's draft row set up again, not another sequence's left over)
+        drafted = counters["spec_decode_num_draft_tokens_total"]
+        assert counters["spec_decode_num_accepted_tokens_total"] == drafted
 
 
 def test_a_preempted_json_schema_row_still_parses(mt):
