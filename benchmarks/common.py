@@ -54,11 +54,11 @@ def gpu_name(index: int = 0) -> str:
     return f"{p.name} ({p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs)"
 
 
-def commit() -> str:
-    """This checkout's commit (short hash, '+' when the tree has changes), or '' outside git."""
+def commit(root: str | os.PathLike = ROOT) -> str:
+    """The commit of this checkout (or `root`'s): short hash, '+' when the tree has changes; '' outside git."""
     try:
         run = lambda *a: subprocess.run(  # noqa: E731
-            ["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10
+            ["git", *a], cwd=root, capture_output=True, text=True, timeout=10
         )
         head = run("rev-parse", "--short", "HEAD").stdout.strip()
         dirty = run("status", "--porcelain", "--untracked-files=no").stdout.strip()

@@ -9,10 +9,18 @@ for N requests of --prompt tokens (the first --shared of them the same for every
 before the runner was made to the end (the paged pool's pages are committed as blocks are first used), the most
 requests running at once, the most KV
 positions held at any step (static: every row's; paged: blocks in use, a shared prompt block counted once), the
-requests/s and the prompt tokens computed (the rest were reused). Prompts are random token ids.
+requests/s, the prompt tokens computed (the rest were reused; a preempted request's are computed again) and the
+preemptions. Prompts are random token ids.
+
+--no-max-tokens: the requests come as chats without max_tokens do (the engine may run each to the end of the
+context) and each ends after --max-tokens tokens, as at its end of sequence. Admitted on what it may fill, each
+would hold a whole context; admitted on what its prompt needs now, with preemption, they run many at once.
+--checkout DIR runs the engine of another checkout (its C library built in place), to compare an earlier
+scheduler on the same requests.
 
   python benchmarks/kv_memory.py                                   # a tiny random model
   python benchmarks/kv_memory.py -m smollm2-135m-1.58 --ctx 4096 --rows 8 --prompt 700 --shared 600
+  python benchmarks/kv_memory.py -m smollm2-135m-1.58 --ctx 2048 --rows 4 --prompt 300 --no-max-tokens
 """
 
 from __future__ import annotations
@@ -22,8 +30,6 @@ import sys
 import time
 
 import common
-
-common.use_checkout()
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -38,6 +44,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=64, help="generated tokens per request (default: 64)")
     ap.add_argument("--block-size", type=int, default=16, help="paged: positions per block (default: 16)")
     ap.add_argument("--threads", type=int, default=None, help="C kernel threads")
+    ap.add_argument(
+        "--no-max-tokens",
+        action="store_true",
+        help="requests without max_tokens (each may run to the context), ending after --max-tokens tokens",
+    )
+    ap.add_argument("--checkout", help="run another checkout's engine (default: this one)")
     return ap.parse_args(argv)
 
 
@@ -65,14 +77,17 @@ def run(model, tok, runtime, rows: int, prompts, args) -> dict:
     runner = make_runner(model, runtime, rows, args.ctx)
     metrics = Metrics("m")
     core = EngineCore(runner, tok, metrics=metrics)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    for p in prompts:
-        core.add(GenerationRequest(p, params), lambda ev: None)
+    limit = args.ctx - args.prompt if args.no_max_tokens else args.max_tokens
+    params = SamplingParams(max_tokens=limit, temperature=0.0, ignore_eos=True)
+    groups = [core.add(GenerationRequest(p, params), lambda ev: None) for p in prompts]
     pool = getattr(runner, "pool", None)
     most, held = 0, 0
     t0 = time.perf_counter()
     while core.has_work():
         core.step()
+        for g in groups:  # (--no-max-tokens: the request's end of sequence)
+            if not g.cancelled and g.completion_tokens >= args.max_tokens:
+                core.abort(g)
         most = max(most, len(core.running()))
         held = max(held, pool.in_use() * pool.block_size if pool is not None else rows * args.ctx)
     wall = time.perf_counter() - t0
@@ -80,12 +95,19 @@ def run(model, tok, runtime, rows: int, prompts, args) -> dict:
     nbytes = runner.nbytes() if pool is not None else runner.cache.nbytes()
     computed = metrics.counters["prompt_tokens_total"]
     return dict(
-        bytes=nbytes, resident=resident, most=most, held=held, rps=len(prompts) / wall, computed=computed
+        bytes=nbytes,
+        resident=resident,
+        most=most,
+        held=held,
+        rps=len(prompts) / wall,
+        computed=computed,
+        preempted=metrics.counters.get("num_preemptions_total", 0),
     )
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    common.use_checkout(args.checkout or common.ROOT)
     import torch
 
     from bitnetlm.runtime.config import RuntimeConfig
@@ -122,11 +144,13 @@ def main(argv=None) -> int:
                 r["held"],
                 f"{r['rps']:.2f}",
                 r["computed"],
+                r["preempted"],
             ]
         )
     details = (
         f"{label}; {args.requests} requests of {args.prompt} prompt tokens ({args.shared} shared) + "
-        f"{args.max_tokens} generated, context {args.ctx}"
+        f"{args.max_tokens} generated{' (no max_tokens given)' if args.no_max_tokens else ''}, context {args.ctx}"
+        + (f"; the engine of commit {common.commit(args.checkout)}" if args.checkout else "")
     )
     common.header("KV cache: requests that fit one memory budget", details=details)
     cols = [
@@ -137,8 +161,9 @@ def main(argv=None) -> int:
         "most positions held",
         "requests/s",
         "prompt tokens computed",
+        "preemptions",
     ]
-    print(common.table(cols, out, right=[False, True, True, True, True, True, True]))
+    print(common.table(cols, out, right=[False, True, True, True, True, True, True, True]))
     return 0
 
 

@@ -278,7 +278,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--enforce-eager", action="store_true", help="CUDA: serve with the eager forward")
     ap.add_argument("--head-dtype", choices=["bf16", "int8"], default=None, help="server --head-dtype")
     ap.add_argument("--kv-cache-dtype", default=None, help="server --kv-cache-dtype (auto, bf16, fp8)")
-    ap.add_argument("--kv-tokens", type=int, default=None, help="server --kv-tokens (a paged KV cache, CPU)")
+    ap.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=None,
+        help="server --kv-tokens (CPU: the paged KV cache's positions; 0: the static cache)",
+    )
     ap.add_argument(
         "--sampler", choices=sorted(SAMPLERS), default="greedy", help="requests' sampling settings"
     )

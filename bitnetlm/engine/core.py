@@ -54,6 +54,8 @@ class EngineCore:
                 kv_blocks=pool.num_blocks if pool is not None else 0,
                 block_size=pool.block_size if pool is not None else 16,
                 lookup=runner.cached_prefix if pool is not None else None,
+                free=pool.available if pool is not None else None,
+                cost=runner.admission_cost if pool is not None and prefix_reuse else None,
             )
         )
         self.speculator = speculator(runner, speculative, metrics, min(self.context, runner.max_seq_len))
@@ -93,8 +95,9 @@ class EngineCore:
         return g
 
     def check_blocks(self, n_prompt: int, max_tokens: int) -> None:
-        """ValueError for a request whose sequence could fill more blocks than a paged KV cache holds (it would
-        wait forever)."""
+        """ValueError for a request whose sequence could fill more blocks than a paged KV cache holds: alone in
+        the pool it could not finish (vLLM refuses at start a cache that cannot hold one request of the context;
+        here a smaller pool refuses only the requests it cannot hold)."""
         cfg = self.scheduler.config
         if not cfg.kv_blocks:
             return
@@ -175,6 +178,6 @@ def speculator(
                 f"draft model: its vocabulary has {dm.config.vocab_size} tokens, the target's {runner.vocab_size}; "
                 "a draft model must share the target's tokenizer"
             )
-        # (a static cache: the scheduler reserves the target's blocks only)
+        # (a static cache: only the target's KV cache is paged, and only its blocks preempt)
         draft = make_runner(dm, config_for(dm).replace(kv_tokens=None), runner.rows, runner.max_seq_len)
     return Speculator(config, runner, draft, metrics, context)

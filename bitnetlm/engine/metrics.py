@@ -44,6 +44,7 @@ class Metrics:
             "request_rejected_total": 0,
             "prefix_cache_queries_total": 0,
             "prefix_cache_hits_total": 0,
+            "num_preemptions_total": 0,
         }
         self.finish_reasons: dict[str, int] = {}
         self.hist = {
@@ -64,6 +65,8 @@ class Metrics:
             "request_rejected_total": "Requests rejected with 429 because the queue was full.",
             "prefix_cache_queries_total": "Prefix cache queries, in prompt tokens.",
             "prefix_cache_hits_total": "Prefix cache hits, in prompt tokens (keys and values reused, not computed).",
+            "num_preemptions_total": "Cumulative number of preemptions: running sequences that gave their paged KV "
+            "blocks back to be computed again later.",
             "kv_cache_usage_perc": "KV-cache usage (0-1): positions held by running sequences over all positions; a paged cache: "
             "blocks in use over all blocks",
             "time_to_first_token_seconds": "Histogram of time to first token in seconds.",

@@ -22,9 +22,13 @@ Each step:
 Over a paged KV cache (`kv_blocks` > 0) a row holds only the blocks its positions fill, and prefix reuse is the
 runner's block cache instead of rows held after their sequence ends: a new prompt skips the leading full blocks
 that `lookup` finds cached (kept from any prompt prefilled before, running or ended), which the worker maps into
-its row (`PagedCpuRunner.adopt`). A sequence is admitted only when the blocks it may fill (prompt + max_tokens, at most
-the context) fit beside those every running sequence may fill, so a step never runs out of blocks: the queue
-waits instead. A row that ends gives its blocks back at once (`released`, for the worker).
+its row (`PagedCpuRunner.adopt`). As vLLM, a sequence is admitted when the blocks its prompt needs now (and its
+first decode) are free beside those that the prompts being prefilled still need, keeping a watermark of 1% of the
+pool for the running rows to grow; blocks are then taken as tokens arrive. When a step finds no free block, the
+worker preempts the most recently admitted running sequence (`preempt`, vLLM's recompute mode): its row is freed,
+and it goes back to the front of the queue with every token it has, to be prefilled again (mostly from the block
+cache) and go on; its stream only pauses. A row that ends gives its blocks back at once (`released`, for the
+worker).
 """
 
 from __future__ import annotations
@@ -51,11 +55,18 @@ class SchedulerConfig:
     kv_blocks: int = 0  # a paged KV cache's blocks (0: a static cache, a whole context per row)
     block_size: int = 16
     lookup: Callable[[list[int]], int] | None = None  # paged: prompt positions the block cache holds
+    # paged: blocks free or evictable now (None: all of them), and the blocks a new row of these tokens (then one
+    # decode) takes from them (None: all it fills; a paged runner counts the cached ones that rows share)
+    free: Callable[[], int] | None = None
+    cost: Callable[[list[int]], int] | None = None
 
-    def blocks(self, s: Sequence) -> int:
-        """Blocks `s` may fill: its prompt and every token it may generate, within the context."""
-        n = s.n_prompt + s.group.max_tokens
-        return -(-min(n, self.context or n) // self.block_size)
+    def blocks(self, n: int) -> int:
+        return -(-n // self.block_size)
+
+    @property
+    def watermark(self) -> int:
+        """Blocks admission leaves free for the running rows to grow (vLLM's default: 1% of the pool)."""
+        return max(1, self.kv_blocks // 100)
 
 
 REUSE_MIN = 16  # shorter common prefixes are recomputed: a copy is not worth its bookkeeping below this
@@ -132,8 +143,9 @@ class Scheduler:
         self.written: dict[int, int] = {}  # free row -> the most positions its last sequence wrote
         self.ended = 0  # counts sequences that gave a row back (the order in which held rows were freed)
         self.freed_at: dict[int, int] = {}
-        self.reserved: dict[int, int] = {}  # paged: id(running sequence) -> the blocks it may fill
+        self.promised = 0  # paged: blocks this step's admissions and unfinished prompts will take
         self.released: list[int] = []  # paged: rows ended whose blocks the runner has not been told to free
+        self.preemptions = 0
 
     # ---- state --------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -147,7 +159,6 @@ class Scheduler:
             self.free_rows.append(seq.row)
             self.free_rows.sort()
             if self.config.kv_blocks:
-                self.reserved.pop(id(seq), None)
                 self.released.append(seq.row)
             elif self.config.prefix_reuse:
                 self.held[seq.row] = tuple(self._computed(seq))
@@ -161,9 +172,33 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def newest(self) -> Sequence | None:
+        """The running sequence admitted last (the one a paged step preempts first, as vLLM's), or None."""
+        return next(reversed(self.running.values()), None)
+
+    def preempt(self, s: Sequence) -> int:
+        """Paged, recompute mode: running `s` gives its row back (returned: the worker frees its blocks now) and
+        waits at the front of the queue to prefill every token its row held again. Its sampling stream, grammar
+        state and speculation stay with it, so it goes on as it would have. (A row that shifted past the context
+        window is prefilled from the tokens it held, whose keys are then computed at their new positions rather
+        than moved there: its output may differ from a run without preemption.)"""
+        if s.pending:
+            raise RuntimeError(f"row {s.row}: preempted with {s.pending} sampled tokens not yet read")
+        row = s.row
+        del self.running[row]
+        self.free_rows.append(row)
+        self.free_rows.sort()
+        s.row, s.n_cached, s.written = None, 0, 0
+        s.n_fill = len(s.tokens) - s.shifted
+        s.preemptions += 1
+        self.waiting.appendleft(s)
+        self.preemptions += 1
+        return row
+
     # ---- planning -----------------------------------------------------------------------------------
     def schedule(self) -> Plan:
         plan = Plan()
+        self.promised = self._owed()
         while (
             self.waiting
             and self.free_rows
@@ -177,7 +212,7 @@ class Scheduler:
             if s.done:
                 continue
             fed = len(s.tokens) + s.pending - s.shifted  # positions once its last token is fed
-            if s in completing or (s.n_cached >= s.n_prompt and fed == s.n_cached + 1):
+            if s in completing or (s.n_cached >= s.n_fill and fed == s.n_cached + 1):
                 if s.budget > 0 or s in completing:
                     self._maybe_shift(s, plan)
                     plan.decode.append(s)
@@ -216,8 +251,29 @@ class Scheduler:
         return s.tokens[: min(n, s.shift_keep) if s.shifted else n]
 
     def _fits(self, s: Sequence) -> bool:
+        """Paged: s's row (all it must prefill, then one decode) fits the free blocks beside what this step's
+        admissions and the unfinished prompts will take, and the watermark (none when nothing runs: the queue
+        never waits on an empty pool)."""
         cfg = self.config
-        return not cfg.kv_blocks or sum(self.reserved.values()) + cfg.blocks(s) <= cfg.kv_blocks
+        if not cfg.kv_blocks:
+            return True
+        free = cfg.kv_blocks if cfg.free is None else cfg.free()
+        room = free - self.promised - (cfg.watermark if self.running else 0)
+        return self._cost(s) <= room
+
+    def _cost(self, s: Sequence) -> int:
+        cfg = self.config
+        tokens = s.row_tokens(0, s.n_fill)
+        return cfg.cost(tokens) if cfg.cost is not None else cfg.blocks(len(tokens) + 1)
+
+    def _owed(self) -> int:
+        """Paged: blocks that running prompts still being prefilled will take (and their first decode's)."""
+        if not self.config.kv_blocks:
+            return 0
+        b = self.config.blocks
+        return sum(
+            max(0, b(s.n_fill + 1) - b(s.n_cached)) for s in self.running.values() if s.n_cached < s.n_fill
+        )
 
     def _defer(self, s: Sequence) -> bool:
         """Paged: s waits while a running prompt that starts with more of s's full blocks than the block cache
@@ -225,14 +281,15 @@ class Scheduler:
         cfg = self.config
         if not cfg.kv_blocks or not cfg.prefix_reuse or cfg.lookup is None:
             return False
-        prompt, bs = s.tokens[: s.n_prompt - 1], cfg.block_size
-        ahead = [t for t in self.running.values() if t.group is not s.group and t.n_cached < t.n_prompt]
-        if len(prompt) < bs or not any(t.tokens[:bs] == prompt[:bs] for t in ahead):
+        prompt, bs = s.row_tokens(0, s.n_fill - 1), cfg.block_size
+        ahead = [t for t in self.running.values() if t.group is not s.group and t.n_cached < t.n_fill]
+        if len(prompt) < bs or not any(t.row_tokens(0, bs) == prompt[:bs] for t in ahead):
             return False
         have = cfg.lookup(prompt)
         for t in ahead:
-            m = min(len(prompt), t.n_prompt)
-            common = next((i for i in range(m) if t.tokens[i] != prompt[i]), m) // bs * bs
+            m = min(len(prompt), t.n_fill)
+            theirs = t.row_tokens(0, m)
+            common = next((i for i in range(m) if theirs[i] != prompt[i]), m) // bs * bs
             if common > have and t.n_cached < common:
                 return True
         return False
@@ -261,15 +318,16 @@ class Scheduler:
             s.n_cached = n
 
     def _admit_paged(self, s: Sequence, plan: Plan) -> None:
-        """Give s the lowest free row and its blocks' reservation; its prompt's cached leading blocks (all of the
-        prompt but its last token at most) are reused: `plan.reused` (None, n)."""
+        """Give s the lowest free row (the blocks it will take: promised); its cached leading blocks (all it must
+        prefill but the last token at most) are reused: `plan.reused` (None, n)."""
         cfg = self.config
+        self.promised += self._cost(s)
         row = self.free_rows.pop(0)
         s.row = row
         self.running[row] = s
-        self.reserved[id(s)] = cfg.blocks(s)
         plan.admitted.append(s)
-        n = cfg.lookup(s.tokens[: s.n_prompt - 1]) if cfg.prefix_reuse and cfg.lookup is not None else 0
+        reuse = cfg.prefix_reuse and cfg.lookup is not None
+        n = cfg.lookup(s.row_tokens(0, s.n_fill - 1)) if reuse else 0
         if n:
             plan.reused[id(s)] = (None, n)
             s.n_cached = n
@@ -300,8 +358,12 @@ class Scheduler:
         for s in sorted(self.running.values(), key=lambda s: (s.group.arrival, s.group.id, s.index)):
             if budget <= 0:
                 break
-            todo = s.n_prompt - s.n_cached
-            if s.done or todo <= 0 or (s.n_cached == 0 and self._sibling_prefilling(s, chunks)):
+            todo = s.n_fill - s.n_cached
+            if (
+                s.done
+                or todo <= 0
+                or (s.n_cached == 0 and not s.generated and self._sibling_prefilling(s, chunks))
+            ):
                 continue  # done, or a sibling's prefill will be copied into this row
             c = min(todo, budget)
             if cfg.split_first_only and c < todo and chunks:
@@ -309,7 +371,7 @@ class Scheduler:
             budget -= c
             chunks.append(Chunk(s, s.n_cached, s.n_cached + c))
         completing = set()
-        whole = [c for c in chunks if c.start == 0 and c.end == c.seq.n_prompt] if cfg.batched_prefill else []
+        whole = [c for c in chunks if c.start == 0 and c.end == c.seq.n_fill] if cfg.batched_prefill else []
         batch: list[Chunk] = []
         for c in whole:  # fresh prompts that fit whole go through one forward (left-padded)
             if (len(batch) + 1) * max([b.end for b in batch] + [c.end]) <= cfg.prefill_chunk:
@@ -320,7 +382,7 @@ class Scheduler:
         plan.prefills += [[c] for c in chunks if id(c) not in in_batch]
         for c in chunks:
             c.seq.n_cached = c.end
-            if c.end == c.seq.n_prompt:
+            if c.end == c.seq.n_fill:
                 completing.add(c.seq)
                 for t in self._siblings_waiting(c.seq):
                     plan.copies.append((c.seq, t))
@@ -339,6 +401,10 @@ class Scheduler:
     @staticmethod
     def _siblings_waiting(s: Sequence) -> list[Sequence]:
         """The other choices of s's request that hold a row and have not started: they copy s's prompt."""
+        if s.generated:
+            return []
         return [
-            t for t in s.group.seqs if t is not s and t.row is not None and t.n_cached == 0 and not t.done
+            t
+            for t in s.group.seqs
+            if t is not s and t.row is not None and t.n_cached == 0 and not t.done and not t.generated
         ]

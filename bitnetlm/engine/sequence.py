@@ -95,6 +95,9 @@ class Sequence:
         self.group, self.index = group, index
         self.tokens = list(group.req.prompt_ids)  # prompt + generated
         self.n_prompt = len(self.tokens)
+        # positions a prefill fills before the first decode: the prompt, or after a preemption every token its
+        # row held (it is prefilled again, mostly from the prefix cache, and goes on)
+        self.n_fill = self.n_prompt
         self.n_cached = 0
         # the most positions its row has had written (a verify writes its draft past n_cached)
         self.written = 0
@@ -112,6 +115,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.finish_detail: str | None = None  # why it ended, where the reason alone does not say
         self.drafted = self.accepted = 0  # speculative decoding: draft tokens scored, and accepted
+        self.preemptions = 0  # times a full paged KV cache sent it back to the queue (engine/scheduler.py)
         self.constraint = constraint  # structured output (engine/grammar.py): the tokens allowed next
 
     @property
@@ -121,6 +125,14 @@ class Sequence:
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.n_prompt :]
+
+    def row_tokens(self, start: int, end: int) -> list[int]:
+        """The tokens at positions [start, end) of its row (a shifted row holds tokens[:keep] + tokens[keep +
+        shifted:])."""
+        if not self.shifted:
+            return self.tokens[start:end]
+        k = self.shift_keep
+        return (self.tokens[:k] + self.tokens[k + self.shifted :])[start:end]
 
     @property
     def budget(self) -> int:

@@ -113,6 +113,7 @@ class RowState:
     draft_len: int = 0
     random: RowRandom | None = None  # the draft model's own draws (sampled rows)
     index: NgramIndex | None = None  # prompt lookup's n-grams of the sequence's tokens
+    row: int | None = None  # the draft row it was set up on (a preempted sequence comes back on another)
 
 
 @dataclass
@@ -144,12 +145,13 @@ class Speculator:
         st = self.rows.get(s)
         if st is None:
             st = self.rows[s] = RowState(self.config.num_tokens)
-            if self.draft_runner is not None:
-                self.draft_runner.reset(s.row)
-                if not s.params.greedy:
-                    seed = None if s.params.seed is None else int(s.params.seed) + 7919 * (s.index + 1)
-                    gen = None if seed is None else torch.Generator().manual_seed(seed)
-                    st.random = RowRandom(gen, "cpu")
+            if self.draft_runner is not None and not s.params.greedy:
+                seed = None if s.params.seed is None else int(s.params.seed) + 7919 * (s.index + 1)
+                gen = None if seed is None else torch.Generator().manual_seed(seed)
+                st.random = RowRandom(gen, "cpu")
+        if self.draft_runner is not None and st.row != s.row:
+            self.draft_runner.reset(s.row)
+            st.row, st.draft_len = s.row, 0
         return st
 
     def release(self, s: Sequence) -> None:

@@ -75,7 +75,8 @@ RUNTIME_FLAGS = [
         "kv_tokens",
         int,
         "CPU: a paged KV cache of this many positions shared by all rows, taken in blocks as tokens arrive, "
-        "prompt prefixes shared (default: a static cache of --ctx-size positions per row)",
+        "prompt prefixes shared; 0: a static cache of --ctx-size positions per row (default: serve pages "
+        "--max-batch x --ctx-size positions, generate and chat use a static cache)",
     ),
     (("--kv-block-size",), "kv_block_size", int, "positions per block of the paged KV cache (--kv-tokens)"),
 ]

@@ -100,8 +100,8 @@ class RuntimeConfig:
     enforce_eager: CUDA without captured graphs (the model's own forward).
     max_batch: sequences decoded together (KV rows).  max_seq_len: context (None: the model's).
     kv_tokens: a paged KV cache (CPU, fused step) of this many positions shared by every row, allocated in blocks
-      of kv_block_size positions as tokens arrive, with prompt prefixes shared between rows (None: a static cache
-      of max_seq_len positions per row).
+      of kv_block_size positions as tokens arrive, with prompt prefixes shared between rows (0: a static cache of
+      max_seq_len positions per row; None: the default, which is static offline and paged in the CPU server).
     """
 
     device: str = "auto"
@@ -145,7 +145,7 @@ class RuntimeConfig:
             ("threads", 1),
             ("max_batch", 1),
             ("max_seq_len", 2),
-            ("kv_tokens", 1),
+            ("kv_tokens", 0),
             ("kv_block_size", 1),
         ):
             v = getattr(self, name)

@@ -139,6 +139,12 @@ class PagedCpuRunner(EagerRunner):
         """Leading positions of `tokens` whose keys and values the prefix cache holds (whole blocks)."""
         return len(self.pool.match(tokens, count=False)) * self.pool.block_size
 
+    def admission_cost(self, tokens: Sequence[int]) -> int:
+        """Blocks that a new row prefilled with `tokens`, then decoding one token, takes from the available ones:
+        all it fills but the cached leading blocks that a row already references (shared for free)."""
+        shared = sum(self.pool.refs[b] > 0 for b in self.pool.match(tokens[:-1], count=False))
+        return self.pool.blocks_for(len(tokens) + 1) - shared
+
     def adopt(self, row: int, tokens: Sequence[int]) -> int:
         """Empty `row` maps the cached blocks of `tokens`' leading full blocks into its table (shared, not
         copied); returns the positions it now holds."""

@@ -25,7 +25,7 @@ from bitnetlm.engine.scheduler import ContextShift
 from bitnetlm.engine.sequence import Group, Token
 from bitnetlm.engine.speculative import SpeculativeConfig
 from bitnetlm.engine.worker import emit
-from bitnetlm.runtime import config_for, make_runner
+from bitnetlm.runtime import config_for, make_runner, serving_config
 from bitnetlm.runtime.config import RuntimeConfig
 from bitnetlm.serve.requests import (  # (the request and event types, also imported from here)
     Chunk,
@@ -99,6 +99,7 @@ class Engine:
         rt = config_for(model, runtime)
         self.max_model_len = rt.max_seq_len or model.config.max_position_embeddings
         self.max_batch = rt.max_batch
+        rt = serving_config(model, rt, rt.max_batch, self.max_model_len)
         self.runner = make_runner(model, rt, rt.max_batch, self.max_model_len)
         if hasattr(self.runner, "warm"):  # every graph captured before /health says ready
             self.runner.warm()
@@ -261,6 +262,7 @@ class Engine:
             "rows_in_use": self.max_batch - len(sched.free_rows),
             "steps": self.core.steps,
             "max_cancel_lag_steps": self.max_cancel_lag_steps,
+            "preemptions": sched.preemptions,
         }
 
     # ---- the engine thread ---------------------------------------------------------------------
