@@ -167,15 +167,89 @@ static int linear1(const float *x, int64_t m, int64_t k, const bn_decode_layer *
     return bn_ternary_linear_multi_f32_layout(x, m, k, 1, &L->w[j], &n, &L->scale[j], &y, n, L->layout);
 }
 
+/* ---- the elementwise steps, row by row: a prefill's rows shared out over the pool ---------------------- */
+#define ROWS_PARALLEL 16 /* rows below which a step's elementwise work stays on the calling thread */
+
+typedef struct rows_job rows_job;
+struct rows_job {
+    void (*row)(const rows_job *J, int64_t i);
+    const bn_decode_config *c;
+    const bn_decode_layer *L;
+    const work_t *W;
+    float *h;
+    const float *cos, *sin;
+};
+
+static void rows_range(void *p, int64_t lo, int64_t hi) {
+    const rows_job *J = p;
+    for (int64_t i = lo; i < hi; i++) J->row(J, i);
+}
+
+static void for_rows(const rows_job *J, void (*row)(const rows_job *, int64_t), int64_t m) {
+    rows_job job = *J;
+    job.row = row;
+    if (m >= ROWS_PARALLEL) bn_parallel_for(m, rows_range, &job);
+    else rows_range(&job, 0, m);
+}
+
+static void in_norm_row(const rows_job *J, int64_t i) {
+    int64_t H = J->c->hidden;
+    rmsnorm(J->h + i * H, J->L->in_norm, H, J->c->eps, J->W->xn + i * H);
+}
+
+static void rope_row(const rows_job *J, int64_t i) {
+    const bn_decode_config *c = J->c;
+    int64_t D = c->head_dim, ld = (c->n_heads + 2 * c->n_kv) * D;
+    for (int64_t hd = 0; hd < c->n_heads + c->n_kv; hd++) /* q heads then k heads: contiguous in a row */
+        rope(J->W->qkv + i * ld + hd * D, J->cos + i * D, J->sin + i * D, D);
+}
+
+static void sub_norm_row(const rows_job *J, int64_t i) {
+    int64_t qd = J->c->n_heads * J->c->head_dim;
+    rmsnorm(J->W->att + i * qd, J->L->attn_sub_norm, qd, J->c->eps, J->W->att + i * qd);
+}
+
+/* h += o, then the MLP's input norm */
+static void post_norm_row(const rows_job *J, int64_t i) {
+    int64_t H = J->c->hidden;
+    float *h = J->h + i * H;
+    const float *o = J->W->o + i * H;
+    for (int64_t e = 0; e < H; e++) h[e] = h[e] + o[e];
+    rmsnorm(h, J->L->post_norm, H, J->c->eps, J->W->xn + i * H);
+}
+
+static void act_row(const rows_job *J, int64_t i) {
+    int64_t I = J->c->inter;
+    const float *g = J->W->gu + i * 2 * I, *u = g + I;
+    float *y = J->W->y + i * I;
+    if (J->c->act == BN_ACT_RELU2) {
+        for (int64_t e = 0; e < I; e++) {
+            float r = relu_bits(g[e]);
+            y[e] = (r * r) * u[e];
+        }
+    } else {
+        bn_silu_mul_f32(g, u, y, I);
+    }
+    if (J->L->ffn_sub_norm) rmsnorm(y, J->L->ffn_sub_norm, I, J->c->eps, y);
+}
+
+static void residual_row(const rows_job *J, int64_t i) {
+    int64_t H = J->c->hidden;
+    float *h = J->h + i * H;
+    const float *o = J->W->o + i * H;
+    for (int64_t e = 0; e < H; e++) h[e] = h[e] + o[e];
+}
+
 static int layer_step(const bn_decode_config *c, const bn_kv_pages *pages, const bn_decode_layer *L, void *kc, void *vc,
                       const uint8_t *valid, const int64_t *slot, const float *cos, const float *sin, int64_t m,
                       int64_t t, float *h, const work_t *W) {
     int64_t H = c->hidden, I = c->inter, D = c->head_dim;
     int64_t qd = c->n_heads * D, kvd = c->n_kv * D, ld = qd + 2 * kvd;
+    rows_job J = {NULL, c, L, W, h, cos, sin};
     int rc;
     int64_t t0 = now_ns();
     /* attention */
-    for (int64_t i = 0; i < m; i++) rmsnorm(h + i * H, L->in_norm, H, c->eps, W->xn + i * H);
+    for_rows(&J, in_norm_row, m);
     phase(BN_PHASE_NORM, &t0);
     {
         const uint8_t *w[3] = {L->w[BN_DEC_Q], L->w[BN_DEC_K], L->w[BN_DEC_V]};
@@ -185,21 +259,17 @@ static int layer_step(const bn_decode_config *c, const bn_kv_pages *pages, const
         if ((rc = bn_ternary_linear_multi_f32_layout(W->xn, m, H, 3, w, n, s, y, ld, L->layout)) != 0) return rc;
     }
     phase(BN_PHASE_QKV, &t0);
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t hd = 0; hd < c->n_heads + c->n_kv; hd++) /* q heads then k heads: contiguous in a row */
-            rope(W->qkv + i * ld + hd * D, cos + i * D, sin + i * D, D);
+    for_rows(&J, rope_row, m);
     cache_write(c, pages, kc, vc, W->qkv, ld, slot, m, t); /* every token's k, v first, then the attention */
     phase(BN_PHASE_ROPE, &t0);
     bn_decode_attention(c, pages, kc, vc, valid, slot, W->qkv, ld, m, t, W->att, W->scores);
     phase(BN_PHASE_ATTN, &t0);
-    if (L->attn_sub_norm)
-        for (int64_t i = 0; i < m; i++) rmsnorm(W->att + i * qd, L->attn_sub_norm, qd, c->eps, W->att + i * qd);
+    if (L->attn_sub_norm) for_rows(&J, sub_norm_row, m);
     phase(BN_PHASE_NORM, &t0);
     if ((rc = linear1(W->att, m, qd, L, BN_DEC_O, H, W->o)) != 0) return rc;
     phase(BN_PHASE_O, &t0);
-    for (int64_t e = 0; e < m * H; e++) h[e] = h[e] + W->o[e];
     /* MLP */
-    for (int64_t i = 0; i < m; i++) rmsnorm(h + i * H, L->post_norm, H, c->eps, W->xn + i * H);
+    for_rows(&J, post_norm_row, m);
     phase(BN_PHASE_NORM, &t0);
     {
         const uint8_t *w[2] = {L->w[BN_DEC_GATE], L->w[BN_DEC_UP]};
@@ -209,23 +279,11 @@ static int layer_step(const bn_decode_config *c, const bn_kv_pages *pages, const
         if ((rc = bn_ternary_linear_multi_f32_layout(W->xn, m, H, 2, w, n, s, y, 2 * I, L->layout)) != 0) return rc;
     }
     phase(BN_PHASE_GATE_UP, &t0);
-    for (int64_t i = 0; i < m; i++) {
-        const float *g = W->gu + i * 2 * I, *u = g + I;
-        float *y = W->y + i * I;
-        if (c->act == BN_ACT_RELU2) {
-            for (int64_t e = 0; e < I; e++) {
-                float r = relu_bits(g[e]);
-                y[e] = (r * r) * u[e];
-            }
-        } else {
-            bn_silu_mul_f32(g, u, y, I);
-        }
-        if (L->ffn_sub_norm) rmsnorm(y, L->ffn_sub_norm, I, c->eps, y);
-    }
+    for_rows(&J, act_row, m);
     phase(BN_PHASE_ACT, &t0);
     if ((rc = linear1(W->y, m, I, L, BN_DEC_DOWN, H, W->o)) != 0) return rc;
     phase(BN_PHASE_DOWN, &t0);
-    for (int64_t e = 0; e < m * H; e++) h[e] = h[e] + W->o[e];
+    for_rows(&J, residual_row, m);
     phase(BN_PHASE_NORM, &t0);
     return 0;
 }
