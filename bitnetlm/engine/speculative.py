@@ -73,7 +73,7 @@ class SpeculativeConfig:
 class NgramIndex:
     """Prompt lookup's index of a growing token list: for each n-gram (n from 1 to n_max) the latest position at
     which it starts and is followed by at least one more token, so a lookup costs n_max dictionary reads rather
-    than a scan of the context (a scan of 1,000 tokens took ~0.9 ms where it found nothing)."""
+    than a scan of the whole context every step."""
 
     def __init__(self, n_max: int):
         self.n_max = n_max
