@@ -54,11 +54,11 @@ def gpu_name(index: int = 0) -> str:
     return f"{p.name} ({p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs)"
 
 
-def commit() -> str:
-    """This checkout's commit (short hash, '+' when the tree has changes), or '' outside git."""
+def commit(root: str | os.PathLike = ROOT) -> str:
+    """The commit of this checkout (or `root`'s): short hash, '+' when the tree has changes; '' outside git."""
     try:
         run = lambda *a: subprocess.run(  # noqa: E731
-            ["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10
+            ["git", *a], cwd=root, capture_output=True, text=True, timeout=10
         )
         head = run("rev-parse", "--short", "HEAD").stdout.strip()
         dirty = run("status", "--porcelain", "--untracked-files=no").stdout.strip()
@@ -189,3 +189,23 @@ def shape_checkpoint(path: str | os.PathLike, shape: str, tokenizer: str | os.Pa
             if f.is_file():
                 shutil.copy(f, path / f.name)
     return path
+
+
+def records_schema(min_items: int, max_items: int | None = None) -> dict:
+    """The JSON schema the structured-output benchmarks enforce: an array of records of a bounded string, an
+    integer in a range and an enum."""
+    bounds = {"minItems": min_items} | ({"maxItems": max_items} if max_items is not None else {})
+    return {
+        "type": "array",
+        **bounds,
+        "items": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 12},
+                "year": {"type": "integer", "minimum": 1800, "maximum": 2100},
+                "kind": {"enum": ["novel", "poem", "letter"]},
+            },
+            "required": ["name", "year", "kind"],
+            "additionalProperties": False,
+        },
+    }

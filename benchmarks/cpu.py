@@ -3,6 +3,7 @@
     python benchmarks/cpu.py                                         # every table, default settings
     python benchmarks/cpu.py --tables decode --shapes 2b4t,large --threads 2 --heads bf16,int8 --reps 3
     python benchmarks/cpu.py --tables decode --isa avx512vnni,avx2   # the same rows on each instruction set
+    python benchmarks/cpu.py --tables decode --shapes 2b4t --threads 1,2 --layouts 2bit,base3  # weights 2 / 1.6 bits
     python benchmarks/cpu.py --tables threads --shapes 2b4t --sweep 1,2 --competitors none,unpinned,pinned
     python benchmarks/cpu.py --tables generate,load --backends cpu,reference --runs 3
     python benchmarks/cpu.py --baseline DIR --shapes 2b4t --heads bf16,int8 --rounds 3
@@ -12,7 +13,7 @@ Tables (--tables, comma-separated):
   from an empty row) tokens/s of each of --shapes with each of --heads (the compact bf16 / int8 embedding + LM
   head) at each of --threads, for each of --isa (`kernels.cpu.use_isa`; default: the best this CPU runs), through
   the CPU runner (`runtime.cpu.CpuRunner`: the fused C layer step) as `bitnet bench` times it, with the KV cache
-  of --kv. Next to each row: the packed weight bytes a decoded token reads, the rate it read them at, and that
+  of --kv, for each of --layouts (the ternary weights in 2 or 1.6 bits; their runs alternate). Next to each row: the packed weight bytes a decoded token reads, the rate it read them at, and that
   rate against the read bandwidth measured just before and after the row (the "read ceiling"). Then the
   resident memory with a --ctx-token KV row held.
 - threads: batch-1 decode tokens/s at each of --sweep kernel threads (default 1, 2, 4, ... and the CPUs this
@@ -112,27 +113,66 @@ def mean_std(v: list[float]) -> str:
 
 
 # ---- decode: prefill and decode speed, bytes against the read bandwidth ------------------------------------------
-def decode_row(model, args, config, nt: int, gen) -> list:
-    """One row of the decode table (the model's head, the kernels in force, nt threads)."""
+class Layouts:
+    """The model's ternary weights packed in each of `names` ("2bit", "base3") at once, so that rows of different
+    layouts can alternate without repacking: `use(name)` points every C-kernel BitLinear at that packing."""
+
+    def __init__(self, model, names: list[str]):
+        from bitnetlm.kernels import cpu
+        from bitnetlm.quant.bitlinear import BitLinear
+
+        lins = [m for m in model.modules() if isinstance(m, BitLinear) and m.kernel is not None]
+        self.packs = {}
+        for name in names:
+            be = cpu.WEIGHTS_LAYOUTS[name]
+            packs = []
+            for m in lins:
+                shape = (m.out_features, m.in_features)
+                p = m.packed if m.kernel is be else be.repack(m.packed, m.layout, shape)
+                packs.append((m, be, p if p is not None else be.pack(m.ternary_weight())))
+            self.packs[name] = packs
+
+    def use(self, name: str) -> None:
+        for m, be, p in self.packs[name]:
+            m.kernel, m.layout, m.packed = be, be.layout, p
+
+
+def decode_rows(model, args, config, nt: int, gen, layouts: Layouts) -> list[list]:
+    """One row of the decode table per weight layout (the model's head, the kernels in force, nt threads); the
+    layouts' runs alternate."""
     from bitnetlm.kernels import configure_threads
 
     configure_threads(model, nt)
-    tokens_per_s(model, config, "tg", 4, gen)  # warm-up: the pool's threads, the first steps
-    tokens_per_s(model, config, "pp", 16, gen)
+    for name in args.layouts:
+        layouts.use(name)
+        tokens_per_s(model, config, "tg", 4, gen)  # warm-up: the pool's threads, the first steps
+        tokens_per_s(model, config, "pp", 16, gen)
     read = common.read_bandwidth(nt)
-    pp = [tokens_per_s(model, config, "pp", args.pp, gen) for _ in range(args.reps)]
-    tg = [tokens_per_s(model, config, "tg", args.tg, gen) for _ in range(args.reps)]
+    pp = {name: [] for name in args.layouts}
+    tg = {name: [] for name in args.layouts}
+    for _ in range(args.reps):
+        for name in args.layouts:
+            layouts.use(name)
+            pp[name].append(tokens_per_s(model, config, "pp", args.pp, gen))
+            tg[name].append(tokens_per_s(model, config, "tg", args.tg, gen))
     read = (read + common.read_bandwidth(nt)) / 2
-    wb = weight_bytes(model)
-    gbs = wb * statistics.mean(tg) / 1e9
-    return [
-        mean_std(pp),
-        mean_std(tg),
-        f"{wb / 1e6:.0f} MB",
-        f"{gbs:.1f}",
-        f"{read:.1f}",
-        f"{gbs / read:.0%}",
-    ]
+    rows = []
+    for name in args.layouts:
+        layouts.use(name)
+        wb = weight_bytes(model)
+        gbs = wb * statistics.mean(tg[name]) / 1e9
+        rows.append(
+            [
+                name,
+                mean_std(pp[name]),
+                mean_std(tg[name]),
+                f"{wb / 1e6:.0f} MB",
+                f"{gbs:.1f}",
+                f"{read:.1f}",
+                f"{gbs / read:.0%}",
+            ]
+        )
+    return rows
 
 
 def memory_row(model, config, ctx: int) -> list:
@@ -163,25 +203,33 @@ def decode_table(args) -> None:
     la = details(",".join(map(str, args.threads)), isa=",".join(args.isa))
     for shape in args.shapes:
         model = bench.random_model(shape, head_dtype=args.heads[0])
+        layouts = Layouts(model, args.layouts)
         for head in args.heads:
             set_head(model, head)
             for isa in args.isa:
                 with cpu.use_isa(isa):
                     for nt in args.threads:
-                        got = decode_row(model, args, config, nt, gen)
-                        rows.append([shape, head, cpu.get_isa(), nt, *got])
-                        print(f"# {' | '.join(map(str, rows[-1]))}", file=sys.stderr, flush=True)
+                        for got in decode_rows(model, args, config, nt, gen, layouts):
+                            rows.append([shape, head, cpu.get_isa(), nt, *got])
+                            print(f"# {' | '.join(map(str, rows[-1]))}", file=sys.stderr, flush=True)
+            layouts.use(args.layouts[0])
             mem.append([shape, head, *memory_row(model, config, args.ctx)])
-        del model
+        del model, layouts
     common.header(
         "Prefill and decode, random weights of real shapes",
-        details=f"{la} KV cache {args.kv}; copy bandwidth (read + written) "
+        details=f"{la} KV cache {args.kv}; weights {', '.join(args.layouts)} (their runs alternate); copy bandwidth (read + written) "
         + ", ".join(f"{g} GB/s at {nt} threads" for nt, g in copy.items())
         + f"; mean ± std of {args.reps} runs.",
     )
-    cols = ["shape", "head", "kernels", "threads", f"prefill pp{args.pp} tok/s", f"decode tg{args.tg} tok/s"]
-    cols += ["weights read / token", "their GB/s", "read GB/s (around the row)", "of the read ceiling"]
-    print(common.table(cols, rows, [False] * 3 + [True] * 7))
+    cols = ["shape", "head", "kernels", "threads", "weights", f"prefill pp{args.pp} tok/s"]
+    cols += [
+        f"decode tg{args.tg} tok/s",
+        "weights read / token",
+        "their GB/s",
+        "read GB/s (around the row)",
+        "of the read ceiling",
+    ]
+    print(common.table(cols, rows, [False] * 3 + [True, False] + [True] * 6))
     common.header("Resident memory after the runs", details=f"One runner of a {args.ctx}-token KV row held.")
     cols = ["shape", "head", "RSS MiB", "weights MiB", f"KV cache MiB ({args.ctx} tokens, {args.kv})"]
     print(common.table(cols, mem, [False, False, True, True, True]), flush=True)
@@ -419,6 +467,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     dec = ap.add_argument_group("decode")
     dec.add_argument("--isa", type=common.str_list, default=None, help="scalar, avx2, avx512vnni, neon")
     dec.add_argument("--ctx", type=int, default=4096, help="KV-cache positions of the memory table")
+    dec.add_argument(
+        "--layouts", type=common.str_list, default=["2bit"], help="ternary weights: 2bit, base3 (alternating)"
+    )
     thr = ap.add_argument_group("threads")
     thr.add_argument("--sweep", type=common.int_list, default=None, help="kernel threads (default 1,2,4..N)")
     thr.add_argument("--competitors", type=common.str_list, default=["none", "unpinned", "pinned"])
@@ -450,6 +501,7 @@ def check_args(ap, args) -> None:
         ("--tables", args.tables, TABLES),
         ("--shapes", args.shapes, ("2b4t", "large")),
         ("--heads", args.heads, ("bf16", "int8")),
+        ("--layouts", args.layouts, ("2bit", "base3")),
         ("--backends", args.backends, ("cpu", "reference")),
         ("--competitors", args.competitors, ("none", "unpinned", "pinned")),
         ("--checkpoint-shape", [args.checkpoint_shape], tuple(CHECKPOINT_SHAPES)),

@@ -3,7 +3,7 @@ shapes; one markdown table each, naming the CPU, its kernels and the date.
 
     python benchmarks/cpu_profile.py                                 # both
     python benchmarks/cpu_profile.py --phases --shapes 2b4t,large --heads bf16,int8 --threads 2
-    python benchmarks/cpu_profile.py --kernels --threads 1,2 [--m 1,128]
+    python benchmarks/cpu_profile.py --kernels --threads 1,2 [--m 1,128] [--layouts 2bit,base3 --layers 1]
 
 --phases: a decoded token's time (tgN from an empty KV row, best of --reps runs, through the CPU runner with
 torch's own ops on one thread, as `generate` runs them) split into the fused C layers, the LM head and the rest
@@ -12,8 +12,9 @@ measured before the row; then the fused layers' own phases (the C step's timers:
 GB/s, RoPE + cache write, attention, the MLP middle) for that decode, a token, and for one ppN prefill, the whole
 prompt; then the SiLU MLP middle's kernel alone on each instruction set.
 --kernels: the ternary GEMV (decode, --m 1) and GEMM (prefill) on --layers distinct copies of the 2B4T layer's
-seven projections (larger than the caches), on each instruction set: ms a pass, GB/s of the weights, GMAC/s,
-next to the copy bandwidth at the same threads.
+seven projections (larger than the caches), on each instruction set and each of --layouts (the weights in 2 or
+1.6 bits): ms a pass, GB/s of the weights, GMAC/s, next to the copy bandwidth at the same threads. --layers 1 keeps
+the weights in the caches: the kernels' own speed, memory aside.
 
 Speed of whole requests, and against another checkout: benchmarks/cpu.py.
 """
@@ -194,8 +195,12 @@ def kernels_table(args) -> None:
     from bitnetlm.kernels.cpu import ops
 
     gen = torch.Generator().manual_seed(0)
-    mats = [(bench.random_packed(n, k, cpu.BACKEND, gen), n, k) for _ in range(args.layers) for n, k in LAYER]
-    nbytes, macs = sum(p.numel() for p, _, _ in mats), sum(n * k for _, n, k in mats)
+    two = [(bench.random_packed(n, k, cpu.BACKEND, gen), n, k) for _ in range(args.layers) for n, k in LAYER]
+    by_layout = {"2bit": two}
+    if "base3" in args.layouts:
+        b3 = cpu.BACKEND_BASE3
+        by_layout["base3"] = [(b3.repack(p, cpu.BACKEND.layout, (n, k)), n, k) for p, n, k in two]
+    macs = sum(n * k for _, n, k in two)
     s, rows = torch.tensor([1.0]), []
     for nt in args.threads:
         copy = common.copy_bandwidth(nt)
@@ -205,24 +210,27 @@ def kernels_table(args) -> None:
                 if isa == "scalar" and m > 1:
                     continue  # minutes a pass
                 xs = {k: torch.randn(m, k, generator=gen) for k in (2560, 6912)}
+                for name in args.layouts:  # adjacent rows: the layouts one after the other
+                    mats, code = by_layout[name], cpu.WEIGHTS_LAYOUTS[name].code
 
-                def one_pass(xs=xs):
-                    for p, n, k in mats:
-                        ops.ternary_linear(xs[k], p, s, n)
+                    def one_pass(xs=xs, mats=mats, code=code):
+                        for p, n, k in mats:
+                            ops.ternary_linear(xs[k], p, s, n, code)
 
-                with cpu.use_isa(isa):
-                    t = common.best_seconds(one_pass, args.reps)
-                rows.append(
-                    [isa, nt, m, f"{t * 1e3:.1f}", f"{nbytes / t / 1e9:.2f}", f"{m * macs / t / 1e9:.1f}"]
-                )
-                rows[-1].append(f"{copy:.1f}")
+                    with cpu.use_isa(isa):
+                        t = common.best_seconds(one_pass, args.reps)
+                    nbytes = sum(p.numel() for p, _, _ in mats)
+                    rows.append([isa, name, nt, m, f"{t * 1e3:.1f}", f"{nbytes / t / 1e9:.2f}"])
+                    rows[-1] += [f"{m * macs / t / 1e9:.1f}", f"{copy:.1f}"]
+    nbytes = ", ".join(f"{sum(p.numel() for p, _, _ in v) / 1e6:.0f} MB {k}" for k, v in by_layout.items())
     common.header(
         "Ternary GEMV / GEMM alone, 2B4T projections",
-        details=f"{args.layers} x 7 matrices, {nbytes / 1e6:.0f} MB packed; best of {args.reps} passes; "
+        details=f"{args.layers} x 7 matrices, {nbytes} packed; best of {args.reps} passes; "
         "tokens 1 is a decode's GEMV, more a prefill's GEMM.",
     )
-    cols = ["kernels", "threads", "tokens", "ms / pass", "weight GB/s", "GMAC/s", "copy GB/s (read + write)"]
-    print(common.table(cols, rows, [False] + [True] * 6), flush=True)
+    cols = ["kernels", "weights", "threads", "tokens", "ms / pass", "weight GB/s", "GMAC/s"]
+    cols.append("copy GB/s (read + write)")
+    print(common.table(cols, rows, [False, False] + [True] * 6), flush=True)
 
 
 # ---- command line -----------------------------------------------------------------------------------------------
@@ -240,10 +248,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--m", type=common.int_list, default=[1, 128], help="--kernels: tokens a call")
     ap.add_argument("--layers", type=int, default=8, help="--kernels: copies of the layer (8 x 17 MB)")
+    ap.add_argument(
+        "--layouts", type=common.str_list, default=["2bit"], help="--kernels: weights 2bit, base3 (1.6 bits)"
+    )
     args = ap.parse_args(argv)
     for flag, have, known in (
         ("--shapes", args.shapes, ("2b4t", "large")),
         ("--heads", args.heads, ("bf16", "int8")),
+        ("--layouts", args.layouts, ("2bit", "base3")),
     ):
         if not have or set(have) - set(known):
             ap.error(f"{flag} {','.join(have)}: choose from {', '.join(known)}")

@@ -10,6 +10,12 @@ request as soon as the previous one finished) and prints a markdown table naming
   python benchmarks/serve_load.py -m DIR --device cuda --sampler llama   # llama.cpp's sampler defaults
   python benchmarks/serve_load.py -m DIR --device cuda --head-dtype int8 --kv-cache-dtype fp8  # the fastest rows
   python benchmarks/serve_load.py -m DIR --device cuda --profile prof.txt --summary  # the server's host time
+  python benchmarks/serve_load.py --shared-prefix-words 800 --prefix-caching on,off  # a shared system prompt
+
+--shared-prefix-words N puts the same N words before every prompt (a system prompt); --prefix-caching on,off
+serves each setting in turn and also prints the first and the second request's TTFT on a fresh server (the
+second finds the shared prefix computed).
+  python benchmarks/serve_load.py --json-schema        # every request constrained by a JSON schema (llguidance)
 
 DIR: e.g. the 2B4T-shaped checkpoint of benchmarks/make_checkpoint.py with the LLaMA-3 tokenizer's files copied
 in (benchmarks/gpu.py writes it so at .assets/bench-2b4t).
@@ -45,6 +51,8 @@ SAMPLERS = {
     "greedy": {"temperature": 0},
     "llama": {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05},
 }
+# --json-schema: more records than --max-tokens holds, so that every request runs to its end
+RECORDS = common.records_schema(1000)
 WORDS = "the quick brown fox jumps over the lazy dog while a single man in possession of a fortune".split()
 
 
@@ -69,8 +77,9 @@ def stop_server(proc: subprocess.Popen, profiled: bool) -> None:
         proc.kill()
 
 
-def server_command(model: str, args) -> list[str]:
+def server_command(model: str, args, prefix_caching: str = "on") -> list[str]:
     cmd = [sys.executable, "-m", "bitnetlm.cli", "serve", "-m", model, "--log-level", "warning"]
+    cmd += ["--prefix-caching", prefix_caching]
     if args.profile:  # (py-spy's child: no ptrace rights over other processes needed)
         cmd = ["py-spy", "record", "-r", "250", "-f", "raw", "--threads", "-o", args.profile, "--", *cmd]
     cmd += ["--max-batch", str(args.max_batch), "--max-queue", str(args.requests + 8)]
@@ -80,6 +89,7 @@ def server_command(model: str, args) -> list[str]:
         "--threads": args.threads,
         "--head-dtype": args.head_dtype,
         "--kv-cache-dtype": args.kv_cache_dtype,
+        "--kv-tokens": args.kv_tokens,
     }
     for flag, value in flags.items():
         if value is not None:
@@ -100,12 +110,15 @@ def wait_healthy(proc: subprocess.Popen, url: str, model: str) -> None:
         time.sleep(0.1)
 
 
-def start_server(model: str, args, env_extra: dict) -> tuple[subprocess.Popen, str, float]:
+def start_server(
+    model: str, args, env_extra: dict, prefix_caching: str = "on"
+) -> tuple[subprocess.Popen, str, float]:
     """(the server process, its URL, seconds from its start to its first /health 200: load, capture, warm-up)."""
     t_start = time.monotonic()
     env = dict(os.environ, BITNET_PORT="0", **env_extra)
     env["PYTHONPATH"] = os.pathsep.join([str(common.ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.Popen(server_command(model, args), env=env, stderr=subprocess.PIPE, text=True)
+    cmd = server_command(model, args, prefix_caching)
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     url, seen = None, []
     while url is None:
         line = proc.stderr.readline()
@@ -121,14 +134,15 @@ def start_server(model: str, args, env_extra: dict) -> tuple[subprocess.Popen, s
 
 
 # ---- the clients --------------------------------------------------------------------------------------------
-async def one(client, url, prompt, max_tokens, sampler="greedy") -> tuple[float, float, int]:
-    """(ttft, total seconds, completion tokens) for one streaming request."""
+async def one(client, url, prompt, max_tokens, sampler="greedy", extra=None) -> tuple[float, float, int]:
+    """(ttft, total seconds, completion tokens) for one streaming request (`extra`: more body fields)."""
     body = {
         "prompt": prompt,
         "max_tokens": max_tokens,
         "stream": True,
         "ignore_eos": True,
         **SAMPLERS[sampler],
+        **(extra or {}),
     }
     body["stream_options"] = {"include_usage": True}
     t0 = time.perf_counter()
@@ -147,7 +161,7 @@ async def one(client, url, prompt, max_tokens, sampler="greedy") -> tuple[float,
     return ttft or 0.0, time.perf_counter() - t0, tokens
 
 
-async def level(url, concurrency, n_requests, prompts, max_tokens, sampler="greedy") -> dict:
+async def level(url, concurrency, n_requests, prompts, max_tokens, sampler="greedy", extra=None) -> dict:
     import httpx
 
     queue = list(range(n_requests))
@@ -158,7 +172,8 @@ async def level(url, concurrency, n_requests, prompts, max_tokens, sampler="gree
         async def worker():
             while queue:
                 i = queue.pop()
-                results.append(await one(client, url, prompts[i % len(prompts)], max_tokens, sampler))
+                prompt = prompts[i % len(prompts)]
+                results.append(await one(client, url, prompt, max_tokens, sampler, extra))
 
         t0 = time.perf_counter()
         await asyncio.gather(*[worker() for _ in range(concurrency)])
@@ -247,6 +262,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=64, help="requests per concurrency level (default: 64)")
     ap.add_argument("--max-tokens", type=int, default=32, help="completion tokens per request (default: 32)")
     ap.add_argument("--prompt-words", type=int, default=48, help="words per prompt (default: 48)")
+    ap.add_argument(
+        "--shared-prefix-words", type=int, default=0, help="the same words before every prompt (default: 0)"
+    )
+    ap.add_argument(
+        "--prefix-caching",
+        type=common.str_list,
+        default=["on"],
+        help="server --prefix-caching settings, each served in turn (default: on)",
+    )
     ap.add_argument("--max-batch", type=int, default=32, help="server --max-batch (default: 32)")
     ap.add_argument("--device", default=None, help="server --device")
     ap.add_argument("--backend", default=None, help="server --backend")
@@ -255,7 +279,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--head-dtype", choices=["bf16", "int8"], default=None, help="server --head-dtype")
     ap.add_argument("--kv-cache-dtype", default=None, help="server --kv-cache-dtype (auto, bf16, fp8)")
     ap.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=None,
+        help="server --kv-tokens (CPU: the paged KV cache's positions; 0: the static cache)",
+    )
+    ap.add_argument(
         "--sampler", choices=sorted(SAMPLERS), default="greedy", help="requests' sampling settings"
+    )
+    ap.add_argument(
+        "--json-schema", action="store_true", help="constrain every request's output by a JSON schema"
     )
     ap.add_argument(
         "--profile", default=None, metavar="FILE", help="run the server under py-spy; stacks into FILE"
@@ -295,28 +328,46 @@ def print_rows(args, label: str, ready_s: float, rows: list[dict]) -> None:
     if args.head_dtype or args.kv_cache_dtype:
         path += f", head {args.head_dtype or 'default'}, KV cache {args.kv_cache_dtype or 'default'}"
     how = "greedy" if args.sampler == "greedy" else "llama.cpp defaults t0.8 k40 p.95 minp.05"
+    shared = f" after {args.shared_prefix_words} shared words" if args.shared_prefix_words else ""
+    if args.json_schema:
+        how += ", output constrained by a JSON schema"
     common.header(
         f"bitnet serve load test: {label}",
         gpu=bool(args.device and args.device.startswith("cuda")),
         details=f"device {args.device or 'auto'}; threads {args.threads or 'default'}; server --max-batch "
         f"{args.max_batch}, {path}; ready {ready_s:.1f} s after its start; {args.requests} streaming requests a "
-        f"row; ~{args.prompt_words}-word prompts, {args.max_tokens} completion tokens each ({how}, ignore_eos)",
+        f"row; ~{args.prompt_words}-word prompts{shared}, {args.max_tokens} completion tokens each ({how}, "
+        "ignore_eos)",
     )
-    cols = ["clients", "requests", "requests/s", "TTFT p50 (ms)", "TTFT p99 (ms)", "output tokens/s"]
+    cols = ["prefix caching", "clients", "requests", "requests/s", "TTFT p50 (ms)", "TTFT p99 (ms)"]
     out = [
-        [
-            r["concurrency"],
-            r["requests"],
-            f"{r['req_s']:.2f}",
+        [r["prefix_caching"], r["concurrency"], r["requests"], f"{r['req_s']:.2f}"]
+        + [
             f"{r['ttft_p50_ms']:.0f}",
             f"{r['ttft_p99_ms']:.0f}",
+            f"{r['tok_s']:.1f}",
+            f"{r['mean_latency_s']:.2f}",
         ]
-        + [f"{r['tok_s']:.1f}", f"{r['mean_latency_s']:.2f}"]
         for r in rows
     ]
-    print(common.table([*cols, "mean latency (s)"], out))
+    print(common.table([*cols, "output tokens/s", "mean latency (s)"], out))
     if args.json:
         print(json.dumps(rows, indent=1))
+
+
+def first_two(url: str, prompts: list[str], args, extra) -> tuple[float, float]:
+    """TTFT (ms) of a fresh server's first request and of a second one with another prompt (same shared prefix)."""
+    import httpx
+
+    async def run():
+        async with httpx.AsyncClient(timeout=3600) as client:
+            return [(await one(client, url, p, 1, args.sampler, extra))[0] * 1000 for p in prompts[:2]]
+
+    return tuple(asyncio.run(run()))
+
+
+def _schema_format() -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "records", "schema": RECORDS}}
 
 
 def main(argv=None) -> int:
@@ -326,17 +377,31 @@ def main(argv=None) -> int:
         model, label, env_extra = (
             (args.model, args.model, {}) if args.model else tiny_model(tmp, args.backend)
         )
-        prompts = [" ".join(WORDS[(i + j) % len(WORDS)] for j in range(args.prompt_words)) for i in range(64)]
-        proc, url, ready_s = start_server(model, args, env_extra)
-        rows = []
-        try:
-            asyncio.run(level(url, 1, 2, prompts, 4, args.sampler))  # warm-up
-            for c in args.concurrency:
-                rows.append(asyncio.run(level(url, c, args.requests, prompts, args.max_tokens, args.sampler)))
-                print(f"  concurrency {c}: done", file=sys.stderr)
-        finally:
-            stop_server(proc, bool(args.profile))
+        prefix = " ".join(WORDS[j % len(WORDS)] for j in range(args.shared_prefix_words))
+        prompts = [
+            (prefix + " " if prefix else "")
+            + " ".join(WORDS[(i + j) % len(WORDS)] for j in range(args.prompt_words))
+            for i in range(64)
+        ]
+        rows, firsts = [], []
+        extra = {"response_format": _schema_format()} if args.json_schema else None
+        for setting in args.prefix_caching:
+            proc, url, ready_s = start_server(model, args, env_extra, setting)
+            try:
+                firsts.append([setting, *(f"{t:.0f}" for t in first_two(url, prompts[-2:], args, extra))])
+                asyncio.run(level(url, 1, 2, prompts, 4, args.sampler, extra))  # warm-up
+                for c in args.concurrency:
+                    r = asyncio.run(
+                        level(url, c, args.requests, prompts, args.max_tokens, args.sampler, extra)
+                    )
+                    rows.append({"prefix_caching": setting, **r})
+                    print(f"  prefix caching {setting}, concurrency {c}: done", file=sys.stderr)
+            finally:
+                stop_server(proc, bool(args.profile))
     print_rows(args, label, ready_s, rows)
+    print(
+        "\n" + common.table(["prefix caching", "first request TTFT (ms)", "second request TTFT (ms)"], firsts)
+    )
     if args.summary:
         print_summary(args.profile, args.skip, args.top)
     return 0

@@ -29,7 +29,9 @@ def prompts() -> dict[str, str]:
     austen = (common.ASSETS / "austen" / "prideprejudice.txt").read_text(encoding="utf-8")
     para = " ".join(austen[20000:20700].split())
     src = (common.ROOT / "bitnetlm" / "engine" / "scheduler.py").read_text(encoding="utf-8")
-    fn = src[src.index("    def schedule(self)") : src.index("    def _plan_prefill")]
+    fn = src[src.index("    def schedule(self)") : src.index("    def _plan_prefill")][
+        :1800
+    ]  # (fits 1,024 positions)
     edited = para.replace("Elizabeth", "Lizzy")
     return {
         "copy a passage": f"Original text:\n{para}\n\nThe same text, copied exactly:\n{para[:60]}",

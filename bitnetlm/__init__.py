@@ -1,4 +1,4 @@
-"""bitnet-lm: load, run, serve, train and convert 1.58-bit (ternary) language models.
+"""bitnet-lm: load, run, serve, train and convert 1.58-bit (ternary) language models and encoders.
 
 Kept lean: importing this package imports torch but never Triton, never initialises CUDA.
 """
@@ -21,6 +21,10 @@ def __getattr__(name):
         from bitnetlm.train import qat
 
         return getattr(qat, name)
+    if name == "embed":
+        from bitnetlm.embedding import embed
+
+        return embed
     if name == "RuntimeConfig":
         from bitnetlm.runtime.config import RuntimeConfig
 
@@ -38,6 +42,7 @@ __all__ = [
     "generate",
     "stream_generate",
     "batch_generate",
+    "embed",
     "quantize_",
     "convert_",
     "BitLinear",

@@ -393,7 +393,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "speculative decoding (speedup, acceptance, tokens per target pass)",
     )
     add_speculative_arguments(p)
-    add_runtime_arguments(p, ("device", "backend"))
+    add_runtime_arguments(p, ("device", "backend", "weights_layout"))
     p.add_argument("--json", action="store_true", help="print results as JSON")
     progress.add_argument(p)
 
@@ -409,7 +409,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None and (not args.threads or min(args.threads) < 1):
         print(f"bitnet bench: -t/--threads takes counts >= 1, found {args.threads}", file=sys.stderr)
         return 2
-    args.device = str(runtime_from_args(args, ("device", "backend")).torch_device)  # auto; absent: one line
+    rt = runtime_from_args(args, ("device", "backend", "weights_layout"))
+    args.device = str(rt.torch_device)  # auto; absent: one line
     spec = speculative_from_args(args)
     if bool(spec) != bool(args.prompt_file) or (spec and not args.model):
         print("bitnet bench: -f/--prompt-file goes with --lookup or --draft-model, and -m", file=sys.stderr)
@@ -422,12 +423,18 @@ def run(args: argparse.Namespace) -> int:
         print("bitnet bench: -b/--batch and --kv-cache-dtype apply to --device cuda only", file=sys.stderr)
         return 2
     if args.shape:
+        from bitnetlm.runtime.cpu import set_weights_layout
+
         model = random_model(args.shape, head_dtype=head, backend=args.backend)
+        set_weights_layout(model, rt.weights_layout)
         label = f"{args.shape} (random weights)"
     else:
         from bitnetlm.loading import load_model
 
-        model = load_model(args.model, device=args.device, backend=args.backend, head_dtype=head).eval()
+        opts = dict(
+            device=args.device, backend=args.backend, head_dtype=head, weights_layout=rt.weights_layout
+        )
+        model = load_model(args.model, **opts).eval()
         label = str(args.model)
     rows = bench(
         model,

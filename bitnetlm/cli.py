@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("bitnetlm.commands.convert", "convert between HF, GGUF and ONNX"),
     "quantize": ("bitnetlm.commands.quantize", "ternarize a full-precision model (post-training absmean)"),
     "train": ("bitnetlm.commands.train", "quantization-aware training / distillation"),
+    "embed": ("bitnetlm.commands.embed", "sentence embeddings from an encoder (BERT family) or a decoder"),
     "eval": ("bitnetlm.commands.eval", "perplexity and multiple-choice accuracy"),
     "data": ("bitnetlm.commands.data", "prepare tokenized training data"),
     "bench": ("bitnetlm.commands.bench", "prefill/decode speed, llama-bench style"),

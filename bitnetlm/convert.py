@@ -55,8 +55,8 @@ def source_kind(src: Path) -> str:
         if magic == b"GGUF":
             return "gguf"
         if src.suffix == ".onnx":
-            raise ValueError(f"{src}: ONNX models can be exported but not read back; convert from HF or GGUF")
-        raise ValueError(f"{src}: not a GGUF file (magic {magic!r}) and not a model directory")
+            return "onnx"
+        raise ValueError(f"{src}: not a GGUF file (magic {magic!r}), an .onnx file or a model directory")
     if src.is_dir():
         if (src / "config.json").is_file():
             return "hf"
@@ -96,6 +96,10 @@ def source_config(src: str | os.PathLike):
 
         with read_gguf(src) as f:
             return config_from_gguf(f)
+    if source_kind(src) == "onnx":
+        from bitnetlm.formats.onnx_import import config_from_onnx
+
+        return config_from_onnx(src)
     from bitnetlm.formats.hf import read_config
 
     return read_config(src)
@@ -114,13 +118,13 @@ def gguf_plan(cfg, qtype: str | None = None) -> tuple[str, list[str]]:
     that (bitnet.cpp loads it), else whichever of the two leaves fewer out. A projection that does not fit is
     stored as F16 T*s (the ternary values exact, the scale rounded to fp16 as the TQ types round it), per
     tensor as llama.cpp's quantizer falls back; a type that fits none of them is refused."""
-    from bitnetlm.formats.names import layer_modules
+    from bitnetlm.formats.names import model_modules
     from bitnetlm.models import build_model
 
     with torch.device("meta"):
         model = build_model(cfg, "infer")
     shapes = {}
-    for name, kind in layer_modules(cfg.num_hidden_layers, cfg.has_sub_norms):
+    for name, kind in model_modules(cfg):
         if kind == "proj":
             m = model.get_submodule(name)
             shapes[name] = (m.out_features, m.in_features)
@@ -148,11 +152,14 @@ def gguf_plan(cfg, qtype: str | None = None) -> tuple[str, list[str]]:
 
 def _gguf_type(cfg, qtype: str | None) -> str:
     """gguf_plan's type for `cfg`, with one note on stderr when some projections fall back to F16."""
+    from bitnetlm.formats.names import model_modules
+
     qtype, fallback = gguf_plan(cfg, qtype)
+    n_proj = sum(kind == "proj" for _, kind in model_modules(cfg))
     if fallback:
         hint = " (--type i2_s fits them all)" if qtype != "i2_s" and not gguf_plan(cfg, "i2_s")[1] else ""
         print(
-            f"note: {len(fallback)} of {7 * cfg.num_hidden_layers} projections have rows that {qtype.upper()} "
+            f"note: {len(fallback)} of {n_proj} projections have rows that {qtype.upper()} "
             f"cannot hold (it needs multiples of {128 if qtype == 'i2_s' else 256} values): they are stored as "
             f"F16 with exact ternary values, as llama.cpp falls back per tensor{hint}",
             file=sys.stderr,
@@ -171,15 +178,17 @@ def float_fallback_(model, names: list[str]):
             t, s = ternarize(m.weight.detach().float())
         else:
             t, s = m.ternary_weight(), m.weight_scale
-        lin = torch.nn.Linear(m.in_features, m.out_features, bias=False)
+        lin = torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
         lin.weight = torch.nn.Parameter(t.float() * s.reshape(-1)[0].float(), requires_grad=False)
+        if m.bias is not None:
+            lin.bias = torch.nn.Parameter(m.bias.detach().float(), requires_grad=False)
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent), leaf, lin)
     return model
 
 
 def load_source(src: str | os.PathLike, mode: str = "infer"):
-    """(model on CPU, tokenizer files {name: text} or {}) from an HF directory or GGUF file."""
+    """(model on CPU, tokenizer files {name: text} or {}) from an HF directory, a GGUF or an ONNX file."""
     src = Path(src)
     kind = source_kind(src)
     if kind == "gguf":
@@ -192,9 +201,14 @@ def load_source(src: str | os.PathLike, mode: str = "infer"):
         meta = read_gguf(src).metadata
         files = tokenizer_files_from_gguf(meta, str(src)) if "tokenizer.ggml.tokens" in meta else {}
         return model, files
-    from bitnetlm.formats.native import load_native
+    if kind == "onnx":
+        from bitnetlm.formats.onnx_import import load_onnx_model
 
-    model = load_native(src, mode=mode)
+        model, src = load_onnx_model(src, mode=mode), src.parent  # (a tokenizer beside the file goes along)
+    else:
+        from bitnetlm.formats.native import load_native
+
+        model = load_native(src, mode=mode)
     files = {}
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         if (src / name).is_file():
@@ -291,6 +305,8 @@ def convert(
     to = infer_target(out, TARGETS, to)
     _check_out(out, force, to)
     name, src = src, resolve_path(src)
+    if is_encoder(src):
+        return _convert_encoder(name, src, out, to, qtype, force, embed_type)
     cfg = source_config(src)  # everything that can fail on the header fails before the tensors are read
     if to == "gguf" and cfg.quant == "ternary":
         qtype = _gguf_type(cfg, qtype)
@@ -303,9 +319,54 @@ def convert(
     return save_model(model, out, to, tok_files, qtype, force, storage, embed_type, gguf_arch)
 
 
+def is_encoder(src: Path) -> bool:
+    """Whether `src` (an HF directory or a GGUF file) holds a BERT-family encoder."""
+    if source_kind(src) == "gguf":
+        deps.require("gguf", "reading GGUF files")
+        from bitnetlm.formats.gguf_file import read_gguf
+
+        with read_gguf(src) as f:
+            return f.metadata.get("general.architecture") == "bert"
+    from bitnetlm.loading import _is_encoder_dir
+
+    return _is_encoder_dir(src)
+
+
+def _convert_encoder(name, src: Path, out: Path, to: str, qtype, force: bool, embed_type: str) -> Path:
+    """An encoder between its HF (+ sentence-transformers) directory and a llama.cpp `bert` GGUF."""
+    from bitnetlm.loading import load_tokenizer
+
+    if to == "onnx":
+        raise ValueError(f"{name}: ONNX export of an encoder is not supported (convert to hf or gguf)")
+    if source_kind(src) == "gguf":
+        from bitnetlm.formats.gguf import load_gguf_model
+
+        model = load_gguf_model(src)
+    else:
+        from bitnetlm.formats.hf_bert import load_bert_hf
+
+        model = load_bert_hf(src)
+    tok = load_tokenizer(src)
+    if to == "hf":
+        from bitnetlm.formats.hf_bert import save_bert_hf
+
+        return save_bert_hf(model, out, tokenizer=tok, overwrite=force)
+    from bitnetlm.formats.gguf import save_gguf
+
+    if model.config.quant != "ternary" and qtype not in (None, "auto"):
+        raise ValueError(f"{name}: a full-precision model has no ternary weights to store as {qtype}")
+    if qtype in (
+        None,
+        "auto",
+    ):  # TQ2_0 needs rows of 256 values; I2_S any matrix of 128k values (MiniLM: 384)
+        h, i = model.config.hidden_size, model.config.intermediate_size
+        qtype = "tq2_0" if h % 256 == 0 and i % 256 == 0 else "i2_s"
+    return save_gguf(model, out, qtype, tokenizer=tok, embed_type=embed_type)
+
+
 def ternarize_model(model):
     """An inference-mode ternary copy of a full-precision model (absmean per matrix; embeddings/norms kept)."""
-    from bitnetlm.formats.names import layer_modules
+    from bitnetlm.formats.names import model_modules
     from bitnetlm.models import build_model
     from bitnetlm.quant.bitlinear import BitLinear
 
@@ -313,14 +374,16 @@ def ternarize_model(model):
     with torch.device("meta"):
         q = build_model(cfg, "infer")
     sd = {}
-    modules = list(layer_modules(cfg.num_hidden_layers, cfg.has_sub_norms))
-    for name, kind in progress.bar(modules, desc="ternarizing", unit="tensor"):
-        src_w = model.get_submodule(name).weight.detach().float().cpu()
+    for name, kind in progress.bar(list(model_modules(cfg)), desc="ternarizing", unit="tensor"):
+        src = model.get_submodule(name)
+        src_w = src.weight.detach().float().cpu()
         if kind == "proj":
             m = BitLinear.from_ternary(*_absmean(src_w))
             sd[name + ".packed"], sd[name + ".weight_scale"] = m.packed, m.weight_scale
         else:
             sd[name + ".weight"] = src_w
+        if getattr(src, "bias", None) is not None:
+            sd[name + ".bias"] = src.bias.detach().float().cpu()
     if q.lm_head is not None:
         sd["lm_head.weight"] = model.lm_head.weight.detach().float().cpu()
     q.load_state_dict(sd, strict=True, assign=True)

@@ -8,6 +8,7 @@ always repairs an environment that lacks one.
 from __future__ import annotations
 
 import importlib
+import itertools
 
 # import name -> (pip name, extra)
 PACKAGES = {
@@ -17,6 +18,7 @@ PACKAGES = {
     "pydantic": ("pydantic", "serve"),
     "websockets": ("websockets", "serve"),
     "grpc": ("grpcio", "grpc"),
+    "google": ("protobuf", "grpc"),
     "gguf": ("gguf", "gguf"),
     "onnx": ("onnx", "onnx"),
     "onnxruntime": ("onnxruntime", "onnx"),
@@ -24,7 +26,11 @@ PACKAGES = {
     "tensorboard": ("tensorboard", "train"),
     "huggingface_hub": ("huggingface_hub", "hub"),
     "ray": ("ray", "ray"),
+    "llguidance": ("llguidance", "structured"),
 }
+# import name -> the oldest version our code runs on (pyproject's extras say the same): llguidance 1.7 takes a list
+# of end tokens; the committed gRPC stubs refuse an older grpcio (protobuf's gencode likewise)
+MINIMUM = {"llguidance": (1, 7), "grpc": (1, 85, 4), "google.protobuf": (7, 35, 1)}
 
 
 class MissingDependency(ModuleNotFoundError, ValueError):
@@ -44,12 +50,31 @@ def message(module: str, feature: str, error: ImportError | None = None) -> str:
     return f"{feature} needs the {pip_name} package, which fails to import ({first}): pip install --force-reinstall {pip_name}"
 
 
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for p in text.split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, p))
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
 def require(module: str, feature: str):
-    """Import and return `module`, or raise MissingDependency saying which extra installs it."""
+    """Import and return `module`, or raise MissingDependency saying which extra installs it (also when the
+    installed version is older than MINIMUM's)."""
     try:
-        return importlib.import_module(module)
+        mod = importlib.import_module(module)
     except ImportError as e:
         raise MissingDependency(message(module, feature, e), name=module) from None
+    want = MINIMUM.get(module)
+    found = str(getattr(mod, "__version__", ""))
+    if want and found and _version(found) < want:
+        pip_name, extra = PACKAGES.get(module.split(".")[0], (module, None))
+        least = ".".join(map(str, want))
+        fix = f'pip install -U "bitnet-lm[{extra}]"' if extra else f'pip install -U "{pip_name}>={least}"'
+        raise MissingDependency(f"{feature} needs {pip_name}>={least}, found {found}: {fix}", name=module)
+    return mod
 
 
 def describe(error: ImportError, feature: str) -> str | None:

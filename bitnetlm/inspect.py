@@ -11,11 +11,20 @@ from bitnetlm.formats.safetensors_header import read_header
 
 
 def inspect_hf(path: Path) -> dict:
-    cfg = read_config(path)
+    from bitnetlm.loading import _is_encoder_dir
+
+    encoder = _is_encoder_dir(path)
+    if encoder:
+        from bitnetlm.formats.hf_bert import read_encoder_config
+
+        cfg = read_encoder_config(path)
+    else:
+        cfg = read_config(path)
     files = safetensors_files(path)
     headers = [read_header(f) for f in files]  # validated: a corrupt file is a one-line error naming it
     src = str(files[0] if len(files) == 1 else path)
-    check_layer_count(cfg, [k for h in headers for k in h.tensors], src)
+    if not encoder:
+        check_layer_count(cfg, [k for h in headers for k in h.tensors], src)
     tensors = []
     ternary_params = 0
     ternary_bytes = 0

@@ -46,7 +46,7 @@ def resolve_path(name_or_path: str | os.PathLike) -> Path:
 def load_model(
     path: str | os.PathLike, runtime: RuntimeConfig | None = None, *, mode: str = "infer", **options
 ):
-    """Load a model (HF directory or GGUF file) as `runtime` (or the RuntimeConfig fields in `options`: device,
+    """Load a model (HF directory, GGUF or ONNX file) as `runtime` (or the RuntimeConfig fields in `options`: device,
     dtype, backend, head_dtype, kv_cache_dtype, threads, ...) says: on its device, kernels prepared, the CPU's
     compact head and threads applied. The options are kept for the model's later calls (`runtime.configure`).
 
@@ -60,6 +60,12 @@ def load_model(
         from bitnetlm.formats import gguf
 
         read = lambda: gguf.load_gguf_model(p, mode=mode, dtype=dtype)
+    elif p.is_dir() and _is_encoder_dir(p):
+        from bitnetlm.formats.hf_bert import load_bert_hf
+
+        if cfg.head_dtype is not None:
+            raise ValueError(f"{p}: head_dtype applies to language models; an encoder has no LM head")
+        read = lambda: load_bert_hf(p, mode=mode, dtype=dtype)
     elif p.is_dir():
         from bitnetlm.formats.hf import read_config
         from bitnetlm.formats.native import load_native  # plain HF dirs too; zero-copy for packed ones
@@ -67,8 +73,12 @@ def load_model(
         if (p / "config.json").is_file():
             config = read_config(p)
         read = lambda: load_native(p, mode=mode, dtype=dtype)
+    elif p.is_file() and p.suffix == ".onnx":
+        from bitnetlm.formats.onnx_import import load_onnx_model
+
+        read = lambda: load_onnx_model(p, mode=mode, dtype=dtype)
     else:
-        raise ValueError(f"{p}: not a model directory (config.json + safetensors) or a .gguf file")
+        raise ValueError(f"{p}: not a model directory (config.json + safetensors), a .gguf or an .onnx file")
     if (
         mode != "train" and device.type == "cuda"
     ):  # CUDA context, first kernels, compiler keys: beside the read
@@ -76,6 +86,10 @@ def load_model(
 
         warm.start(device, cfg.backend or os.environ.get("BITNETLM_BACKEND") or "triton", dtype, config)
     model = read()
+    if p.is_dir():
+        from bitnetlm import embedding
+
+        embedding.configure(model, embedding.read_spec(p, isinstance(model, embedding.Encoder)))
     if mode == "train":
         return model.to(device)
     model = prepare(model, device, cfg.backend)
@@ -91,6 +105,22 @@ def load_model(
     return model
 
 
+def _is_encoder_dir(p: Path) -> bool:
+    """Whether directory `p` holds a BERT-family encoder (its config.json says so)."""
+    import json
+
+    from bitnetlm.formats.hf_bert import is_encoder_config
+
+    f = p / "config.json"
+    if not f.is_file():
+        return False
+    try:
+        raw = json.loads(f.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return False  # the decoder path reports the bad file
+    return isinstance(raw, dict) and is_encoder_config(raw)
+
+
 def _config(runtime: RuntimeConfig | None, options: dict) -> RuntimeConfig:
     if runtime is None:
         return RuntimeConfig(**options)
@@ -104,6 +134,8 @@ def load_tokenizer(path: str | os.PathLike):
         from bitnetlm.formats import gguf
 
         return gguf.load_gguf_tokenizer(p)
+    if p.is_file() and p.suffix == ".onnx":
+        p = p.parent  # an ONNX graph holds no tokenizer: the one beside it, as ONNX model directories have
     if (p / "tokenizer.json").is_file():
         from bitnetlm.text.tokenizer import Tokenizer
 
@@ -112,8 +144,9 @@ def load_tokenizer(path: str | os.PathLike):
 
 
 def load(path: str | os.PathLike, runtime: RuntimeConfig | None = None, *, mode: str = "infer", **options):
-    """(model, tokenizer) for `path` (a directory, .gguf file or zoo name); tokenizer is None if the checkpoint
-    has none. Runtime options as `load_model` takes them (device="auto", kv_cache_dtype="fp8", ...)."""
+    """(model, tokenizer) for `path` (a directory, .gguf or .onnx file, or zoo name); tokenizer is None if the
+    checkpoint has none (an .onnx file's: tokenizer.json beside it). Runtime options as `load_model` takes them
+    (device="auto", kv_cache_dtype="fp8", ...)."""
     return load_model(path, runtime, mode=mode, **options), load_tokenizer(path)
 
 
@@ -132,7 +165,8 @@ def load_for_generation(name: str | os.PathLike | None, runtime: RuntimeConfig |
     name = default_model_name(name)
     model, tok = load(name, runtime, **options)
     if tok is None:
-        raise FileNotFoundError(f"{name}: the model has no tokenizer (tokenizer.json next to config.json)")
+        beside = "the .onnx file" if str(name).endswith(".onnx") else "config.json"
+        raise FileNotFoundError(f"{name}: the model has no tokenizer (tokenizer.json next to {beside})")
     return model.eval(), tok
 
 

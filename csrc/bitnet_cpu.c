@@ -176,11 +176,15 @@ static void repack_range(void *c, int64_t g0, int64_t g1) {
         }
 }
 
+void bn_locked_parallel_for(int64_t n, bn_range_fn fn, void *ctx) {
+    pthread_mutex_lock(&g_call);
+    bn_parallel_for(n, fn, ctx);
+    pthread_mutex_unlock(&g_call);
+}
+
 void bn_repack_hf(const uint8_t *hf, int64_t n, int64_t k, uint8_t *out) {
     repack_ctx q = {hf, n, k, (n + 3) / 4, bn_packed_row_bytes(k), out};
-    pthread_mutex_lock(&g_call);
-    bn_parallel_for(bn_packed_rows(n) / BN_GROUP, repack_range, &q);
-    pthread_mutex_unlock(&g_call);
+    bn_locked_parallel_for(bn_packed_rows(n) / BN_GROUP, repack_range, &q);
 }
 
 /* ---- scratch ------------------------------------------------------------------------------------ */
@@ -252,7 +256,7 @@ static void gemm_range(void *c, int64_t lo, int64_t hi) {
         if (a >= b) continue;
         int64_t r0 = (a - G->ustart[j]) * G->unit_rows, r1 = (b - G->ustart[j]) * G->unit_rows;
         if (r1 > G->n[j]) r1 = G->n[j];
-        k->gemm_rows(&G->g[j], r0, r1);
+        (G->g[j].layout == BN_LAYOUT_BASE3 ? k->gemm_rows_b3 : k->gemm_rows)(&G->g[j], r0, r1);
     }
 }
 
@@ -264,9 +268,23 @@ static void run_gemm(gemm_ctx *G, int64_t m) {
     bn_parallel_for(G->ustart[G->count], gemm_range, G);
 }
 
+/* K padded for `layout`; the weights' bytes per row and blocks per row */
+static int64_t layout_dims(int layout, int64_t k, int64_t *rb, int64_t *nblk) {
+    int64_t kp = layout == BN_LAYOUT_BASE3 ? bn3_padk(k) : bn_padded_k(k);
+    *rb = layout == BN_LAYOUT_BASE3 ? kp / 5 : kp / 4;
+    *nblk = kp / (layout == BN_LAYOUT_BASE3 ? BN3_BLOCK : BN_BLOCK);
+    return kp;
+}
+
 int bn_ternary_matmul_i32(const int8_t *xq, int64_t m, int64_t k, const uint8_t *packed, int64_t n, int32_t *out) {
+    return bn_ternary_matmul_i32_layout(xq, m, k, packed, n, out, BN_LAYOUT_2BIT);
+}
+
+int bn_ternary_matmul_i32_layout(const int8_t *xq, int64_t m, int64_t k, const uint8_t *packed, int64_t n,
+                                 int32_t *out, int layout) {
+    if (layout != BN_LAYOUT_2BIT && layout != BN_LAYOUT_BASE3) return -2;
     if (m <= 0 || n <= 0) return 0;
-    int64_t kp = bn_padded_k(k);
+    int64_t rb, nblk, kp = layout_dims(layout, k, &rb, &nblk);
     pthread_mutex_lock(&g_call);
     size_t need = (size_t)(m * kp) + sizeof(int32_t) * (size_t)m + 64;
     char *buf = scratch(need);
@@ -284,7 +302,7 @@ int bn_ternary_matmul_i32(const int8_t *xq, int64_t m, int64_t k, const uint8_t 
         xsum[i] = s;
     }
     gemm_ctx G = {.count = 1};
-    G.g[0] = (bn_gemm_args){xp, kp, xsum, m, packed, kp / 4, kp / BN_BLOCK, out, NULL, n, NULL, 0.0f};
+    G.g[0] = (bn_gemm_args){xp, kp, xsum, m, packed, rb, nblk, out, NULL, n, NULL, 0.0f, layout};
     G.n[0] = n;
     run_gemm(&G, m);
     pthread_mutex_unlock(&g_call);
@@ -298,9 +316,15 @@ int bn_ternary_linear_multi_f32(const float *x, int64_t m, int64_t k, int count,
 
 int bn_ternary_linear_multi_f32_ld(const float *x, int64_t m, int64_t k, int count, const uint8_t *const *packed,
                                    const int64_t *n, const float *const *scale, float *const *y, int64_t ldy) {
-    if (count < 1 || count > MAX_MULTI) return -2;
+    return bn_ternary_linear_multi_f32_layout(x, m, k, count, packed, n, scale, y, ldy, BN_LAYOUT_2BIT);
+}
+
+int bn_ternary_linear_multi_f32_layout(const float *x, int64_t m, int64_t k, int count, const uint8_t *const *packed,
+                                       const int64_t *n, const float *const *scale, float *const *y, int64_t ldy,
+                                       int layout) {
+    if (count < 1 || count > MAX_MULTI || (layout != BN_LAYOUT_2BIT && layout != BN_LAYOUT_BASE3)) return -2;
     if (m <= 0) return 0;
-    int64_t kp = bn_padded_k(k);
+    int64_t rb, nblk, kp = layout_dims(layout, k, &rb, &nblk);
     pthread_mutex_lock(&g_call);
     size_t xq_bytes = (size_t)(((m * kp + 63) / 64) * 64);
     char *buf = scratch(xq_bytes + (sizeof(float) + sizeof(int32_t)) * (size_t)m + 64);
@@ -314,7 +338,8 @@ int bn_ternary_linear_multi_f32_ld(const float *x, int64_t m, int64_t k, int cou
     quantize(x, m, k, xq, kp, a, xsum);
     gemm_ctx G = {.count = count};
     for (int j = 0; j < count; j++) {
-        G.g[j] = (bn_gemm_args){xq, kp, xsum, m, packed[j], kp / 4, kp / BN_BLOCK, NULL, y[j], ldy > 0 ? ldy : n[j], a, *scale[j]};
+        G.g[j] = (bn_gemm_args){xq, kp, xsum, m, packed[j], rb, nblk, NULL, y[j], ldy > 0 ? ldy : n[j], a,
+                                *scale[j], layout};
         G.n[j] = n[j];
     }
     run_gemm(&G, m);

@@ -17,6 +17,15 @@
  * scalar / tensor), X = clamp(round_half_even(x * a), -128, 127), and the linear output is
  * y = float(X . T) * (s / a): bit-identical to bitnetlm.quant.ternary.bitlinear_reference in float32.
  */
+/* Packed layout "cpu-base3-v1" (PackingFormat.CPU_BASE3), 1.6 bits a weight:
+ *   T [N, K] -> uint8 [Np, Kp3/5], Kp3 = K rounded up to a multiple of 320, Np = N rounded up to 4. Each row is
+ *   Kp3/320 blocks of 64 bytes; byte j of a block holds the codes c_i = t + 1 of the block's elements j, 64+j,
+ *   128+j, 192+j, 256+j (i = 0..4) as ceil(v * 256 / 243), v = sum_i c_i 3^(4-i) (llama.cpp's TQ1_0 digits).
+ *   Code i is then ((byte * 3^i mod 256) * 3) >> 8: a multiply-shift unpack giving 64 codes aligned with 64
+ *   consecutive int8 activations per step, so the kernels keep the int8 dot products. Rows in groups of 4 with
+ *   interleaved blocks, padding code 1, as in cpu-2bit-v2. 20% fewer bytes for decode to read, more work to unpack:
+ *   which is faster depends on the machine's memory bandwidth per core (runtime weights_layout).
+ */
 #ifndef BITNET_CPU_H
 #define BITNET_CPU_H
 
@@ -27,6 +36,11 @@ extern "C" {
 #endif
 
 #define BN_BLOCK 128 /* K elements per packed block */
+#define BN3_BYTES 64 /* bytes per cpu-base3-v1 block */
+#define BN3_BLOCK (5 * BN3_BYTES) /* K elements per cpu-base3-v1 block */
+
+/* weight layouts (bn_*_layout functions) */
+enum { BN_LAYOUT_2BIT = 0, BN_LAYOUT_BASE3 = 1 };
 
 /* instruction-set paths (bn_isa_* values) */
 enum { BN_ISA_AUTO = -1, BN_ISA_SCALAR = 0, BN_ISA_AVX2 = 1, BN_ISA_AVX512VNNI = 2, BN_ISA_NEON = 3 };
@@ -50,6 +64,13 @@ void bn_unpack(const uint8_t *p, int64_t n, int64_t k, int8_t *out);
 /* transformers' offline 2-bit layout uint8 [ceil(n/4), k] (row r at row r % R, bits 2*(r / R)) -> packed */
 void bn_repack_hf(const uint8_t *hf, int64_t n, int64_t k, uint8_t *out);
 
+/* cpu-base3-v1 packing: padded K, bytes per row (rows as bn_packed_rows) */
+int64_t bn3_padded_k(int64_t k);
+int64_t bn3_packed_row_bytes(int64_t k);
+/* a packed [n, k] matrix from layout `from` into layout `to` (BN_LAYOUT_*), threaded, without an int8 copy;
+ * returns 0, -1 for a bad layout or size, -2 out of memory */
+int bn_repack(const uint8_t *src, int from, int64_t n, int64_t k, uint8_t *out, int to);
+
 /* per-token int8 activation quantization: x fp32 [m, k] -> xq int8 [m, ldq] (zero padded from k to ldq),
  * a fp32 [m] (may be NULL), xsum int32 [m] = sum of each row of xq (may be NULL). */
 void bn_quantize_act(const float *x, int64_t m, int64_t k, int8_t *xq, int64_t ldq, float *a, int32_t *xsum);
@@ -67,6 +88,13 @@ int bn_ternary_linear_multi_f32(const float *x, int64_t m, int64_t k, int count,
 /* the same with a row stride ldy for every y[i] (outputs side by side in one [m, ldy] buffer) */
 int bn_ternary_linear_multi_f32_ld(const float *x, int64_t m, int64_t k, int count, const uint8_t *const *packed,
                                    const int64_t *n, const float *const *scale, float *const *y, int64_t ldy);
+
+/* the integer product and the linears for weights in either layout (BN_LAYOUT_*) */
+int bn_ternary_matmul_i32_layout(const int8_t *xq, int64_t m, int64_t k, const uint8_t *packed, int64_t n,
+                                 int32_t *out, int layout);
+int bn_ternary_linear_multi_f32_layout(const float *x, int64_t m, int64_t k, int count, const uint8_t *const *packed,
+                                       const int64_t *n, const float *const *scale, float *const *y, int64_t ldy,
+                                       int layout);
 
 /* float heads: y[m, n] = x[m, :] . W[n, :] for W in bf16 (uint16 bit patterns), float32, or int8 with per-row
  * scales (y = wscale[n] * sum_k x[m, k] * q[n, k]); multithreaded over n. bf16, float32: fp32 accumulation. int8: x

@@ -46,6 +46,7 @@ typedef struct {
     const float *ffn_sub_norm;            /* [inter] or NULL */
     const uint8_t *w[BN_DEC_NPROJ];       /* packed ternary weights (bitnet_cpu.h layout), BN_DEC_* order */
     const float *scale[BN_DEC_NPROJ];     /* their weight scales, read at call time */
+    int32_t layout;                       /* the weights' layout, BN_LAYOUT_* */
 } bn_decode_layer;
 
 /* floats of scratch bn_decode_step_f32 needs for m rows */
@@ -68,6 +69,16 @@ int bn_decode_step_f32(const bn_decode_config *c, const bn_decode_layer *layers,
 int bn_decode_forward_f32(const bn_decode_config *c, const bn_decode_layer *layers, int64_t n_layers,
                           void *const *k_cache, void *const *v_cache, const uint8_t *valid, const int64_t *slot,
                           const float *cos, const float *sin, int64_t b, int64_t t, float *h, float *work);
+
+/* bn_decode_forward_f32 over a paged KV cache: k_pool[l], v_pool[l] are layer l's blocks [n_blocks, n_kv,
+ * block_size, head_dim]; row r's slot s lives in block table[r * (max_seq / block_size) + s / block_size] at
+ * offset s % block_size (max_seq: a multiple of block_size, the slots a row may address; valid [b, max_seq] as
+ * above). Returns -1 if a token would read or write a block id outside [0, n_blocks). The results equal those of
+ * a static cache holding the same keys and values bit for bit. */
+int bn_decode_forward_paged_f32(const bn_decode_config *c, const bn_decode_layer *layers, int64_t n_layers,
+                                void *const *k_pool, void *const *v_pool, const int32_t *table, int64_t block_size,
+                                int64_t n_blocks, const uint8_t *valid, const int64_t *slot, const float *cos,
+                                const float *sin, int64_t b, int64_t t, float *h, float *work);
 
 /* The SiLU MLP's middle: y[e] = silu(g[e]) * u[e], silu(x) = x * sigmoid(x) with sigmoid from exp(-|x|) (no
  * overflow for any x). AVX2 + FMA when the library's instruction-set path is AVX2 or AVX-512 (a ~1 ulp vector

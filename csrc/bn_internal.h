@@ -29,6 +29,7 @@ typedef struct {
     int64_t ldo;
     const float *a;      /* [m] activation scales (for out_f32) */
     float scale;         /* weight scale s */
+    int layout;          /* BN_LAYOUT_*: w, rb and nblk are in this layout (ldx: its padded K) */
 } bn_gemm_args;
 
 typedef void (*bn_gemm_rows_fn)(const bn_gemm_args *g, int64_t r0, int64_t r1);
@@ -46,7 +47,8 @@ typedef void (*bn_head_i8_fn)(const int16_t *xq, const float *sx, int64_t m, int
                               const float *ws, int64_t r0, int64_t r1, float *y, int64_t ldy);
 
 typedef struct {
-    bn_gemm_rows_fn gemm_rows;
+    bn_gemm_rows_fn gemm_rows;    /* cpu-2bit-v2 weights */
+    bn_gemm_rows_fn gemm_rows_b3; /* cpu-base3-v1 weights */
     bn_quant_fn quant_row;
     bn_head_bf16_fn head_bf16;
     bn_head_f32_fn head_f32;
@@ -72,6 +74,19 @@ static inline int64_t bn_block_offset(int64_t r, int64_t b, int64_t rb) {
 }
 static inline const uint8_t *bn_row(const bn_gemm_args *g, int64_t r) { return g->w + bn_block_offset(r, 0, g->rb); }
 
+/* cpu-base3-v1 addressing (see bitnet_cpu.h): blocks of BN3_BYTES bytes hold BN3_BLOCK elements, rows in groups
+ * of 4 interleaved by block like cpu-2bit-v2 */
+#define BN3_BSTRIDE (BN3_BYTES * BN_GROUP)
+static inline int64_t bn3_padk(int64_t k) { return (k + BN3_BLOCK - 1) / BN3_BLOCK * BN3_BLOCK; }
+static inline int64_t bn3_block_offset(int64_t r, int64_t b, int64_t rb) {
+    return (r / BN_GROUP) * BN_GROUP * rb + b * BN3_BSTRIDE + (r % BN_GROUP) * BN3_BYTES;
+}
+static inline const uint8_t *bn3_row(const bn_gemm_args *g, int64_t r) {
+    return g->w + bn3_block_offset(r, 0, g->rb);
+}
+/* the code (t + 1) of trit n of a base-3 byte: the top base-3 digit of the fraction q / 256, q = byte * 3^n mod 256 */
+static inline int bn3_code(uint8_t q) { return (q * 3) >> 8; }
+
 /* Epilogue shared by every path: write one result. acc already has the activation sum subtracted. */
 static inline void bn_store(const bn_gemm_args *g, int64_t i, int64_t r, int32_t acc) {
     if (g->out_f32) {
@@ -94,6 +109,7 @@ extern const bn_kernels bn_kernels_neon;
 #endif
 
 /* scalar pieces reused by vector paths for tails */
+void bn_gemm_rows_b3_scalar(const bn_gemm_args *g, int64_t r0, int64_t r1);
 void bn_quant_row_scalar(const float *x, int64_t k, int8_t *xq, int64_t ldq, float *a, int32_t *xsum);
 void bn_head_bf16_scalar(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t r0, int64_t r1, float *y,
                          int64_t ldy);
@@ -110,6 +126,7 @@ void bn_head_i8_scalar(const int16_t *xq, const float *sx, int64_t m, int64_t k,
 typedef void (*bn_range_fn)(void *ctx, int64_t begin, int64_t end);
 void bn_parallel_for(int64_t n, bn_range_fn fn, void *ctx);
 int bn_pool_set_threads(int n);
+void bn_locked_parallel_for(int64_t n, bn_range_fn fn, void *ctx); /* as one library call (bitnet_cpu.c) */
 int bn_pool_threads(void);
 int64_t bn_now_ns(void); /* CLOCK_MONOTONIC in ns (threads.c) */
 

@@ -11,7 +11,7 @@
 #include <string.h>
 
 #include "bn_internal.h"
-#include "decode_internal.h"
+#include "decode_attn.h"
 
 /* relu by clearing negative values' bits: integer ops the compiler vectorizes. The compare-and-select form
  * stayed a scalar branch that mispredicted on every other element (~9% of a prefill). Negative -> +0. */
@@ -97,13 +97,13 @@ static void rope(float *x, const float *cos, const float *sin, int64_t d) {
 }
 
 /* tokens' rotated k, v -> their cache slots (token i: cache row i / t) */
-static void cache_write(const bn_decode_config *c, void *kc, void *vc, const float *qkv, int64_t ld,
-                        const int64_t *slot, int64_t m, int64_t t) {
-    int64_t D = c->head_dim, S = c->max_seq, qd = c->n_heads * D, kvd = c->n_kv * D;
+static void cache_write(const bn_decode_config *c, const bn_kv_pages *pages, void *kc, void *vc, const float *qkv,
+                        int64_t ld, const int64_t *slot, int64_t m, int64_t t) {
+    int64_t D = c->head_dim, qd = c->n_heads * D, kvd = c->n_kv * D;
     for (int64_t i = 0; i < m; i++)
         for (int64_t g = 0; g < c->n_kv; g++) {
             const float *k = qkv + i * ld + qd + g * D, *v = k + kvd;
-            int64_t off = ((i / t * c->n_kv + g) * S + slot[i]) * D;
+            int64_t off = bn_kv_offset(c, pages, i / t, g, slot[i]);
             if (c->kv_dtype == BN_KV_BF16) {
                 uint16_t *kd = (uint16_t *)kc + off, *vd = (uint16_t *)vc + off;
                 for (int64_t d = 0; d < D; d++) {
@@ -162,73 +162,136 @@ int64_t bn_decode_work_floats(const bn_decode_config *c, int64_t m) {
     return m * (c->hidden + (qd + 2 * kvd) + qd + c->hidden + 3 * c->inter + c->n_heads * c->max_seq);
 }
 
-static int layer_step(const bn_decode_config *c, const bn_decode_layer *L, void *kc, void *vc,
+/* y [m, n] = projection j of layer L applied to x [m, k] */
+static int linear1(const float *x, int64_t m, int64_t k, const bn_decode_layer *L, int j, int64_t n, float *y) {
+    return bn_ternary_linear_multi_f32_layout(x, m, k, 1, &L->w[j], &n, &L->scale[j], &y, n, L->layout);
+}
+
+/* ---- the elementwise steps, row by row: a prefill's rows shared out over the pool ---------------------- */
+#define ROWS_PARALLEL 16 /* rows below which a step's elementwise work stays on the calling thread */
+
+typedef struct rows_job rows_job;
+struct rows_job {
+    void (*row)(const rows_job *J, int64_t i);
+    const bn_decode_config *c;
+    const bn_decode_layer *L;
+    const work_t *W;
+    float *h;
+    const float *cos, *sin;
+};
+
+static void rows_range(void *p, int64_t lo, int64_t hi) {
+    const rows_job *J = p;
+    for (int64_t i = lo; i < hi; i++) J->row(J, i);
+}
+
+static void for_rows(const rows_job *J, void (*row)(const rows_job *, int64_t), int64_t m) {
+    rows_job job = *J;
+    job.row = row;
+    if (m >= ROWS_PARALLEL) bn_parallel_for(m, rows_range, &job);
+    else rows_range(&job, 0, m);
+}
+
+static void in_norm_row(const rows_job *J, int64_t i) {
+    int64_t H = J->c->hidden;
+    rmsnorm(J->h + i * H, J->L->in_norm, H, J->c->eps, J->W->xn + i * H);
+}
+
+static void rope_row(const rows_job *J, int64_t i) {
+    const bn_decode_config *c = J->c;
+    int64_t D = c->head_dim, ld = (c->n_heads + 2 * c->n_kv) * D;
+    for (int64_t hd = 0; hd < c->n_heads + c->n_kv; hd++) /* q heads then k heads: contiguous in a row */
+        rope(J->W->qkv + i * ld + hd * D, J->cos + i * D, J->sin + i * D, D);
+}
+
+static void sub_norm_row(const rows_job *J, int64_t i) {
+    int64_t qd = J->c->n_heads * J->c->head_dim;
+    rmsnorm(J->W->att + i * qd, J->L->attn_sub_norm, qd, J->c->eps, J->W->att + i * qd);
+}
+
+/* h += o, then the MLP's input norm */
+static void post_norm_row(const rows_job *J, int64_t i) {
+    int64_t H = J->c->hidden;
+    float *h = J->h + i * H;
+    const float *o = J->W->o + i * H;
+    for (int64_t e = 0; e < H; e++) h[e] = h[e] + o[e];
+    rmsnorm(h, J->L->post_norm, H, J->c->eps, J->W->xn + i * H);
+}
+
+static void act_row(const rows_job *J, int64_t i) {
+    int64_t I = J->c->inter;
+    const float *g = J->W->gu + i * 2 * I, *u = g + I;
+    float *y = J->W->y + i * I;
+    if (J->c->act == BN_ACT_RELU2) {
+        for (int64_t e = 0; e < I; e++) {
+            float r = relu_bits(g[e]);
+            y[e] = (r * r) * u[e];
+        }
+    } else {
+        bn_silu_mul_f32(g, u, y, I);
+    }
+    if (J->L->ffn_sub_norm) rmsnorm(y, J->L->ffn_sub_norm, I, J->c->eps, y);
+}
+
+static void residual_row(const rows_job *J, int64_t i) {
+    int64_t H = J->c->hidden;
+    float *h = J->h + i * H;
+    const float *o = J->W->o + i * H;
+    for (int64_t e = 0; e < H; e++) h[e] = h[e] + o[e];
+}
+
+static int layer_step(const bn_decode_config *c, const bn_kv_pages *pages, const bn_decode_layer *L, void *kc, void *vc,
                       const uint8_t *valid, const int64_t *slot, const float *cos, const float *sin, int64_t m,
                       int64_t t, float *h, const work_t *W) {
     int64_t H = c->hidden, I = c->inter, D = c->head_dim;
     int64_t qd = c->n_heads * D, kvd = c->n_kv * D, ld = qd + 2 * kvd;
+    rows_job J = {NULL, c, L, W, h, cos, sin};
     int rc;
     int64_t t0 = now_ns();
     /* attention */
-    for (int64_t i = 0; i < m; i++) rmsnorm(h + i * H, L->in_norm, H, c->eps, W->xn + i * H);
+    for_rows(&J, in_norm_row, m);
     phase(BN_PHASE_NORM, &t0);
     {
         const uint8_t *w[3] = {L->w[BN_DEC_Q], L->w[BN_DEC_K], L->w[BN_DEC_V]};
         const float *s[3] = {L->scale[BN_DEC_Q], L->scale[BN_DEC_K], L->scale[BN_DEC_V]};
         int64_t n[3] = {qd, kvd, kvd};
         float *y[3] = {W->qkv, W->qkv + qd, W->qkv + qd + kvd};
-        if ((rc = bn_ternary_linear_multi_f32_ld(W->xn, m, H, 3, w, n, s, y, ld)) != 0) return rc;
+        if ((rc = bn_ternary_linear_multi_f32_layout(W->xn, m, H, 3, w, n, s, y, ld, L->layout)) != 0) return rc;
     }
     phase(BN_PHASE_QKV, &t0);
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t hd = 0; hd < c->n_heads + c->n_kv; hd++) /* q heads then k heads: contiguous in a row */
-            rope(W->qkv + i * ld + hd * D, cos + i * D, sin + i * D, D);
-    cache_write(c, kc, vc, W->qkv, ld, slot, m, t); /* every token's k, v first, then the attention */
+    for_rows(&J, rope_row, m);
+    cache_write(c, pages, kc, vc, W->qkv, ld, slot, m, t); /* every token's k, v first, then the attention */
     phase(BN_PHASE_ROPE, &t0);
-    bn_decode_attention(c, kc, vc, valid, slot, W->qkv, ld, m, t, W->att, W->scores);
+    bn_decode_attention(c, pages, kc, vc, valid, slot, W->qkv, ld, m, t, W->att, W->scores);
     phase(BN_PHASE_ATTN, &t0);
-    if (L->attn_sub_norm)
-        for (int64_t i = 0; i < m; i++) rmsnorm(W->att + i * qd, L->attn_sub_norm, qd, c->eps, W->att + i * qd);
+    if (L->attn_sub_norm) for_rows(&J, sub_norm_row, m);
     phase(BN_PHASE_NORM, &t0);
-    if ((rc = bn_ternary_linear_f32(W->att, m, qd, L->w[BN_DEC_O], H, *L->scale[BN_DEC_O], W->o)) != 0) return rc;
+    if ((rc = linear1(W->att, m, qd, L, BN_DEC_O, H, W->o)) != 0) return rc;
     phase(BN_PHASE_O, &t0);
-    for (int64_t e = 0; e < m * H; e++) h[e] = h[e] + W->o[e];
     /* MLP */
-    for (int64_t i = 0; i < m; i++) rmsnorm(h + i * H, L->post_norm, H, c->eps, W->xn + i * H);
+    for_rows(&J, post_norm_row, m);
     phase(BN_PHASE_NORM, &t0);
     {
         const uint8_t *w[2] = {L->w[BN_DEC_GATE], L->w[BN_DEC_UP]};
         const float *s[2] = {L->scale[BN_DEC_GATE], L->scale[BN_DEC_UP]};
         int64_t n[2] = {I, I};
         float *y[2] = {W->gu, W->gu + I};
-        if ((rc = bn_ternary_linear_multi_f32_ld(W->xn, m, H, 2, w, n, s, y, 2 * I)) != 0) return rc;
+        if ((rc = bn_ternary_linear_multi_f32_layout(W->xn, m, H, 2, w, n, s, y, 2 * I, L->layout)) != 0) return rc;
     }
     phase(BN_PHASE_GATE_UP, &t0);
-    for (int64_t i = 0; i < m; i++) {
-        const float *g = W->gu + i * 2 * I, *u = g + I;
-        float *y = W->y + i * I;
-        if (c->act == BN_ACT_RELU2) {
-            for (int64_t e = 0; e < I; e++) {
-                float r = relu_bits(g[e]);
-                y[e] = (r * r) * u[e];
-            }
-        } else {
-            bn_silu_mul_f32(g, u, y, I);
-        }
-        if (L->ffn_sub_norm) rmsnorm(y, L->ffn_sub_norm, I, c->eps, y);
-    }
+    for_rows(&J, act_row, m);
     phase(BN_PHASE_ACT, &t0);
-    if ((rc = bn_ternary_linear_f32(W->y, m, I, L->w[BN_DEC_DOWN], H, *L->scale[BN_DEC_DOWN], W->o)) != 0)
-        return rc;
+    if ((rc = linear1(W->y, m, I, L, BN_DEC_DOWN, H, W->o)) != 0) return rc;
     phase(BN_PHASE_DOWN, &t0);
-    for (int64_t e = 0; e < m * H; e++) h[e] = h[e] + W->o[e];
+    for_rows(&J, residual_row, m);
     phase(BN_PHASE_NORM, &t0);
     return 0;
 }
 
-int bn_decode_forward_f32(const bn_decode_config *c, const bn_decode_layer *layers, int64_t n_layers,
-                          void *const *k_cache, void *const *v_cache, const uint8_t *valid, const int64_t *slot,
-                          const float *cos, const float *sin, int64_t b, int64_t t, float *h, float *work) {
+static int forward(const bn_decode_config *c, const bn_kv_pages *pages, const bn_decode_layer *layers,
+                   int64_t n_layers, void *const *k_cache, void *const *v_cache, const uint8_t *valid,
+                   const int64_t *slot, const float *cos, const float *sin, int64_t b, int64_t t, float *h,
+                   float *work) {
     int64_t m = b * t;
     if (!c || !layers || b <= 0 || t <= 0 || c->n_kv <= 0 || c->n_heads % c->n_kv != 0 || c->head_dim <= 0 ||
         c->head_dim % 2 != 0 || c->head_dim > BN_DECODE_MAX_HEAD_DIM ||
@@ -239,10 +302,35 @@ int bn_decode_forward_f32(const bn_decode_config *c, const bn_decode_layer *laye
         if (slot[i] < 0 || slot[i] >= c->max_seq) return -1;
     work_t W = carve(c, m, work);
     for (int64_t l = 0; l < n_layers; l++) {
-        int rc = layer_step(c, &layers[l], k_cache[l], v_cache[l], valid, slot, cos, sin, m, t, h, &W);
+        int rc = layer_step(c, pages, &layers[l], k_cache[l], v_cache[l], valid, slot, cos, sin, m, t, h, &W);
         if (rc != 0) return rc;
     }
     return 0;
+}
+
+int bn_decode_forward_f32(const bn_decode_config *c, const bn_decode_layer *layers, int64_t n_layers,
+                          void *const *k_cache, void *const *v_cache, const uint8_t *valid, const int64_t *slot,
+                          const float *cos, const float *sin, int64_t b, int64_t t, float *h, float *work) {
+    if (!c) return -1;
+    bn_kv_pages pages = {NULL, c->max_seq, 1};
+    return forward(c, &pages, layers, n_layers, k_cache, v_cache, valid, slot, cos, sin, b, t, h, work);
+}
+
+int bn_decode_forward_paged_f32(const bn_decode_config *c, const bn_decode_layer *layers, int64_t n_layers,
+                                void *const *k_pool, void *const *v_pool, const int32_t *table, int64_t block_size,
+                                int64_t n_blocks, const uint8_t *valid, const int64_t *slot, const float *cos,
+                                const float *sin, int64_t b, int64_t t, float *h, float *work) {
+    if (!c || !table || block_size <= 0 || c->max_seq % block_size != 0 || b <= 0 || t <= 0) return -1;
+    bn_kv_pages pages = {table, block_size, c->max_seq / block_size};
+    /* every block a token writes or reads (slots 0..its own) must be one of the pool's */
+    for (int64_t i = 0; i < b * t; i++) {
+        if (slot[i] < 0 || slot[i] >= c->max_seq) return -1;
+        for (int64_t j = 0; j <= slot[i] / block_size; j++) {
+            int32_t blk = table[i / t * pages.max_blocks + j];
+            if (blk < 0 || blk >= n_blocks) return -1;
+        }
+    }
+    return forward(c, &pages, layers, n_layers, k_pool, v_pool, valid, slot, cos, sin, b, t, h, work);
 }
 
 int bn_decode_step_f32(const bn_decode_config *c, const bn_decode_layer *layers, int64_t n_layers,

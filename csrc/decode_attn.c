@@ -1,4 +1,5 @@
-/* GQA attention for the fused decode / prefill step: each query token attends to its cache row's slots.
+/* GQA attention for the fused decode / prefill step: each query token attends to its cache row's slots (a paged
+ * cache's row: its blocks in table order, each block's keys contiguous, summed in the same order as a static row's).
  *
  * One task = (query token, KV head, a block of up to 8 of its query heads): scores of every key for the block, softmax
  * per head over the visible keys (fp32), then the weighted sum of values. All query heads of a KV head stay in
@@ -15,13 +16,14 @@
 #include <math.h>
 
 #include "bn_internal.h"
-#include "decode_internal.h"
+#include "decode_attn.h"
 
 #define LANES 8
 #define HEAD_BLOCK 8 /* query heads per task at most (accumulators on the stack) */
 
 typedef struct {
     const bn_decode_config *c;
+    const bn_kv_pages *pages;
     const void *kc, *vc;
     const uint8_t *valid;
     const int64_t *slot;
@@ -33,14 +35,14 @@ typedef struct {
 
 /* ---- portable kernels ----------------------------------------------------------------------------------- */
 /* Kernels of one task: nh query heads q [nh, D] against keys / values 0..n-1 of one KV head (rows of D at kb,
- * vb: fp32 or bf16). scores: sc[h * S + j] = scale * q_h . K_j. values: o[h * D + d] = inv[h] * sum_j
- * sc[h * S + j] V_j[d]. */
+ * vb: fp32 or bf16; a paged cache calls them once per block). scores: sc[h * S + j] = scale * q_h . K_j. values:
+ * o[h * D + d] += sum_j sc[h * S + j] V_j[d], in key order (so a sum split over blocks is the same sum). */
 typedef void (*scores_fn)(const float *q, int64_t nh, const void *kb, int bf16, int64_t n, int64_t D, int64_t S,
                           float scale, float *sc);
 /* softmax: row[j] = exp(row[j] - max) in place (masked keys hold -inf and become 0); returns the sum */
 typedef float (*softmax_fn)(float *row, int64_t n);
 typedef void (*values_fn)(const float *sc, int64_t nh, const void *vb, int bf16, int64_t n, int64_t D, int64_t S,
-                          const float *inv, float *o);
+                          float *o);
 
 static inline float lanes_sum(const float *acc) {
     return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
@@ -71,10 +73,10 @@ static void scores_portable(const float *q, int64_t nh, const void *kb, int bf16
 }
 
 static void values_portable(const float *sc, int64_t nh, const void *vb, int bf16, int64_t n, int64_t D, int64_t S,
-                            const float *inv, float *o) {
+                            float *o) {
     for (int64_t h = 0; h < nh; h++) {
         float acc[BN_DECODE_MAX_HEAD_DIM];
-        for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+        for (int64_t d = 0; d < D; d++) acc[d] = o[h * D + d];
         for (int64_t j = 0; j < n; j++) {
             float w = sc[h * S + j];
             if (w == 0.0f) continue; /* masked key */
@@ -86,7 +88,7 @@ static void values_portable(const float *sc, int64_t nh, const void *vb, int bf1
                 for (int64_t d = 0; d < D; d++) acc[d] += w * v[d];
             }
         }
-        for (int64_t d = 0; d < D; d++) o[h * D + d] = acc[d] * inv[h];
+        for (int64_t d = 0; d < D; d++) o[h * D + d] = acc[d];
     }
 }
 
@@ -107,7 +109,7 @@ static float softmax_portable(float *row, int64_t n) {
  * same tokens without padding, so a prompt's result does not depend on the other prompts it is batched with. */
 static void attn_task(const attn_ctx *A, int64_t task, scores_fn scores, softmax_fn softmax, values_fn values) {
     const bn_decode_config *c = A->c;
-    int64_t D = c->head_dim, S = c->max_seq, H = c->n_heads;
+    int64_t D = c->head_dim, S = c->max_seq, H = c->n_heads, bs = A->pages->block_size;
     int64_t i = task / (c->n_kv * A->tasks_per_row_group);
     int64_t g = task / A->tasks_per_row_group % c->n_kv;
     int64_t h0 = g * A->rep + task % A->tasks_per_row_group * A->per_task;
@@ -119,16 +121,28 @@ static void attn_task(const attn_ctx *A, int64_t task, scores_fn scores, softmax
     int64_t j0 = 0; /* key j is visible if it holds a real token at or before this slot; a padding query sees itself */
     while (j0 < pos && !ok[j0]) j0++;
     int64_t n = pos + 1 - j0;
-    int64_t base = ((r * c->n_kv + g) * S + j0) * D; /* element offset of (cache row r, KV head g, slot j0) */
-    float *sc = A->scores + (i * H + h0) * S;        /* nh rows of S: key j0 + j's score at [j] */
+    float *sc = A->scores + (i * H + h0) * S; /* nh rows of S: key j0 + j's score at [j] */
+    float *o = A->out + i * H * D + h0 * D;
+    const float *q = A->q + i * A->q_ld + h0 * D;
     float inv[HEAD_BLOCK];
-    scores(A->q + i * A->q_ld + h0 * D, nh, (const char *)A->kc + base * esz, bf16, n, D, S,
-           1.0f / sqrtf((float)D), sc);
+    /* keys j0..pos block by block (a static cache: one block); each segment's rows are contiguous */
+    for (int64_t j = j0; j <= pos; j = (j / bs + 1) * bs) {
+        int64_t end = (j / bs + 1) * bs < pos + 1 ? (j / bs + 1) * bs : pos + 1;
+        int64_t base = bn_kv_offset(c, A->pages, r, g, j);
+        scores(q, nh, (const char *)A->kc + base * esz, bf16, end - j, D, S, 1.0f / sqrtf((float)D), sc + (j - j0));
+    }
     for (int64_t j = 0; j < n; j++)
         if (!ok[j0 + j] && j0 + j != pos)
             for (int64_t h = 0; h < nh; h++) sc[h * S + j] = -INFINITY;
     for (int64_t h = 0; h < nh; h++) inv[h] = 1.0f / softmax(sc + h * S, n);
-    values(sc, nh, (const char *)A->vc + base * esz, bf16, n, D, S, inv, A->out + i * H * D + h0 * D);
+    for (int64_t e = 0; e < nh * D; e++) o[e] = 0.0f;
+    for (int64_t j = j0; j <= pos; j = (j / bs + 1) * bs) {
+        int64_t end = (j / bs + 1) * bs < pos + 1 ? (j / bs + 1) * bs : pos + 1;
+        int64_t base = bn_kv_offset(c, A->pages, r, g, j);
+        values(sc + (j - j0), nh, (const char *)A->vc + base * esz, bf16, end - j, D, S, o);
+    }
+    for (int64_t h = 0; h < nh; h++)
+        for (int64_t d = 0; d < D; d++) o[h * D + d] *= inv[h];
 }
 
 static void attn_range_portable(void *p, int64_t lo, int64_t hi) {
@@ -256,9 +270,8 @@ AVX2_FN float softmax_avx2(float *row, int64_t n) {
 #define KEY_BLOCK 32 /* V rows kept in L1 while every 16-column strip of them is used (16 KiB in fp32) */
 
 AVX2_FN void values_avx2(const float *sc, int64_t nh, const void *vb, int bf16, int64_t n, int64_t D, int64_t S,
-                         const float *inv, float *o) {
+                         float *o) {
     size_t row = (size_t)D * (bf16 ? 2 : 4);
-    for (int64_t e = 0; e < nh * D; e++) o[e] = 0.0f;
     for (int64_t j0 = 0; j0 < n; j0 += KEY_BLOCK) {
         int64_t j1 = j0 + KEY_BLOCK < n ? j0 + KEY_BLOCK : n;
         /* the next block's rows while this one is computed */
@@ -276,8 +289,6 @@ AVX2_FN void values_avx2(const float *sc, int64_t nh, const void *vb, int bf16, 
                 }
             }
     }
-    for (int64_t h = 0; h < nh; h++)
-        for (int64_t d = 0; d < D; d++) o[h * D + d] *= inv[h];
 }
 
 static void attn_range_avx2(void *p, int64_t lo, int64_t hi) {
@@ -285,10 +296,10 @@ static void attn_range_avx2(void *p, int64_t lo, int64_t hi) {
 }
 #endif
 
-void bn_decode_attention(const bn_decode_config *c, const void *kc, const void *vc, const uint8_t *valid,
-                         const int64_t *slot, const float *q, int64_t q_ld, int64_t m, int64_t t, float *out,
-                         float *scores) {
-    attn_ctx A = {c, kc, vc, valid, slot, q, q_ld, t, out, scores, c->n_heads / c->n_kv, 0, 0};
+void bn_decode_attention(const bn_decode_config *c, const bn_kv_pages *pages, const void *kc, const void *vc,
+                         const uint8_t *valid, const int64_t *slot, const float *q, int64_t q_ld, int64_t m,
+                         int64_t t, float *out, float *scores) {
+    attn_ctx A = {c, pages, kc, vc, valid, slot, q, q_ld, t, out, scores, c->n_heads / c->n_kv, 0, 0};
     int64_t groups = m * c->n_kv;
     A.per_task = A.rep < HEAD_BLOCK ? A.rep : HEAD_BLOCK;
     A.tasks_per_row_group = (A.rep + A.per_task - 1) / A.per_task;

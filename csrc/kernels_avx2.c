@@ -344,7 +344,103 @@ static void head_i8_avx2(const int16_t *xq, const float *sx, int64_t m, int64_t 
     }
 }
 
-const bn_kernels bn_kernels_avx2 = {gemm_rows_avx2, quant_row_avx2, head_bf16_avx2, head_f32_avx2, head_i8_avx2};
+/* ---- cpu-base3-v1 ------------------------------------------------------------------------------------------------
+ * The codes of a base-3 byte's five trits without multiplies: s = byte ^ 0x80 holds q = byte * 3^i mod 256 as the
+ * signed byte q - 128, and s * 3 (two adds) moves to the next trit keeping that offset (3(q - 128) + 128 = 3q - 256).
+ * code = (q * 3) >> 8 = [q >= 86] + [q >= 171] = |mask(s > -43) + mask(s > 42)|. */
+BN_INLINE __m256i b3_code(__m256i s, __m256i lo, __m256i hi) {
+    return _mm256_abs_epi8(_mm256_add_epi8(_mm256_cmpgt_epi8(s, lo), _mm256_cmpgt_epi8(s, hi)));
+}
+BN_INLINE __m256i b3_next(__m256i s) { return _mm256_add_epi8(s, _mm256_add_epi8(s, s)); }
+#define B3_CONSTS                                                                                   \
+    const __m256i bias = _mm256_set1_epi8((char)0x80), lo = _mm256_set1_epi8(-43), hi = _mm256_set1_epi8(42), \
+                  ones = _mm256_set1_epi16(1)
+/* a block adds 10 maddubs pair sums (|.| <= 512) to a row's int16 sums: 6 blocks stay inside int16 */
+#define B3_I16_BLOCKS 6
+
+/* prefill: one weight row against NT <= 8 tokens; each decoded half block serves every token */
+BN_INLINE void tile_1xT_b3(const bn_gemm_args *g, int64_t r, int64_t i0, const int NT) {
+    B3_CONSTS;
+    __m256i acc[8], s16[8];
+    for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_si256();
+    const uint8_t *w = bn3_row(g, r);
+    const int8_t *x = g->xq + i0 * g->ldx;
+    for (int64_t b0 = 0; b0 < g->nblk; b0 += B3_I16_BLOCKS) {
+        int64_t b1 = b0 + B3_I16_BLOCKS < g->nblk ? b0 + B3_I16_BLOCKS : g->nblk;
+        for (int t = 0; t < NT; t++) s16[t] = _mm256_setzero_si256();
+        for (int64_t b = b0; b < b1; b++)
+            for (int h = 0; h < 2; h++) {
+                __m256i p = _mm256_loadu_si256((const __m256i *)(w + BN3_BSTRIDE * b + 32 * h));
+                __m256i s = _mm256_xor_si256(p, bias);
+                for (int d = 0; d < 5; d++, s = b3_next(s)) {
+                    __m256i c = b3_code(s, lo, hi);
+                    for (int t = 0; t < NT; t++) {
+                        const int8_t *xb = x + t * g->ldx + BN3_BLOCK * b + BN3_BYTES * d + 32 * h;
+                        __m256i xv = _mm256_loadu_si256((const __m256i *)xb);
+                        s16[t] = _mm256_add_epi16(s16[t], _mm256_maddubs_epi16(c, xv));
+                    }
+                }
+            }
+        for (int t = 0; t < NT; t++) acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(s16[t], ones));
+    }
+    for (int t = 0; t < NT; t++) bn_store(g, i0 + t, r, hsum_i32(acc[t]) - g->xsum[i0 + t]);
+}
+
+/* decode: the 4 rows of one group (r % 4 == 0) against one token; the group's 256 bytes a block are one stream */
+static void gemv_4rows_b3(const bn_gemm_args *g, int64_t r, int64_t i) {
+    B3_CONSTS;
+    __m256i acc[4], s16[4];
+    for (int q = 0; q < 4; q++) acc[q] = _mm256_setzero_si256();
+    const uint8_t *w = bn3_row(g, r);
+    const int8_t *x = g->xq + i * g->ldx;
+    const int64_t pf = BN_PREFETCH_BYTES;
+    for (int64_t b0 = 0; b0 < g->nblk; b0 += B3_I16_BLOCKS) {
+        int64_t b1 = b0 + B3_I16_BLOCKS < g->nblk ? b0 + B3_I16_BLOCKS : g->nblk;
+        for (int q = 0; q < 4; q++) s16[q] = _mm256_setzero_si256();
+        for (int64_t b = b0; b < b1; b++) {
+            const uint8_t *wb = w + BN3_BSTRIDE * b;
+            const int8_t *xb = x + BN3_BLOCK * b;
+            for (int l = 0; l < BN3_BSTRIDE; l += 64) _mm_prefetch((const char *)(wb + pf + l), _MM_HINT_T0);
+            for (int q = 0; q < 4; q++)
+                for (int h = 0; h < 2; h++) {
+                    __m256i p = _mm256_loadu_si256((const __m256i *)(wb + BN3_BYTES * q + 32 * h));
+                    __m256i s = _mm256_xor_si256(p, bias);
+                    for (int d = 0; d < 5; d++, s = b3_next(s)) {
+                        __m256i xv = _mm256_loadu_si256((const __m256i *)(xb + BN3_BYTES * d + 32 * h));
+                        s16[q] = _mm256_add_epi16(s16[q], _mm256_maddubs_epi16(b3_code(s, lo, hi), xv));
+                    }
+                }
+        }
+        for (int q = 0; q < 4; q++) acc[q] = _mm256_add_epi32(acc[q], _mm256_madd_epi16(s16[q], ones));
+    }
+    for (int q = 0; q < 4; q++) bn_store(g, i, r + q, hsum_i32(acc[q]) - g->xsum[i]);
+}
+
+#define B3_ROW_CHUNK 32
+
+static void gemm_rows_b3_avx2(const bn_gemm_args *g, int64_t r0, int64_t r1) {
+    if (g->m < 3) {
+        for (int64_t i = 0; i < g->m; i++) {
+            int64_t r = r0;
+            for (; r + 4 <= r1; r += 4) gemv_4rows_b3(g, r, i);
+            for (; r < r1; r++) tile_1xT_b3(g, r, i, 1);
+        }
+        return;
+    }
+    for (int64_t rc = r0; rc < r1; rc += B3_ROW_CHUNK) { /* a chunk's rows stay in L1/L2 while the tokens pass */
+        int64_t re = rc + B3_ROW_CHUNK < r1 ? rc + B3_ROW_CHUNK : r1;
+        int64_t i0 = 0;
+        for (; i0 + 8 <= g->m; i0 += 8)
+            for (int64_t r = rc; r < re; r++) tile_1xT_b3(g, r, i0, 8);
+        for (; i0 + 4 <= g->m; i0 += 4)
+            for (int64_t r = rc; r < re; r++) tile_1xT_b3(g, r, i0, 4);
+        for (; i0 < g->m; i0++)
+            for (int64_t r = rc; r < re; r++) tile_1xT_b3(g, r, i0, 1);
+    }
+}
+
+const bn_kernels bn_kernels_avx2 = {gemm_rows_avx2, gemm_rows_b3_avx2, quant_row_avx2,
+                                    head_bf16_avx2, head_f32_avx2, head_i8_avx2};
 
 #if defined(__clang__)
 #pragma clang attribute pop

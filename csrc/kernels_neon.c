@@ -98,5 +98,7 @@ static void head_i8_neon(const int16_t *xq, const float *sx, int64_t m, int64_t 
     bn_head_i8_scalar(xq, sx, m, k, w, ws, r0, r1, y, ldy);
 }
 
-const bn_kernels bn_kernels_neon = {gemm_rows_neon, quant_row_neon, head_bf16_neon, head_f32_neon, head_i8_neon};
+/* base-3 weights run the scalar kernel here: on NEON the 2-bit layout is the one to use (runtime weights_layout) */
+const bn_kernels bn_kernels_neon = {gemm_rows_neon, bn_gemm_rows_b3_scalar, quant_row_neon,
+                                    head_bf16_neon, head_f32_neon, head_i8_neon};
 #endif

@@ -91,6 +91,5 @@ void bn_head_i8_scalar(const int16_t *xq, const float *sx, int64_t m, int64_t k,
     }
 }
 
-const bn_kernels bn_kernels_scalar = {gemm_rows_scalar, bn_quant_row_scalar, bn_head_bf16_scalar, bn_head_f32_scalar,
-                                      bn_head_i8_scalar};
-
+const bn_kernels bn_kernels_scalar = {gemm_rows_scalar, bn_gemm_rows_b3_scalar, bn_quant_row_scalar,
+                                      bn_head_bf16_scalar, bn_head_f32_scalar, bn_head_i8_scalar};

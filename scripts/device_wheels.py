@@ -35,6 +35,12 @@ WANTED = [
     "hypothesis",
     "pytest-xdist",
     "pytest-timeout",
+    "websockets",
+    "grpcio>=1.85.4",  # the committed gRPC stubs need it
+    "protobuf>=7.35.1",
+    "llguidance>=1.7",
+    "jsonschema",
+    "prometheus_client",
 ]
 # Packages of the GPU machine's image (its package list, read 2026-11-17) that the closure above can reach.
 DEVICE_HAS = {
@@ -46,7 +52,8 @@ DEVICE_HAS = {
 }  # fmt: skip
 PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:"] + [
     a
-    for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any")
+    # the image's glibc is 2.39: newer wheels (llguidance >= 1.7) are tagged manylinux_2_31 and up
+    for p in (*(f"manylinux_2_{n}_x86_64" for n in (39, 35, 34, 31, 28, 17)), "manylinux2014_x86_64", "any")
     for a in ("--platform", p)
 ]
 

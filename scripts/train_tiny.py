@@ -1,14 +1,23 @@
 #!/usr/bin/env python3
-"""Train bitnet-tiny (1.58-bit, from scratch) and its full-precision twin in lockstep on the same batches.
+"""Train bitnet-tiny (1.58-bit, from scratch) and its full-precision twin on the same batches.
 
 Every run in the config's `runs:` list gets the identical token stream (same seed, same batches, same number of
-steps), so a ternary run and a full-precision run differ only in their linear layers and learning rate. The
-number of steps is fixed up front or derived from `time_budget_s` after a short calibration (all runs use it).
+steps), so a ternary run and a full-precision run differ only in their linear layers and learning rate. Each run
+is the library's training loop (`bitnetlm.train.Trainer`: AdamW, cosine schedule to 0.1x after warm-up, weight
+decay on matrices, gradient clipping, bf16 autocast on CUDA, checkpoint / resume in OUT/<run>/checkpoints, torchrun
+DDP); this script gives it the model, the weighted mix of sources, and evaluates and exports the result.
 
     python scripts/train_tiny.py examples/zoo_bitnet_tiny.yaml --pack .assets/carry/corpus.tar.xz --out OUTDIR
 
+On four GPUs (DDP; batch_size is the global batch, split over the processes, so a step sees the rows it sees on
+one GPU), with 4x the first release's tokens (559 steps of 64 x 512):
+
+    torchrun --nproc-per-node 4 scripts/train_tiny.py examples/zoo_bitnet_tiny.yaml \
+        --pack .assets/carry/corpus.tar.xz --out OUTDIR --steps 2236 --save-every 200
+
+A call that stops early resumes from each run's last checkpoint when started again with the same arguments.
 Writes OUTDIR/<run>-state-0000N.safetensors (packed ternary inference state, sharded <= 15 MB), OUTDIR/results.json
-(held-out perplexities, tokens seen, time, samples) and OUTDIR/config.json (HF config of the model).
+(held-out perplexities, tokens seen, time, samples) and OUTDIR/<run>-config.json (HF config of the model).
 """
 
 from __future__ import annotations
@@ -26,12 +35,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zoo_common as zc  # noqa: E402
 
 from bitnetlm.models import ModelConfig, build_model  # noqa: E402
+from bitnetlm.train import TrainConfig, Trainer  # noqa: E402
+from bitnetlm.train import distributed as D  # noqa: E402
 
 
-def make_model(mcfg: dict, quant: str, device) -> torch.nn.Module:
+def make_model(mcfg: dict, quant: str) -> torch.nn.Module:
     cfg = ModelConfig(**{**mcfg, "quant": quant})
     torch.manual_seed(0)  # same init for every run of the same shape
-    model = build_model(cfg, mode="train").to(device)
+    model = build_model(cfg, mode="train")
     for name, p in model.named_parameters():
         # small-init of embeddings (GPT-2 style); linear layers keep their kaiming init scaled down
         if name.endswith("embed_tokens.weight"):
@@ -46,11 +57,29 @@ def make_model(mcfg: dict, quant: str, device) -> torch.nn.Module:
     return model
 
 
-def param_groups(model, wd: float):
-    decay, no_decay = [], []
-    for n, p in model.named_parameters():
-        (decay if p.dim() == 2 and "embed" not in n else no_decay).append(p)
-    return [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
+def train_config(tcfg: dict, run: dict, out: str, steps: int, save_every: int) -> TrainConfig:
+    """The library's options for one run (the zoo recipe)."""
+    return TrainConfig(
+        quantize=run["quant"] == "ternary",
+        seq_len=tcfg["seq_len"],
+        batch_size=tcfg["batch_size"],
+        micro_batch_size=tcfg.get("micro_batch_size"),
+        lr=run["lr"],
+        betas=[0.9, 0.95],
+        weight_decay=tcfg.get("weight_decay", 0.1),
+        schedule="cosine",
+        min_lr_ratio=0.1,
+        warmup_steps=tcfg.get("warmup_steps", 100),
+        max_steps=steps,
+        grad_clip=1.0,
+        seed=tcfg.get("seed", 0),
+        compile=bool(tcfg.get("compile", False)) and torch.cuda.is_available(),
+        out_dir=os.path.join(out, run["name"]),
+        save_every=save_every,
+        log_every=tcfg.get("log_every", 50),
+        tensorboard=False,
+        export=False,
+    )
 
 
 @torch.no_grad()
@@ -69,6 +98,35 @@ def greedy(model, tok, prompt: str, device, n: int = 40, stop=(2, 0)) -> str:
     return tok.decode(out)
 
 
+PROMPTS = [
+    '<|im_start|>user\nWhat does "castle" mean?<|im_end|>\n<|im_start|>assistant\n',
+    "It is a truth universally acknowledged",
+    "And God said",
+    "def ",
+]
+
+
+def judge(run: dict, model, trainer: Trainer, sets, seq_len: int, tok, mcfg: dict, out: str, dev) -> dict:
+    """Held-out perplexities, samples and the export of one trained run (main process)."""
+    ev = zc.eval_heldout(model, sets, seq_len, dev)
+    rows = [json.loads(x) for x in (trainer.out / "metrics.jsonl").read_text().splitlines()]
+    print(run["name"], json.dumps(ev), flush=True)
+    if run.get("export"):
+        if run["quant"] == "ternary":
+            sd = zc.export_state(model)
+        else:
+            sd = {k: v.detach().bfloat16().cpu() for k, v in model.state_dict().items()}
+        zc.save_sharded(sd, os.path.join(out, f"{run['name']}-state"))
+        with open(os.path.join(out, f"{run['name']}-config.json"), "w") as f:
+            json.dump(ModelConfig(**{**mcfg, "quant": run["quant"]}).to_hf(), f, indent=1)
+    return {
+        **run,
+        "heldout_ppl": ev,
+        "loss_curve": [(r["step"], round(r["loss"], 4)) for r in rows if "loss" in r],
+        "samples": {p: greedy(model, tok, p, dev) for p in PROMPTS},
+    }
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("config")
@@ -76,120 +134,59 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer", default="bitnetlm/zoo/bundled/bitnet-tiny/tokenizer.json")
     ap.add_argument("--work", default="runs/zoo", help="scratch dir (token cache)")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--time-budget", type=float, default=None, help="override train.time_budget_s")
-    ap.add_argument("--steps", type=int, default=None, help="fixed number of steps (overrides the budget)")
+    ap.add_argument(
+        "--steps", type=int, default=None, help="optimizer steps of each run (default: max_steps)"
+    )
+    ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: at the end)")
     a = ap.parse_args(argv)
     with open(a.config) as f:
         cfg = yaml.safe_load(f)
     tcfg = cfg["train"]
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = True
+    info = D.setup("auto", "auto")  # under torchrun: the group the runs share
     clock = zc.Timer()
+    if info.is_main:  # one process unpacks and tokenizes; the others read its cache
+        zc.tokenize_sources(zc.unpack_text(a.pack, a.work), a.tokenizer, a.work, "tiny")
+    D.barrier(info)
     split = zc.unpack_text(a.pack, a.work)
     srcs = zc.tokenize_sources(split, a.tokenizer, a.work, "tiny")
-    ntok = {k: len(v) for k, v in srcs.items()}
-    print(f"[{clock():.0f}s] tokens per source: {ntok}", flush=True)
-    sets = zc.heldout_ids(split, a.tokenizer)
-    batches = zc.Batches(srcs, cfg["data"]["weights"], tcfg["seq_len"], seed=tcfg.get("seed", 0))
-    runs = []
-    for r in cfg["runs"]:
-        m = make_model(cfg["model"], r["quant"], dev)
-        opt = torch.optim.AdamW(
-            param_groups(m, tcfg.get("weight_decay", 0.1)),
-            lr=r["lr"],
-            betas=(0.9, 0.95),
-            fused=dev.type == "cuda",
-        )
-        fwd = torch.compile(m) if tcfg.get("compile", False) and dev.type == "cuda" else m
-        runs.append({"spec": r, "model": m, "fwd": fwd, "opt": opt, "losses": []})
-        print(
-            f"run {r['name']}: {sum(p.numel() for p in m.parameters()) / 1e6:.1f}M params, lr {r['lr']}",
-            flush=True,
-        )
-    bs, warm = tcfg["batch_size"], tcfg.get("warmup_steps", 100)
-    total = a.steps or tcfg.get("max_steps", 10**9)
-    budget = a.time_budget or tcfg.get("time_budget_s")
-    calib_at, t_calib = 30, None
-    step = 0
-    t_train = time.time()
-    while step < total:
-        batch = batches.next(bs).to(dev, non_blocking=True)
-        x, y = batch[:, :-1], batch[:, 1:]
-        for run in runs:
-            lr = zc.lr_at(step, total if total < 10**9 else 10**6, run["spec"]["lr"], warm)
-            for g in run["opt"].param_groups:
-                g["lr"] = lr
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-                logits = run["fwd"](x)
-            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(run["model"].parameters(), 1.0)
-            run["opt"].step()
-            run["opt"].zero_grad(set_to_none=True)
-            if step % 50 == 0:
-                run["losses"].append((step, round(loss.item(), 4)))
-        step += 1
-        if step == 5:
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            t_calib = time.time()
-        if budget and step == 5 + calib_at and total >= 10**9:
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            per = (time.time() - t_calib) / calib_at
-            left = budget - (time.time() - t_train)
-            total = step + int(left / per)
-            print(
-                f"[{clock():.0f}s] {per * 1000:.0f} ms/step for {len(runs)} runs -> total {total} steps",
-                flush=True,
-            )
-        if step % 200 == 0:
-            print(
-                f"[{clock():.0f}s] step {step}/{total} "
-                + " ".join(f"{r['spec']['name']}={r['losses'][-1][1]}" for r in runs),
-                flush=True,
-            )
-    train_s = time.time() - t_train
-    os.makedirs(a.out, exist_ok=True)
+    print(f"[{clock():.0f}s] tokens per source: { {k: len(v) for k, v in srcs.items()} }", flush=True)
+    steps = a.steps or tcfg["max_steps"]
+    bs, seq = tcfg["batch_size"], tcfg["seq_len"]
+    results = {"steps": steps, "tokens_seen": steps * bs * seq, "train_seconds": 0.0, "runs": {}}
+    results["device"] = torch.cuda.get_device_name() if info.device.type == "cuda" else "cpu"
+    results["processes"] = info.world_size
+    sets = zc.heldout_ids(split, a.tokenizer) if info.is_main else None
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(a.tokenizer)
-    results = {
-        "steps": step,
-        "tokens_seen": step * bs * tcfg["seq_len"],
-        "train_seconds": round(train_s, 1),
-        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-        "runs": {},
-    }
-    prompts = [
-        '<|im_start|>user\nWhat does "castle" mean?<|im_end|>\n<|im_start|>assistant\n',
-        "It is a truth universally acknowledged",
-        "And God said",
-        "def ",
-    ]
-    for run in runs:
-        m = run["model"]
-        ev = zc.eval_heldout(m, sets, tcfg["seq_len"], dev)
-        samples = {p: greedy(m, tok, p, dev) for p in prompts}
-        results["runs"][run["spec"]["name"]] = {
-            **run["spec"],
-            "heldout_ppl": ev,
-            "loss_curve": run["losses"],
-            "samples": samples,
-        }
-        print(run["spec"]["name"], json.dumps(ev), flush=True)
-        if run["spec"].get("export"):
-            mc = ModelConfig(**{**cfg["model"], "quant": run["spec"]["quant"]})
-            if run["spec"]["quant"] == "ternary":
-                sd = zc.export_state(m)
-            else:
-                sd = {k: v.detach().bfloat16().cpu() for k, v in m.state_dict().items()}
-            zc.save_sharded(sd, os.path.join(a.out, f"{run['spec']['name']}-state"))
-            with open(os.path.join(a.out, f"{run['spec']['name']}-config.json"), "w") as f:
-                json.dump(mc.to_hf(), f, indent=1)
-    with open(os.path.join(a.out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    for run in cfg["runs"]:
+        model = make_model(cfg["model"], run["quant"])
+        print(
+            f"run {run['name']}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params", flush=True
+        )
+
+        def batches(rank, world, seed=tcfg.get("seed", 0)):  # the same stream for every run
+            return zc.Batches(
+                srcs, cfg["data"]["weights"], seq, seed, bs, rank, world, tcfg.get("micro_batch_size")
+            )
+
+        trainer = Trainer(train_config(tcfg, run, a.out, steps, a.save_every), model=model, batches=batches)
+        t0 = time.time()
+        trainer.fit()
+        results["train_seconds"] = round(results["train_seconds"] + time.time() - t0, 1)
+        if info.is_main:
+            results["runs"][run["name"]] = judge(
+                run, model, trainer, sets, seq, tok, cfg["model"], a.out, info.device
+            )
+        D.barrier(info)
+    if info.is_main:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "results.json"), "w") as f:
+            json.dump(results, f, indent=1)
     print(f"[{clock():.0f}s] done", flush=True)
+    D.barrier(info)
+    D.teardown()
     return 0
 
 

@@ -1,8 +1,8 @@
-"""Shared pieces of the zoo training scripts (train_tiny.py, train_smollm2.py): data, schedule, eval, export.
+"""Shared pieces of the zoo training scripts (train_tiny.py, train_smollm2.py): data, eval, export.
 
-Minimal on purpose: bitnetlm.models.build_model(mode="train") + torch.optim, so the zoo can be rebuilt with or
-without the training library. Token data: the text pack (scripts/zoo_pack.py) is tokenized on the machine that
-trains, with the tokenizer the model uses, and cached as uint16 .npy files next to the pack.
+The training itself is the library's loop (`bitnetlm.train.Trainer`: optimizer, schedule, checkpoint / resume,
+torchrun DDP); what is here feeds it and judges it. Token data: the text pack (scripts/zoo_pack.py) is tokenized
+on the machine that trains, with the tokenizer the model uses, and cached as uint16 .npy files next to the pack.
 """
 
 from __future__ import annotations
@@ -77,10 +77,22 @@ def tokenize_sources(split: str, tokenizer_json: str, cache: str, tag: str) -> d
 
 
 class Batches:
-    """Random windows of seq_len+1 tokens, each source drawn with a fixed weight; deterministic from the seed."""
+    """Random windows of seq_len+1 tokens, each source drawn with a fixed weight; deterministic from the seed.
+
+    As a batch source of `bitnetlm.train.Trainer` (`next_step`, `state_dict`, `load_state_dict`): every rank
+    draws the same global batch of `global_batch` rows and takes its share of it, `micro_batch` rows a forward
+    (default: all of its share at once), so N processes see the rows of one."""
 
     def __init__(
-        self, sources: dict[str, np.ndarray], weights: dict[str, float], seq_len: int, seed: int = 0
+        self,
+        sources: dict[str, np.ndarray],
+        weights: dict[str, float],
+        seq_len: int,
+        seed: int = 0,
+        global_batch: int | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        micro_batch: int | None = None,
     ):
         self.names = [n for n in weights if weights[n] > 0]
         w = np.array([weights[n] for n in self.names], dtype=np.float64)
@@ -88,6 +100,13 @@ class Batches:
         self.data = {n: torch.from_numpy(np.asarray(sources[n]).astype(np.int64)) for n in self.names}
         self.seq_len = seq_len
         self.rng = np.random.default_rng(seed)
+        self.global_batch, self.rank, self.world_size = global_batch, rank, world_size
+        if global_batch is not None:
+            self.micro_batch = micro_batch or global_batch // world_size
+            if global_batch % (self.micro_batch * world_size):
+                raise ValueError(
+                    f"batch_size {global_batch} must be a multiple of {self.micro_batch} x {world_size} processes"
+                )
 
     def next(self, batch_size: int) -> torch.Tensor:
         which = self.rng.choice(len(self.names), size=batch_size, p=self.p)
@@ -98,13 +117,25 @@ class Batches:
             rows.append(d[s : s + self.seq_len + 1])
         return torch.stack(rows)  # [B, T+1]
 
+    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches (input_ids, labels) of the next optimizer step."""
+        rows = self.next(self.global_batch)
+        out = []
+        for m in range(self.global_batch // (self.micro_batch * self.world_size)):
+            start = (m * self.world_size + self.rank) * self.micro_batch
+            sel = rows[start : start + self.micro_batch]
+            out.append((sel[:, :-1], sel[:, 1:]))
+        return out
 
-def lr_at(step: int, total: int, peak: float, warmup: int, final_frac: float = 0.1) -> float:
-    """Linear warm-up, then cosine decay to final_frac * peak."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    t = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (final_frac + (1 - final_frac) * 0.5 * (1 + math.cos(math.pi * t)))
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.bit_generator.state, "global_batch": self.global_batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("global_batch") != self.global_batch:
+            raise ValueError(
+                f"resume: checkpoint used batch_size {state.get('global_batch')}, this run {self.global_batch}"
+            )
+        self.rng.bit_generator.state = state["rng"]
 
 
 # ---- eval -----------------------------------------------------------------------------------------

@@ -121,7 +121,7 @@ def make_checkpoint(path: Path, variant: str, seed: int = 0, **overrides) -> Pat
     return oracle
 
 
-def _clear_weight_ties(file: Path, margin: float = 1e-4) -> None:
+def _clear_weight_ties(file: Path, margin: float = 1e-4, names=PROJ) -> None:
     """Move float master weights off the ternarization ties |w| / mean|W| = 0.5 (by `margin` of the scale).
 
     transformers ternarizes online weights in a torch.compile'd WeightQuant whose mean|W| reduction order depends
@@ -131,7 +131,7 @@ def _clear_weight_ties(file: Path, margin: float = 1e-4) -> None:
     """
     sd = load_file(str(file))
     for k, w in sd.items():
-        if any(k.endswith(f"{p}.weight") for p in PROJ):
+        if any(k.endswith(f"{p}.weight") for p in names):
             s = w.abs().mean()
             near = ((w.abs() / s) - 0.5).abs() < margin
             w[near] = (
@@ -186,6 +186,21 @@ def byte_level_bpe(vocab_size: int = 400):
     return tok
 
 
+def embedder_tokenizer():
+    """`byte_level_bpe` whose post-processor appends <|endoftext|>, as Qwen3-Embedding's does (last-token pooling
+    then reads the end token), as our Tokenizer."""
+    from tokenizers import processors
+
+    from bitnetlm.text.tokenizer import Tokenizer
+
+    tok = byte_level_bpe(400)
+    eot = tok.token_to_id("<|endoftext|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A <|endoftext|>", special_tokens=[("<|endoftext|>", eot)]
+    )
+    return Tokenizer.from_tokenizers(tok, {"eos_token": "<|endoftext|>"})
+
+
 def oracle_model(oracle_dir: Path):
     """The transformers model for an oracle directory, fp32, eval mode."""
     import transformers
@@ -198,7 +213,7 @@ def oracle_model(oracle_dir: Path):
 
 
 @contextmanager
-def pinned_quantizer_inputs(ref, model, ids: torch.Tensor, atol: float = 1e-4):
+def pinned_quantizer_inputs(ref, model, ids: torch.Tensor, atol: float = 1e-4, rename=None):
     """Feed `model`'s int8 activation quantizers the exact inputs transformers' quantizers get on `ids`.
 
     Both sides round x * 127 / max|x| to int8 with the same formula, but their float32 rounding differs (HF's
@@ -208,8 +223,10 @@ def pinned_quantizer_inputs(ref, model, ids: torch.Tensor, atol: float = 1e-4):
     the logits move by ~1e-3..1e-2 (same model, no bug: 36 of 600 random inputs on a 2-thread Zen 5). Inside this
     context each of our BitLinears first checks that its own input equals transformers' within `atol` (so every
     norm / attention / RoPE / MLP segment between quantizers is still compared with the oracle), then computes
-    from transformers' input. Yields a dict: module name -> max |input diff|.
+    from transformers' input. `rename`: transformers' module name -> ours, where they differ ("model." prefix
+    removed by default). Yields a dict: module name -> max |input diff|.
     """
+    rename = rename or (lambda n: n.removeprefix("model."))
     from transformers.integrations.bitnet import AutoBitLinear
     from transformers.integrations.bitnet import BitLinear as HFBitLinear
 
@@ -217,9 +234,7 @@ def pinned_quantizer_inputs(ref, model, ids: torch.Tensor, atol: float = 1e-4):
 
     seen: dict[str, torch.Tensor] = {}
     handles = [
-        m.register_forward_pre_hook(
-            lambda m, a, n=n.removeprefix("model."): seen.__setitem__(n, a[0].detach())
-        )
+        m.register_forward_pre_hook(lambda m, a, n=rename(n): seen.__setitem__(n, a[0].detach()))
         for n, m in ref.named_modules()
         if isinstance(m, (AutoBitLinear, HFBitLinear))
     ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -71,6 +72,35 @@ def test_generate_errors(model_dir, tmp_path, capsys):
     assert "no prompt" in capsys.readouterr().err
     assert main(["generate", "-m", str(model_dir), "-p", "Hi", "-c", "2", *COMMON]) == 2
     assert "context holds 2" in capsys.readouterr().err
+
+
+def test_generate_json_schema_and_regex_on_the_llama3_vocabulary(model_dir, tmp_path, capsys):
+    """--json-schema / --regex constrain a random model's output over the 128k LLaMA-3 vocabulary."""
+    import jsonschema
+    from structured_schemas import SCHEMAS
+
+    flags = ["--device", "cpu", "--backend", "reference", "--temp", "0", "-n", "120", "--json"]
+    for i in (5, 11):
+        f = tmp_path / f"schema{i}.json"
+        f.write_text(json.dumps(SCHEMAS[i]))
+        assert (
+            main(["generate", "-m", str(model_dir), "-p", "Give JSON", "--json-schema", str(f), *flags]) == 0
+        )
+        jsonschema.validate(json.loads(json.loads(capsys.readouterr().out)["text"]), SCHEMAS[i])
+    assert (
+        main(["generate", "-m", str(model_dir), "-p", "Date:", "--regex", "[0-9]{4}-[0-9]{2}", *flags]) == 0
+    )
+    assert re.fullmatch("[0-9]{4}-[0-9]{2}", json.loads(capsys.readouterr().out)["text"])
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"type": "object", "if": {}, "then": {}}))
+    assert main(["generate", "-m", str(model_dir), "-p", "x", "--json-schema", str(bad), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert '"if"' in err and "\n" not in err and len(err.splitlines()) == 1, err
+    assert (
+        main(["generate", "-m", str(model_dir), "-p", "x", "--json-schema", str(tmp_path / "none"), *flags])
+        == 2
+    )
+    assert "none" in capsys.readouterr().err
 
 
 def test_chat_repl_through_a_pipe(model_dir, loaded):

@@ -58,6 +58,7 @@ def _model_argv(cmd: str, name: str, tmp: Path, text: Path) -> list[str]:
         "convert": ["convert", name, str(tmp / "o.gguf")],
         "quantize": ["quantize", name, str(tmp / "o.gguf"), "-q"],
         "eval": ["eval", "-m", name, "--text", str(text)],
+        "embed": ["embed", "-m", name, str(text)],
         "bench": ["bench", "-m", name, "-p", "4", "-n", "2", "-r", "1", "-t", "1", "--device", "cpu"],
         "generate": ["generate", "-m", name, "Hello"],
         "chat": ["chat", "-m", name],
@@ -65,7 +66,7 @@ def _model_argv(cmd: str, name: str, tmp: Path, text: Path) -> list[str]:
     }[cmd]
 
 
-MODEL_COMMANDS = ("inspect", "convert", "quantize", "eval", "bench", "generate", "chat", "models")
+MODEL_COMMANDS = ("inspect", "convert", "quantize", "eval", "embed", "bench", "generate", "chat", "models")
 
 
 @pytest.mark.parametrize("cmd", MODEL_COMMANDS)
@@ -150,6 +151,7 @@ MINIMAL = {  # the least each command parses
     "generate": [],
     "chat": [],
     "eval": ["-m", TINY],
+    "embed": ["-m", TINY],
     "bench": [],
     "convert": ["a", "b"],
     "quantize": ["a", "b"],

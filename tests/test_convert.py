@@ -10,8 +10,9 @@ from gguf import quants
 from oracle import pinned_quantizer_inputs, random_model
 
 from bitnetlm.cli import main
-from bitnetlm.formats.gguf import load_gguf_model, permute_qk
+from bitnetlm.formats.gguf import load_gguf_model
 from bitnetlm.formats.gguf_file import TensorToWrite, read_gguf, write_gguf
+from bitnetlm.formats.gguf_tensors import permute_qk
 from bitnetlm.formats.hf import load_hf, save_hf
 from bitnetlm.formats.native import file_layout, load_native
 from bitnetlm.quant.bitlinear import BitLinear
@@ -331,7 +332,7 @@ def test_quantize_gguf_with_576_wide_rows_picks_a_type_that_fits(tmp_path, capsy
         m = q.get_submodule(f"layers.0.{'self_attn' if 'attn' in g else 'mlp'}.{ours}")
         t0, s0 = ternarize(torch.from_numpy(fp[f"blk.0.{g}.weight"].astype(np.float32)))
         if g in ("attn_q", "attn_k"):  # llama GGUF rows are permuted for GGML's RoPE; ours are not
-            from bitnetlm.formats.gguf import unpermute_qk
+            from bitnetlm.formats.gguf_tensors import unpermute_qk
 
             t0 = unpermute_qk(t0, 9 if g == "attn_q" else 3)
         assert torch.equal(m.ternary_weight(), t0) and float(m.weight_scale) == float(s0), g

@@ -98,3 +98,27 @@ def test_serve_replicas_without_ray(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray.serve", None)
     assert main(["serve", "--replicas", "2"]) == 2
     assert "bitnet serve --replicas needs the ray package" in _one_line(capsys, "ray")
+
+
+def test_an_installed_package_older_than_our_code_needs_is_one_line(monkeypatch):
+    """llguidance 1.6 takes one end token where we pass a list (a TypeError deep in a request before); an older
+    grpcio refuses the committed stubs. Either is named with the version found and the extra that upgrades it."""
+    llg = pytest.importorskip("llguidance")
+    monkeypatch.setattr(llg, "__version__", "1.6.1", raising=False)
+    with pytest.raises(deps.MissingDependency) as e:
+        deps.require("llguidance", "structured output")
+    (line,) = str(e.value).splitlines()
+    assert (
+        line == 'structured output needs llguidance>=1.7, found 1.6.1: pip install -U "bitnet-lm[structured]"'
+    )
+    monkeypatch.setattr(llg, "__version__", "1.7.0", raising=False)
+    assert deps.require("llguidance", "structured output") is llg
+
+
+def test_minimum_versions_match_the_extras():
+    """Every MINIMUM is the lower bound pyproject's extra states for that package."""
+    extras = _pyproject()["project"]["optional-dependencies"]
+    for module, least in deps.MINIMUM.items():
+        pip_name, extra = deps.PACKAGES[module.split(".")[0]]
+        want = f"{pip_name}>={'.'.join(map(str, least))}"
+        assert want in extras[extra], (want, extras[extra])

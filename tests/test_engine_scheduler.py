@@ -132,3 +132,25 @@ def test_nothing_to_decode_without_a_next_token():
     _run(sch.schedule())
     s.tokens.pop()  # as if the step's token had not come back: no next token, no decode
     assert sch.schedule().decode == []
+
+
+def test_context_shift_plans_a_shift_at_the_window():
+    """A sequence whose next token would be fed at position `context` shifts first: its kept positions stay,
+    half of the rest goes, and it decodes at the lowered position, with tokens on their way to the host as well;
+    one without a keep never shifts (its budget ends it at the window)."""
+    for pending in (False, True):
+        sched = Scheduler(SchedulerConfig(rows=2, prefill_chunk=16, context=8))
+        (s,) = _request(4, max_tokens=40)
+        s.shift_keep = 1
+        sched.add(s)
+        shifts = []
+        for _ in range(12):
+            plan = sched.schedule()
+            shifts += [(sh.keep, sh.drop, sh.seq.n_cached) for sh in plan.shifts]
+            assert s.n_cached <= 8
+            _run(plan, pending)
+            _collect([s]) if pending else None
+        # positions 0..7 held, the next token at 8: drop (8 - 1) // 2 = 3, decode at 5 (n_cached 6 after it)
+        assert shifts[0] == (1, 3, 6) and len(shifts) >= 2
+        # (its row holds every token but the last sampled one, less those dropped)
+        assert s.shifted == 3 * len(shifts) and len(s.tokens) + s.pending - s.shifted == s.n_cached + 1

@@ -6,8 +6,9 @@ scripts/test.sh deselects. Run them after the build:
 
     scripts/build_llama_bench.sh && python -m pytest -m llamacpp tests/test_gguf_llamacpp.py
 
-Upstream llama.cpp runs the SiLU architectures (`bitnet`, `llama`) with TQ1_0 / TQ2_0 and float tensors, which is
-every kind tested here. The ReLU^2 `bitnet-b1.58` architecture and I2_S are microsoft/BitNet's fork (bitnet.cpp),
+Encoders (`bert`) are checked by llama.cpp's tokenizer (a float file: upstream has no I2_S).
+Upstream llama.cpp runs the SiLU architectures (`bitnet`, `llama`) and `qwen3`, `gemma3`, `gpt2` with TQ1_0 / TQ2_0
+and float tensors, which is every kind tested here. The ReLU^2 `bitnet-b1.58` architecture and I2_S are microsoft/BitNet's fork (bitnet.cpp),
 and llama.cpp's `bitnet` has no `output` tensor, so an untied SiLU BitNet (1bitLLM) loads only in bitnet-lm.
 """
 
@@ -101,6 +102,29 @@ def test_llama_cpp_tokenizes_our_gguf_as_we_do(pre, tmp_path):
         assert theirs == ours.encode(text) == ref.encode(text).ids, text
 
 
+def test_llama_cpp_tokenizes_our_bert_gguf_as_we_do(tmp_path):
+    """A `bert` file's WordPiece vocabulary (phantom-space tokens, [CLS] / [SEP]) read by llama.cpp's tokenizer."""
+    from oracle_bert import make_bert
+
+    path = make_bert(tmp_path / "m", "fp")
+    model, tok = bitnetlm.load(path)
+    out = save_gguf(model, tmp_path / "b.gguf", tokenizer=tok, embed_type="f32")
+    ours = bitnetlm.load(out)[1]
+    for text in TEXTS[:4] + ["Ünïcödé, the FIRST entering of a neighbourhood!"]:
+        got = _run(
+            _tool("llama-tokenize"),
+            "-m",
+            out,
+            "--stdin",
+            "--ids",
+            "--no-escape",
+            "--log-disable",
+            stdin=text.encode(),
+        )
+        theirs = json.loads(got.decode().strip().splitlines()[-1])
+        assert theirs == ours.encode(text) == tok.encode(text), text
+
+
 def _model(kind: str, vocab: int):
     """Tiny random models of each kind llama.cpp runs. llama.cpp's `bitnet` has no `output` tensor (its head is
     always the embedding), so the BitNet kinds are tied; their embedding is scaled down so that the layers, not the
@@ -171,6 +195,42 @@ def test_llama_cpp_generates_our_greedy_tokens(kind, qtype, tmp_path):
     out = _run(_tool("llama-simple"), "-m", path, "-n", N_PREDICT, prompt)
     # llama.cpp keeps K/V in fp16 (and the TQ types quantize activations per 256-value block, here one row), so
     # its logits differ from ours in the last bits: its tokens must be ours up to the first near-tie, if any.
+    gaps = _gaps(model, ids, ours)
+    n = 0
+    while n < len(ours) and out.startswith(_piece_bytes(tok, ids + ours[: n + 1])):
+        n += 1
+    assert out.startswith(_piece_bytes(tok, ids)), out
+    assert n == len(ours) or (n >= MIN_MATCHED and gaps[n] < NEAR_TIE), (n, gaps, out, ours)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "gpt2"])
+@pytest.mark.parametrize("variant", ["fp", "offline"])
+def test_llama_cpp_runs_our_family_gguf(family, variant, tmp_path):
+    """Qwen3, Gemma 3 and GPT-2 files (llama.cpp's qwen3 / gemma3 / gpt2, float or TQ2_0) written from checkpoints
+    transformers wrote: llama.cpp's greedy tokens are ours up to the first near-tie."""
+    from oracle_families import make_checkpoint
+
+    d = _tokenizer_dirs()["gpt-2"]
+    vocab = Tokenizer.from_file(str(d / "tokenizer.json")).get_vocab_size()
+    # every projection 256 wide: one TQ2_0 block per row, so llama.cpp's per-block int8 activations are our
+    # per-token ones
+    wide = {
+        "gpt2": dict(n_embd=256, n_inner=256, n_positions=256),
+        "qwen3": dict(hidden_size=256, intermediate_size=256, head_dim=64),
+        "gemma3": dict(hidden_size=256, intermediate_size=256, head_dim=64, final_logit_softcapping=None),
+    }[family]
+    src = make_checkpoint(tmp_path / "src", family, variant, seed=3, vocab_size=vocab, **wide)
+    model, _ = bitnetlm.load(src, backend="reference")
+    with torch.no_grad():
+        model.embed_tokens.weight.mul_(0.05)  # the layers, not the input token's embedding, decide
+    qtype = None if variant == "fp" else "tq2_0"
+    path = save_gguf(model, tmp_path / f"{family}.gguf", qtype, tokenizer=d, embed_type="f32")
+    assert read_gguf(path).metadata["general.architecture"] == family
+    model, tok = bitnetlm.load(path)
+    prompt = "It is a truth universally acknowledged"
+    ids = tok.encode(prompt)
+    ours = bitnetlm.generate(model, tok, ids, max_tokens=N_PREDICT, temperature=0).tokens
+    out = _run(_tool("llama-simple"), "-m", path, "-n", N_PREDICT, prompt)
     gaps = _gaps(model, ids, ours)
     n = 0
     while n < len(ours) and out.startswith(_piece_bytes(tok, ids + ours[: n + 1])):

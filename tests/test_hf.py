@@ -171,7 +171,7 @@ def test_missing_tensor_and_unknown_arch(oracle_dirs, tmp_path):
     with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight_scale"):
         bitnetlm.load(d)
     cfg = json.loads((d / "config.json").read_text())
-    cfg["model_type"], cfg["architectures"] = "gpt2", ["GPT2LMHeadModel"]
+    cfg["model_type"], cfg["architectures"] = "mamba", ["MambaForCausalLM"]
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="unknown architecture"):
         bitnetlm.load(d)

@@ -15,6 +15,7 @@ NEVER = {
     "kernels": ("models", "runtime", "engine", "generate", "serve", "formats", "commands", "sampling"),
     "sampling": ("models", "runtime", "engine", "generate", "serve", "commands"),
     "text": ("kernels", "models", "runtime", "engine", "generate", "serve", "commands"),
+    "parallel": ("runtime", "engine", "generate", "serve", "commands", "formats", "train", "sampling"),
     "runtime": ("engine", "generate", "serve", "commands", "formats", "train"),
     "engine": ("generate", "serve", "commands", "formats", "train"),
     "generate": ("serve", "commands", "train"),

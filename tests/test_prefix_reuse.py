@@ -84,6 +84,21 @@ def test_reuse_limits_and_eviction_order():
     assert sch.schedule().reused == {} and other.row == 0
 
 
+def test_a_shifted_row_offers_only_its_kept_positions():
+    """After a context shift a row holds tokens[:keep] + later tokens: only the kept prefix may be reused."""
+    sch = Scheduler(SchedulerConfig(rows=2, prefill_chunk=512))
+    a = _seq(SYSTEM + [1, 2])
+    a.shift_keep = 20
+    sch.add(a)
+    _prefill_all(sch)
+    a.n_cached, a.shifted = 30, 12  # as _maybe_shift leaves it
+    b = _seq(SYSTEM + [3])
+    sch.add(b)
+    assert sch.schedule().reused[id(b)] == (0, 20)
+    sch.finish(a)
+    assert sch.held[0] == tuple(SYSTEM[:20])
+
+
 def test_off_reuses_nothing():
     sch = Scheduler(SchedulerConfig(rows=2, prefill_chunk=512, prefix_reuse=False))
     a = _seq(SYSTEM + [1])
@@ -110,8 +125,8 @@ def _chats(tok, n: int) -> list[list[dict]]:
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_server_outputs_equal_no_reuse_under_concurrency(backend):
     """32 concurrent chats sharing a ~1,000-token system prompt: the same tokens as the same chats with reuse off,
-    and on the C kernels (batch-invariant) the same log-probabilities bit for bit; the prefix cache counts its
-    hits. (The reference backend's float sums depend on the batch, with reuse or without, by an ulp or so.)"""
+    and their log-probabilities; the prefix cache counts its hits. (Log-probabilities agree to float rounding: how
+    a prompt is cut into prefill chunks depends on the other requests' timing, with reuse or without.)"""
     model, tok = tiny_model_and_tokenizer(max_len=1280, backend=backend)
     chats = _chats(tok, 32)
     assert len(tok.apply_chat_template(chats[0], tokenize=True)) >= 1000
@@ -136,11 +151,8 @@ def test_server_outputs_equal_no_reuse_under_concurrency(backend):
     on, m_on = run(True)
     off, m_off = run(False)
     assert [[t for t, _ in o] for o in on] == [[t for t, _ in o] for o in off]
-    if backend == "cpu":
-        assert on == off
-    else:
-        for a, b in zip(on, off, strict=True):
-            assert [lp for _, lp in a] == pytest.approx([lp for _, lp in b], abs=1e-5)
+    for a, b in zip(on, off, strict=True):
+        assert [lp for _, lp in a] == pytest.approx([lp for _, lp in b], abs=1e-5)
     hits = m_on['vllm:prefix_cache_hits_total{model_name="bitnet"}']
     queries = m_on['vllm:prefix_cache_queries_total{model_name="bitnet"}']
     assert hits >= 24 * 1000 and queries >= 32 * 1000  # all but the first few chats reuse the system prompt

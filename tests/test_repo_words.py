@@ -17,6 +17,7 @@ PATTERN = re.compile(
 ALLOWED = (
     'scope="session"',  # pytest's fixture scope
     "session-scoped",
+    '"session.qdq_',  # onnxruntime's session option keys
 )
 TEXT = (
     ".py",

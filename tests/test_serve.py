@@ -40,11 +40,6 @@ def server(mt):
     h.stop()
 
 
-@pytest.fixture()
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def _prompt(rng):
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 24)))
 
@@ -236,8 +231,9 @@ def test_errors_are_openai_style(mt, client, server):
             model="bitnet",
             messages=[{"role": "user", "content": "x"}],
             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
         )
-    assert e.value.body["param"] == "tools"
+    assert e.value.body["param"] == "tool_choice" and "'g'" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="bitnet", prompt="x", stream_options={"include_usage": True})
     assert e.value.body["param"] == "stream_options"
@@ -281,6 +277,31 @@ def test_models_tokenize_detokenize_health_metrics(mt, client, server):
     assert n > 0 and m['vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="bitnet"}'] == n
     assert m[f"vllm:e2e_request_latency_seconds_count{lab}"] == n
     assert m[f"vllm:inter_token_latency_seconds_count{lab}"] > 0
+
+
+def test_process_gauges_match_prometheus_client(server):
+    """/metrics carries the process_* gauges as prometheus_client writes them (same names, types, values)."""
+    from prometheus_client import ProcessCollector, generate_latest
+    from prometheus_client.registry import CollectorRegistry
+
+    reg = CollectorRegistry()
+    ProcessCollector(registry=reg)
+    before = parse_metrics(generate_latest(reg).decode())
+    text = httpx.get(server.url + "/metrics").text
+    after = parse_metrics(generate_latest(reg).decode())
+    ours = parse_metrics(text)
+    assert {k for k in ours if k.startswith("process_")} == set(before)
+    for name in ("process_resident_memory_bytes", "process_cpu_seconds_total"):
+        assert f"# TYPE {name} {'counter' if name.endswith('_total') else 'gauge'}" in text
+    for name in ("process_start_time_seconds", "process_max_fds"):
+        assert ours[name] == pytest.approx(before[name], abs=0.02)
+    for name in (
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "process_virtual_memory_bytes",
+    ):
+        lo, hi = sorted((before[name], after[name]))
+        assert 0.8 * lo <= ours[name] <= 1.2 * hi + 0.05, name
 
 
 def test_api_key_protects_everything_but_health(mt):

@@ -289,3 +289,16 @@ def test_resume_with_more_steps_continues_training(data, tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"lr"' in x]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert rows[3]["lr"] > 0.5e-2  # not the old run's decayed-to-zero rate
+
+
+def test_wsd_schedule_warms_up_holds_then_decays_linearly_to_its_floor():
+    from bitnetlm.train.schedule import LRSchedule
+
+    s = LRSchedule("wsd", max_steps=100, warmup_steps=10, min_ratio=0.05, stage2_at=0.8)
+    assert [s(k) for k in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])  # linear warm-up
+    assert s(10) == s(50) == s(80) == 1.0  # stable until 80% of training
+    # then (steps left) / (20 steps of decay), never under 5%
+    assert [s(k) for k in (81, 90, 98, 99)] == pytest.approx([0.95, 0.5, 0.1, 0.05])
+    assert s.weight_decay_on(99)
+    with pytest.raises(ValueError, match="known: two_stage, cosine, linear, constant, wsd"):
+        LRSchedule("wds", max_steps=10)

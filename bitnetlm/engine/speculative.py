@@ -72,16 +72,35 @@ class SpeculativeConfig:
         return self.lookup > 0 or self.draft is not None
 
 
-def lookup_draft(tokens: Seq[int], n_max: int, n_min: int, k: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the last n tokens (the longest n from n_max
-    down to n_min that occurs), or [] when none does."""
-    t = list(tokens)
-    for n in range(min(n_max, len(t) - 1), n_min - 1, -1):
-        tail = t[-n:]
-        for i in range(len(t) - n - 1, -1, -1):  # latest first; the match may not be the tail itself
-            if t[i : i + n] == tail:
-                return t[i + n : i + n + k]
-    return []
+class NgramIndex:
+    """Prompt lookup's index of a growing token list: for each n-gram (n from 1 to n_max) the latest position at
+    which it starts and is followed by at least one more token, so a lookup costs n_max dictionary reads rather
+    than a scan of the whole context every step."""
+
+    def __init__(self, n_max: int):
+        self.n_max = n_max
+        self.seen: list[dict[tuple[int, ...], int]] = [{} for _ in range(n_max + 1)]
+        self.length = 0  # tokens indexed: n-grams starting before length - n are in
+
+    def extend(self, tokens: Seq[int]) -> None:
+        """Index what `tokens` (the same list, longer) added since the last call."""
+        if len(tokens) < self.length:  # (a list that shrank is not the one indexed: start over)
+            self.__init__(self.n_max)
+        for n in range(1, self.n_max + 1):
+            seen = self.seen[n]
+            for i in range(max(0, self.length - n), len(tokens) - n):
+                seen[tuple(tokens[i : i + n])] = i
+        self.length = len(tokens)
+
+    def draft(self, tokens: Seq[int], n_min: int, k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the last n tokens (the longest n from
+        n_max down to n_min that occurs), or [] when none does."""
+        self.extend(tokens)
+        for n in range(min(self.n_max, len(tokens) - 1), n_min - 1, -1):
+            i = self.seen[n].get(tuple(tokens[-n:]))
+            if i is not None:
+                return list(tokens[i + n : i + n + k])
+        return []
 
 
 @dataclass
@@ -95,6 +114,8 @@ class RowState:
     pauses: int = 0  # pauses in a row (a window at MIN_RATE or above resets it)
     draft_len: int = 0
     random: RowRandom | None = None  # the draft model's own draws (sampled rows)
+    index: NgramIndex | None = None  # prompt lookup's n-grams of the sequence's tokens
+    row: int | None = None  # the draft row it was set up on (a preempted sequence comes back on another)
 
 
 @dataclass
@@ -106,23 +127,33 @@ class Draft:
 class Speculator:
     """Drafts, verifies and rolls back for the worker (see the module docstring)."""
 
-    def __init__(self, config: SpeculativeConfig, runner, draft_runner=None, metrics: Metrics | None = None):
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        runner,
+        draft_runner=None,
+        metrics: Metrics | None = None,
+        context: int | None = None,
+    ):
         self.config, self.runner, self.draft_runner, self.metrics = config, runner, draft_runner, metrics
+        self.context = context or runner.max_seq_len  # no draft reaches past it (a row shifts there instead)
         if metrics is not None:
             metrics.speculating()
         self.rows: dict[Sequence, RowState] = {}
+        self.longest = _longest_draft(runner, draft_runner)
         self.drafts = self.drafted = self.accepted = 0  # verifies, draft tokens, accepted draft tokens
 
     def state(self, s: Sequence) -> RowState:
         st = self.rows.get(s)
         if st is None:
             st = self.rows[s] = RowState(self.config.num_tokens)
-            if self.draft_runner is not None:
-                self.draft_runner.reset(s.row)
-                if not s.params.greedy:
-                    seed = None if s.params.seed is None else int(s.params.seed) + 7919 * (s.index + 1)
-                    gen = None if seed is None else torch.Generator().manual_seed(seed)
-                    st.random = RowRandom(gen, "cpu")
+            if self.draft_runner is not None and not s.params.greedy:
+                seed = None if s.params.seed is None else int(s.params.seed) + 7919 * (s.index + 1)
+                gen = None if seed is None else torch.Generator().manual_seed(seed)
+                st.random = RowRandom(gen, "cpu")
+        if self.draft_runner is not None and st.row != s.row:
+            self.draft_runner.reset(s.row)
+            st.row, st.draft_len = s.row, 0
         return st
 
     def release(self, s: Sequence) -> None:
@@ -134,23 +165,32 @@ class Speculator:
         """sequence -> its draft, for the sequences that speculate this step (possibly none)."""
         if len(seqs) > self.config.max_rows:
             return {}
-        cap = self.runner.max_seq_len
+        cap = self.context
         want = {}
         for s in seqs:
+            if s.shifted and self.draft_runner is not None:
+                # (a draft row holds the sequence's tokens at their own positions, which a shifted row no longer
+                # does: such a row decodes one token a step; prompt lookup drafts from the text and goes on)
+                continue
             st = self.state(s)
             if st.paused:
                 st.paused -= 1
                 continue
-            k = min(st.k, s.budget - 1, cap - s.n_cached)  # the bonus token counts; positions up to P + k
+            k = min(st.k, s.budget - 1, cap - s.n_cached, self.longest)  # the bonus token counts: up to P + k
             if k > 0:
                 want[s] = k
         if not want:
             return {}
         if self.draft_runner is None:
-            c = self.config
-            out = {s: Draft(lookup_draft(s.tokens, c.lookup, c.lookup_min, k)) for s, k in want.items()}
+            out = {s: Draft(self._lookup(s, k)) for s, k in want.items()}
             return {s: d for s, d in out.items() if d.tokens}
         return self._model_drafts(list(want.items()))
+
+    def _lookup(self, s: Sequence, k: int) -> list[int]:
+        st = self.state(s)
+        if st.index is None:
+            st.index = NgramIndex(self.config.lookup)
+        return st.index.draft(s.tokens, self.config.lookup_min, k)
 
     def _model_drafts(self, want: list[tuple[Sequence, int]]) -> dict[Sequence, Draft]:
         """k tokens from the draft model for each (sequence, k): its row caught up with the sequence's tokens
@@ -195,6 +235,12 @@ class Speculator:
         p0 = s.n_cached - 1  # the last token's position
         d = draft.tokens
         logits = self.runner.verify(s.row, [s.tokens[-1], *d], p0)  # [k + 1, V]
+        s.written = max(s.written, p0 + 1 + len(d))
+        prm = s.params
+        if prm.greedy and not (prm.needs_penalties or prm.logit_bias or prm.top_logprobs):
+            out, lps = _greedy_accept(d, logits)
+            self._settle(s, len(d), len(out) - 1)
+            return out, lps, [None] * len(out)
         out, accepted = self._accept(s, d, draft.q, logits)
         top_n = s.params.top_logprobs
         lp, top_v, top_i = raw_logprobs(logits[: len(out)], torch.tensor(out, device=logits.device), top_n)
@@ -267,6 +313,24 @@ class Speculator:
                 st.paused, st.history, st.pauses = PAUSE << min(st.pauses, 6), [], st.pauses + 1
             else:
                 st.pauses = 0
+
+
+def _greedy_accept(d: list[int], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Greedy acceptance of draft d from the target's logits [len(d) + 1, V] and the emitted tokens' raw
+    log-probabilities: one pass over the logits (argmax and logsumexp together) and one copy to the host."""
+    best, lse = reductions.argmax_logsumexp(logits)
+    lp = logits.gather(1, best[:, None])[:, 0].float() - lse
+    best, lp = torch.stack((best.double(), lp.double())).tolist()
+    n = next((i for i, x in enumerate(d) if int(best[i]) != x), len(d))
+    return [*d[:n], int(best[n])], lp[: n + 1]
+
+
+def _longest_draft(runner, draft_runner) -> int:
+    """The longest draft whose rejection both runners can roll back: a row writes at most k positions past the
+    last one it keeps (a verify's draft; a draft model's k - 1 decodes and a padding write), and a sliding
+    layer's ring holds `slack` positions past it."""
+    rings = [r.ring for r in (runner, draft_runner) if r is not None and r.ring is not None]
+    return min((ring.slack for ring in rings), default=1 << 30)
 
 
 def _penalised_row(logits: torch.Tensor, s: Sequence, output) -> torch.Tensor:

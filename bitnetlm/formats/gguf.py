@@ -1,4 +1,5 @@
-"""GGUF models: read and write BitNet (`bitnet`, `bitnet-b1.58`, `bitnet-25`) and LLaMA-family GGUF files.
+"""GGUF models: read and write BitNet (`bitnet`, `bitnet-b1.58`, `bitnet-25`), LLaMA-family, Qwen3, Gemma 3 and
+GPT-2 GGUF files (the last three: `bitnetlm.formats.gguf_families`; `bert` encoders: `bitnetlm.formats.gguf_bert`).
 
 Ternary projections are TQ1_0 / TQ2_0 / I2_S (multiply convention, W = T*s); everything else F32/F16/BF16
 (any type `gguf.quants` dequantizes on read: Q8_0 embeddings, Q4_0/Q4_1/Q4_K/Q6_K llama files, ...).
@@ -13,22 +14,29 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from bitnetlm.formats import gguf_codecs as codecs
+from bitnetlm.formats import gguf_families as families
 from bitnetlm.formats.gguf_arch import config_from_gguf, gguf_arch_name
-from bitnetlm.formats.gguf_file import GGUFError, GGUFFile, TensorToWrite, read_gguf, write_gguf
+from bitnetlm.formats.gguf_file import GGUFError, TensorToWrite, read_gguf, write_gguf
+from bitnetlm.formats.gguf_tensors import (
+    FLOAT_TYPES,
+    GGML_QUANT_VERSION,
+    GGUF_FORMAT_VERSION,
+    float_entry,
+    float_tensor,
+    permute_qk,
+    projection,
+    smallest_lossless,
+    ternary_entry,
+)
 from bitnetlm.formats.gguf_tokenizer import load_gguf_tokenizer  # noqa: F401  (bitnetlm.load uses it from here)
-from bitnetlm.formats.names import layer_modules
-from bitnetlm.models import CausalLM, build_empty_model
+from bitnetlm.formats.names import model_modules
+from bitnetlm.models import CausalLM, Encoder, build_empty_model
 from bitnetlm.models.transformer import rope_inv_freq
 from bitnetlm.quant.bitlinear import BitLinear
-from bitnetlm.quant.packing import PackingFormat, pack_hf
-from bitnetlm.quant.ternary import ternarize
-
-GGUF_FORMAT_VERSION = 1  # bitnetlm.format_version written to files we produce
-GGML_QUANT_VERSION = 2  # general.quantization_version, as llama.cpp's converter writes it
+from bitnetlm.quant.packing import PackingFormat
 
 # our module name (inside layers.N) <-> GGUF tensor name (inside blk.N)
 LAYER_NAMES = {
@@ -44,7 +52,6 @@ LAYER_NAMES = {
     "mlp.down_proj": "ffn_down",
     "mlp.ffn_sub_norm": "ffn_sub_norm",
 }
-FLOAT_TYPES = {"f32": codecs.TYPE_F32, "f16": codecs.TYPE_F16, "bf16": codecs.TYPE_BF16}
 
 
 def gguf_name(ours: str) -> str:
@@ -66,29 +73,7 @@ def _progress(items: list, desc: str):
     return progress.bar(items, desc=desc, unit="tensor" if desc.startswith("loading") else "layer")
 
 
-# ---- q/k row permutation of llama.cpp's llama converter ---------------------------------------------
-
-
-def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """HF (rotate-half) row order -> GGML interleaved order, as llama.cpp's convert_hf_to_gguf does."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 # ---- reading --------------------------------------------------------------------------------------
-
-
-def _float_tensor(f: GGUFFile, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    if name not in f.tensors:
-        raise GGUFError(f"{f.path}: tensor {name!r} is missing")
-    ti = f.tensors[name]
-    if tuple(ti.shape) != tuple(shape):
-        raise GGUFError(f"{f.path}: tensor {name!r} has shape {ti.shape}, expected {tuple(shape)}")
-    arr = np.asarray(f.array(name), dtype=np.float32)
-    return torch.from_numpy(arr.copy()).to(dtype)
 
 
 def load_gguf_model(
@@ -99,26 +84,35 @@ def load_gguf_model(
 ) -> CausalLM:
     """A model from a GGUF file (CPU). Ternary tensors give packed BitLinear weights without a float detour."""
     f = read_gguf(path)
+    if f.metadata.get("general.architecture") == "bert":
+        from bitnetlm.formats.gguf_bert import load_bert_gguf
+
+        model = load_bert_gguf(f, mode=mode, dtype=dtype)
+        f.close()
+        return model
     cfg = config_from_gguf(f)
     model = build_empty_model(cfg, mode)
     permute = f.metadata.get("general.architecture") == "llama"
+    shift = families.NORM_SHIFT.get(cfg.arch, 0.0)
     sd: dict[str, torch.Tensor] = {}
     used = set()
-    for name, kind in _progress(
-        list(layer_modules(cfg.num_hidden_layers, cfg.has_sub_norms)), f"loading {f.path.name}"
-    ):
+    for name, kind in _progress(list(model_modules(cfg)), f"loading {f.path.name}"):
         module = model.get_submodule(name)
-        g = gguf_name(name) + ".weight"
-        used.add(g)
-        used.add(g.removesuffix(".weight") + ".scale")
+        base = gguf_name(name) if cfg.family == "llama" else families.tensor_name(name, cfg.arch)
+        g = base + ".weight"
+        used.update((g, base + ".scale", base + ".bias"))
         if kind == "proj":
             shape = (module.out_features, module.in_features)
-            sd.update(_projection(f, g, name, module, shape, cfg, permute, dtype, strict_scales))
+            sd.update(projection(f, g, name, module, shape, cfg, permute, dtype, strict_scales))
         else:
-            sd[name + ".weight"] = _float_tensor(f, g, tuple(module.weight.shape), dtype)
+            w = float_tensor(f, g, tuple(module.weight.shape), torch.float32)
+            sd[name + ".weight"] = (w - shift if kind == "norm" else w).to(dtype)
+        if getattr(module, "bias", None) is not None:
+            b = float_tensor(f, base + ".bias", tuple(module.bias.shape), dtype)
+            sd[name + ".bias"] = b.float() if isinstance(module, BitLinear) else b
     if model.lm_head is not None:
         used.add("output.weight")
-        sd["lm_head.weight"] = _float_tensor(f, "output.weight", (cfg.vocab_size, cfg.hidden_size), dtype)
+        sd["lm_head.weight"] = float_tensor(f, "output.weight", (cfg.vocab_size, cfg.hidden_size), dtype)
     extra = sorted(set(f.tensors) - used - {"rope_freqs.weight"})
     if extra:
         raise GGUFError(f"{f.path}: unexpected tensors for a {cfg.arch} model: {extra[:5]}")
@@ -132,92 +126,7 @@ def load_gguf_model(
     return model.eval() if mode != "train" else model
 
 
-def _scale_tensor(f: GGUFFile, g: str) -> float:
-    sname = g.removesuffix(".weight") + ".scale"
-    if sname not in f.tensors:
-        return 1.0
-    v = np.asarray(f.array(sname), dtype=np.float32).reshape(-1)
-    if v.size != 1 or not np.isfinite(v[0]):
-        raise GGUFError(f"{f.path}: tensor {sname!r} must hold one finite value, found {v.size} values")
-    return float(v[0])
-
-
-def _exact_ternary(w: torch.Tensor):
-    """(T, s) if the float matrix already holds ternary values {-s, 0, s} (converters store T*s as F16/F32)."""
-    a = w.abs()
-    s = a.amax()
-    if s == 0 or not bool(((a == 0) | (a == s)).all()):
-        return None, None
-    return torch.sign(w).to(torch.int8), s.reshape(1).float()
-
-
-def _projection(f, g, name, module, shape, cfg, permute, dtype, strict) -> dict[str, torch.Tensor]:
-    if g not in f.tensors:
-        raise GGUFError(f"{f.path}: tensor {g!r} is missing")
-    ti = f.tensors[g]
-    if tuple(ti.shape) != shape:
-        raise GGUFError(f"{f.path}: tensor {g!r} has shape {ti.shape}, expected {shape}")
-    n_head = None
-    if permute and ".attn_q." in g:
-        n_head = cfg.num_attention_heads
-    elif permute and ".attn_k." in g:
-        n_head = cfg.num_key_value_heads
-    # llama.cpp's BitNet files may carry the matrix scale as a separate [1] tensor `<name>.scale` (y *= scale)
-    extra = _scale_tensor(f, g)
-    if ti.type_id in codecs.TYPE_NAMES:
-        t_np, s = f.ternary(g, strict=strict)
-        s *= extra
-        t = torch.from_numpy(t_np.copy())
-        if n_head:
-            t = unpermute_qk(t, n_head)
-        if isinstance(module, BitLinear) and not module.training_mode:
-            return {
-                name + ".packed": pack_hf(t),
-                name + ".weight_scale": torch.tensor([s], dtype=torch.float32),
-            }
-        w = t.float() * s
-    else:
-        w = torch.from_numpy(np.asarray(f.array(g), dtype=np.float32).copy()) * extra
-        if n_head:
-            w = unpermute_qk(w, n_head)
-        if isinstance(module, BitLinear) and not module.training_mode:
-            tt, ss = _exact_ternary(w)
-            if tt is None:  # genuinely full-precision weights: absmean ternarization
-                tt, ss = ternarize(w)
-            return {name + ".packed": pack_hf(tt), name + ".weight_scale": ss.reshape(1)}
-    return {name + ".weight": w.to(torch.float32 if isinstance(module, BitLinear) else dtype)}
-
-
 # ---- writing --------------------------------------------------------------------------------------
-
-
-def _smallest_lossless(w: torch.Tensor) -> int:
-    """BF16 or F16 if every value survives the round trip, else F32 (token_embd and lm_head)."""
-    wf = w.detach().float()
-    if w.dtype == torch.bfloat16 or torch.equal(wf.to(torch.bfloat16).float(), wf):
-        return codecs.TYPE_BF16
-    if w.dtype == torch.float16 or torch.equal(wf.to(torch.float16).float(), wf):
-        return codecs.TYPE_F16
-    return codecs.TYPE_F32
-
-
-def _float_bytes(w: torch.Tensor, type_id: int) -> np.ndarray:
-    wf = w.detach().cpu().float().contiguous()
-    if type_id == codecs.TYPE_F32:
-        return wf.numpy()
-    if type_id == codecs.TYPE_F16:
-        return wf.to(torch.float16).numpy()
-    return wf.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8).reshape(*wf.shape[:-1], -1)
-
-
-def _ternary_of(module) -> tuple[torch.Tensor, float]:
-    if isinstance(module, BitLinear):
-        if module.training_mode:
-            t, s = ternarize(module.weight)
-        else:
-            t, s = module.ternary_weight(), module.weight_scale
-        return t.cpu(), float(s.reshape(-1)[0])
-    raise TypeError("not a ternary projection")
 
 
 def save_gguf(
@@ -233,70 +142,30 @@ def save_gguf(
     model; a full-precision llama model is written with `embed_type` floats everywhere (f32/f16/bf16).
     `tokenizer`: a bitnetlm Tokenizer or a path to a directory with tokenizer.json (+ tokenizer_config.json).
     """
+    if isinstance(model, Encoder):
+        from bitnetlm.formats.gguf_bert import save_bert_gguf
+
+        if arch_name not in (None, "bert"):
+            raise ValueError(
+                f"GGUF architecture {arch_name!r} does not describe a BERT-family encoder (bert)"
+            )
+        return save_bert_gguf(model, path, qtype, tokenizer=tokenizer, embed_type=embed_type)
     if model.config.vocab_subset is not None:
         raise ValueError(
             f"{path}: GGUF has no reduced vocabulary (vocab_subset); keep this model in the HF format"
         )
     cfg = model.config
     ternary = cfg.quant == "ternary"
-    qkey = qtype.lower()
+    qkey = (qtype or "").lower()  # (a full-precision model has no ternary type)
     if ternary and qkey not in codecs.TERNARY_TYPES:
         raise ValueError(
             f"--type must be one of {sorted(codecs.TERNARY_TYPES)} for a ternary model, got {qtype!r}"
         )
     arch = gguf_arch_name(cfg, arch_name)
-    permute = arch == "llama"
-    tensors: list[TensorToWrite] = []
-
-    def add_float(gname: str, w: torch.Tensor, type_id: int | None = None):
-        tid = type_id if type_id is not None else codecs.TYPE_F32
-        arr = _float_bytes(w, tid)
-        tensors.append(TensorToWrite(gname + ".weight", arr, tid, tuple(w.shape)))
-
-    emb_tid = (
-        _smallest_lossless(model.embed_tokens.weight) if embed_type == "auto" else FLOAT_TYPES[embed_type]
-    )
-    add_float("token_embd", model.embed_tokens.weight, emb_tid)
-    for i, layer in _progress(list(enumerate(model.layers)), f"writing {Path(path).name}"):
-        for ours, g in LAYER_NAMES.items():
-            parent, _, leaf = ours.rpartition(".")
-            owner = layer.get_submodule(parent) if parent else layer
-            m = getattr(owner, leaf, None)
-            if m is None:
-                continue
-            gname = f"blk.{i}.{g}"
-            n_head = None
-            if permute and g == "attn_q":
-                n_head = cfg.num_attention_heads
-            elif permute and g == "attn_k":
-                n_head = cfg.num_key_value_heads
-            if isinstance(m, BitLinear):
-                t, s = _ternary_of(m)
-                if n_head:
-                    t = permute_qk(t, n_head)
-                tid = codecs.TERNARY_TYPES[qkey]
-                try:
-                    data = codecs.encode(t.numpy(), s, tid)
-                except codecs.CodecError as e:
-                    hint = (
-                        " (I2_S needs only a multiple of 128 values per matrix: --type i2_s)"
-                        if tid != 36
-                        else ""
-                    )
-                    raise ValueError(f"tensor {gname}.weight {tuple(t.shape)}: {e}{hint}") from e
-                tensors.append(TensorToWrite(gname + ".weight", data, tid, tuple(t.shape)))
-            elif isinstance(m, torch.nn.Linear):
-                w = m.weight.detach()
-                if n_head:
-                    w = permute_qk(w, n_head)
-                tid = FLOAT_TYPES["f16" if embed_type == "auto" else embed_type]
-                add_float(gname, w, tid)
-            else:
-                add_float(gname, m.weight)  # norms: F32
-    add_float("output_norm", model.norm.weight)
-    if model.lm_head is not None:
-        w = model.lm_head.weight
-        add_float("output", w, _smallest_lossless(w) if embed_type == "auto" else FLOAT_TYPES[embed_type])
+    if cfg.family == "llama":
+        tensors = _llama_tensors(model, cfg, arch, qkey, embed_type, Path(path).name)
+    else:
+        tensors = _family_tensors(model, cfg, qkey, embed_type, Path(path).name)
 
     p = arch
     meta: dict = {
@@ -334,6 +203,8 @@ def save_gguf(
         "bitnetlm.format_version": (4, None),
         "general.quantization_version": (4, None),
     }
+    if cfg.family != "llama":
+        _family_metadata(cfg, p, meta, types)
     if ternary:
         meta["general.file_type"] = {"tq1_0": 36, "tq2_0": 37, "i2_s": 40}[qkey]  # llama_ftype MOSTLY_*
         types["general.file_type"] = (4, None)
@@ -354,6 +225,86 @@ def save_gguf(
     path = Path(path)
     write_gguf(path, arch, meta, tensors, value_types=types)
     return path
+
+
+def _family_metadata(cfg, p: str, meta: dict, types: dict) -> None:
+    """Swap the LLaMA-shaped keys for this family's (GPT-2: LayerNorm epsilon, no RoPE)."""
+    drop = [f"{p}.attention.layer_norm_rms_epsilon"]
+    if cfg.arch == "gpt2":
+        drop += [f"{p}.rope.freq_base", f"{p}.rope.dimension_count", f"{p}.attention.head_count_kv"]
+    for key in drop:
+        meta.pop(key, None)
+    fmeta, ftypes = families.metadata(cfg, cfg.arch)
+    meta.update(fmeta)
+    types.update(ftypes)
+
+
+def _head_types(model, embed_type: str) -> tuple[int, int, int]:
+    """(embedding, float projection, LM head) GGUF types for `embed_type`."""
+    emb = model.embed_tokens.weight
+    emb_tid = smallest_lossless(emb) if embed_type == "auto" else FLOAT_TYPES[embed_type]
+    proj_tid = FLOAT_TYPES["f16" if embed_type == "auto" else embed_type]
+    head = model.lm_head
+    head_tid = (
+        emb_tid
+        if head is None
+        else (smallest_lossless(head.weight) if embed_type == "auto" else FLOAT_TYPES[embed_type])
+    )
+    return emb_tid, proj_tid, head_tid
+
+
+def _llama_tensors(model, cfg, arch: str, qkey: str, embed_type: str, fname: str) -> list[TensorToWrite]:
+    """The tensors of a LLaMA/BitNet-shaped model, in llama.cpp's order (q/k rows permuted for `llama`)."""
+    permute = arch == "llama"
+    emb_tid, proj_tid, head_tid = _head_types(model, embed_type)
+    tensors = [float_entry("token_embd.weight", model.embed_tokens.weight, emb_tid)]
+    for i, layer in _progress(list(enumerate(model.layers)), f"writing {fname}"):
+        for ours, g in LAYER_NAMES.items():
+            parent, _, leaf = ours.rpartition(".")
+            owner = layer.get_submodule(parent) if parent else layer
+            m = getattr(owner, leaf, None)
+            if m is None:
+                continue
+            gname = f"blk.{i}.{g}.weight"
+            n_head = None
+            if permute and g == "attn_q":
+                n_head = cfg.num_attention_heads
+            elif permute and g == "attn_k":
+                n_head = cfg.num_key_value_heads
+            if isinstance(m, BitLinear):
+                tensors.append(ternary_entry(gname, m, qkey, n_head))
+            elif isinstance(m, torch.nn.Linear):
+                w = m.weight.detach()
+                tensors.append(float_entry(gname, permute_qk(w, n_head) if n_head else w, proj_tid))
+            else:
+                tensors.append(float_entry(gname, m.weight))  # norms: F32
+    tensors.append(float_entry("output_norm.weight", model.norm.weight))
+    if model.lm_head is not None:
+        tensors.append(float_entry("output.weight", model.lm_head.weight, head_tid))
+    return tensors
+
+
+def _family_tensors(model, cfg, qkey: str, embed_type: str, fname: str) -> list[TensorToWrite]:
+    """The tensors of a Qwen3 / Gemma 3 / GPT-2 model under llama.cpp's names (biases F32 beside weights)."""
+    emb_tid, proj_tid, head_tid = _head_types(model, embed_type)
+    shift = families.NORM_SHIFT.get(cfg.arch, 0.0)
+    tensors = []
+    for name, kind in _progress(list(model_modules(cfg)), f"writing {fname}"):
+        m = model.get_submodule(name)
+        g = families.tensor_name(name, cfg.arch)
+        if kind == "embed":
+            tensors.append(float_entry(g + ".weight", m.weight, emb_tid))
+        elif isinstance(m, BitLinear):
+            tensors.append(ternary_entry(g + ".weight", m, qkey))
+        elif kind == "proj":
+            tensors.append(float_entry(g + ".weight", m.weight, proj_tid))
+        else:  # norms: F32, Gemma's as (1 + w)
+            tensors.append(float_entry(g + ".weight", m.weight.detach().float() + shift))
+        if getattr(m, "bias", None) is not None:
+            tensors.append(float_entry(g + ".bias", m.bias))
+    if model.lm_head is not None:
+        tensors.append(float_entry("output.weight", model.lm_head.weight, head_tid))
+    return tensors
 
 
 # ---- inspect --------------------------------------------------------------------------------------
@@ -389,7 +340,12 @@ def inspect_gguf(path: str | os.PathLike) -> dict:
             meta[k] = v
     data_bytes = sum(ti.nbytes for ti in f.tensors.values())
     try:
-        cfg = config_from_gguf(f)
+        if f.metadata.get("general.architecture") == "bert":
+            from bitnetlm.formats.gguf_bert import encoder_config_from_gguf
+
+            cfg = encoder_config_from_gguf(f)
+        else:
+            cfg = config_from_gguf(f)
         arch, quant = cfg.arch, cfg.quant
     except GGUFError as e:
         arch, quant = f.metadata.get("general.architecture"), f"unknown ({e})"

@@ -5,6 +5,7 @@ A GGUF file carries no activation key: the architecture name alone decides the M
                            (BitNet b1.58 2B4T, bitnet-tiny)
   bitnet                   llama.cpp's `build_bitnet`: SiLU gated MLP, sub-norms (1bitLLM, smollm2-135m-1.58)
   llama                    SiLU gated MLP, no sub-norms (LLaMA family, ternarized or not)
+  qwen3, gemma3, gpt2      llama.cpp's own, with their names and keys in `bitnetlm.formats.gguf_families`
 The BitNet names use NEOX (rotate-half) RoPE, so their q/k rows are stored as in HF; `llama` files hold q/k rows
 permuted for GGML's interleaved RoPE (`gguf.permute_qk`). llama.cpp's `bitnet` has no `output` tensor (its head is
 the embedding): an untied SiLU BitNet is written with one all the same, which bitnet-lm reads and llama.cpp refuses.
@@ -16,6 +17,7 @@ import math
 import re
 
 from bitnetlm.formats import gguf_codecs as codecs
+from bitnetlm.formats import gguf_families as families
 from bitnetlm.formats.gguf_file import GGUFError, GGUFFile
 from bitnetlm.models import ModelConfig
 
@@ -39,6 +41,13 @@ def _describes(name: str, cfg: ModelConfig) -> bool:
 
 def gguf_arch_name(cfg: ModelConfig, arch_name: str | None = None) -> str:
     """The `general.architecture` that runs `cfg`'s model (its sub-norms and its MLP activation)."""
+    if cfg.family != "llama":
+        name = families.gguf_arch(cfg.arch)
+        if arch_name not in (None, name):
+            raise ValueError(
+                f"GGUF architecture {arch_name!r} does not describe a {cfg.arch} model; it is {name!r}"
+            )
+        return name
     if arch_name is not None and arch_name not in ARCHS:
         raise ValueError(f"unsupported GGUF architecture {arch_name!r}; choose from {SUPPORTED_ARCHS}")
     fits = [name for name in ARCHS if _describes(name, cfg)]
@@ -89,10 +98,10 @@ def _check_blocks(f: GGUFFile, n_layers: int) -> None:
 def config_from_gguf(f: GGUFFile) -> ModelConfig:
     """ModelConfig from a GGUF file's metadata (and tensor shapes where metadata is silent)."""
     name = f.metadata.get("general.architecture")
-    if name not in ARCHS:
-        raise GGUFError(
-            f"{f.path}: general.architecture is {name!r}; supported: {', '.join(SUPPORTED_ARCHS)}"
-        )
+    family = families.family_of(name) if name not in ARCHS and isinstance(name, str) else None
+    if name not in ARCHS and family is None:
+        supported = SUPPORTED_ARCHS + tuple(families.gguf_arch(a) for a in families.FAMILIES)
+        raise GGUFError(f"{f.path}: general.architecture is {name!r}; supported: {', '.join(supported)}")
     hidden = _meta(f, "embedding_length", required=True)
     n_layers = _meta(f, "block_count", required=True)
     n_heads = _meta(f, "attention.head_count", required=True)
@@ -111,12 +120,13 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         if up is None:
             raise GGUFError(f"{f.path}: feed_forward_length missing and no blk.0.ffn_up.weight to infer it")
         ffn = up.shape[0]
-    ours, act = ARCHS[name]
+    ours, act = ARCHS[name] if family is None else (family, families.ACTS[family])
     meta = f.metadata
     ternary = any(
         (ti := f.tensors.get(f"blk.0.{p}.weight")) is not None and ti.type_id in codecs.TYPE_NAMES
-        for p in PROJ_NAMES
+        for p in PROJ_NAMES + ("attn_qkv",)
     )
+    extra = {} if family is None else families.config_fields(meta, family, f.path)
     try:
         return ModelConfig(
             arch=ours,
@@ -129,13 +139,16 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
             head_dim=_meta(f, "attention.key_length", _meta(f, "rope.dimension_count", hidden // n_heads)),
             max_position_embeddings=_meta(f, "context_length", 4096),
             rope_theta=float(_meta(f, "rope.freq_base", 10000.0, kind=float)),
-            rms_norm_eps=float(_meta(f, "attention.layer_norm_rms_epsilon", 1e-5, kind=float)),
+            rms_norm_eps=extra.pop(
+                "rms_norm_eps", float(_meta(f, "attention.layer_norm_rms_epsilon", 1e-5, kind=float))
+            ),
             hidden_act=act,
             tie_word_embeddings="output.weight" not in f.tensors,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
             pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
-            quant="ternary" if (ours != "llama" or ternary) else "none",
+            quant="ternary" if (ours in ("bitnet", "1bitllm") or ternary) else "none",
+            **extra,
         )
     except ValueError as e:
         raise GGUFError(f"{f.path}: {e}") from None

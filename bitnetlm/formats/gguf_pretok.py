@@ -54,8 +54,14 @@ LLAMA3_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# Qwen2/2.5/3's: LLaMA-3's with digits one at a time (llama.cpp's `qwen2`)
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 # the names this writer can choose: those our GGUF reader (gguf_tokenizer) rebuilds exactly
-WRITABLE = ("gpt-2", "smollm", "llama-bpe")
+WRITABLE = ("gpt-2", "smollm", "llama-bpe", "qwen2")
 
 
 def _by_structure(pre: dict | None) -> str | None:
@@ -74,8 +80,8 @@ def _by_structure(pre: dict | None) -> str | None:
     if first.get("type") == "Digits" and first.get("individual_digits") and last.get("use_regex", True):
         return "smollm"
     pattern = (first.get("pattern") or {}).get("Regex", "") if first.get("type") == "Split" else ""
-    if pattern == LLAMA3_SPLIT and not last.get("use_regex", True):
-        return "llama-bpe"
+    if not last.get("use_regex", True):
+        return {LLAMA3_SPLIT: "llama-bpe", QWEN2_SPLIT: "qwen2"}.get(pattern)
     return None
 
 
@@ -95,6 +101,6 @@ def pre_tokenizer_name(tokenizer_json: dict, source: str = "tokenizer.json") -> 
         found = json.dumps(tokenizer_json.get("pre_tokenizer"))[:120]
         raise ValueError(
             f"{source}: its pre-tokenizer has no llama.cpp name this writer knows (GPT-2 byte-level, SmolLM "
-            f"digits + byte-level, LLaMA-3 split + byte-level); found {found}"
+            f"digits + byte-level, LLaMA-3 or Qwen2 split + byte-level); found {found}"
         )
     return name

@@ -14,13 +14,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bitnetlm.formats.gguf_pretok import LLAMA3_SPLIT, pre_tokenizer_name
+from bitnetlm.formats.gguf_pretok import LLAMA3_SPLIT, QWEN2_SPLIT, pre_tokenizer_name
 
 # llama.cpp token types
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 LLAMA3_PRES = ("llama3", "llama-v3", "llama-bpe", "dbrx", "smaug-bpe", "falcon3", "pixtral")
-SPLIT_PRES = {p: LLAMA3_SPLIT for p in LLAMA3_PRES}
+SPLIT_PRES = {p: LLAMA3_SPLIT for p in LLAMA3_PRES} | {"qwen2": QWEN2_SPLIT}
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -94,6 +94,8 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any], source: str = "GGUF") -> 
         tok_of("unknown_token_id"),
         tok_of("padding_token_id"),
     )
+    if kind == "bert":
+        return wordpiece_from_metadata(meta, tokens, types, source)
     if kind == "gpt2":
         merges = [tuple(m.split(" ", 1)) for m in merges_raw or []]
         model = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in LLAMA3_PRES, fuse_unk=False)
@@ -135,7 +137,9 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any], source: str = "GGUF") -> 
         )
         alphabet = None
     else:
-        raise ValueError(f"{source}: tokenizer.ggml.model {kind!r} is not supported (supported: gpt2, llama)")
+        raise ValueError(
+            f"{source}: tokenizer.ggml.model {kind!r} is not supported (supported: gpt2, llama, bert)"
+        )
     special = [
         AddedToken(t, special=True, normalized=False)
         for t, ty in zip(tokens, types)
@@ -244,7 +248,12 @@ def tokenizer_metadata(tok, cfg=None) -> tuple[dict[str, Any], dict[str, tuple[i
         types[i] = NORMAL if a is None else CONTROL if a.get("special") else USER_DEFINED
     byte_fallback = bool(model.get("byte_fallback"))
     kind = "llama" if byte_fallback else "gpt2"
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    pairs = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model.get("merges") or []]
+    merges = [" ".join(p) for p in pairs]
+    if kind == "llama" and any(" " in a or " " in b for a, b in pairs):
+        # "a b" cannot hold a piece with a space (Gemma's whitespace runs): the reader derives the merges from
+        # the scores instead, as llama.cpp's SentencePiece converter leaves them out
+        merges = []
     meta: dict[str, Any] = {
         "tokenizer.ggml.model": kind,
         "tokenizer.ggml.tokens": tokens,
@@ -264,8 +273,8 @@ def tokenizer_metadata(tok, cfg=None) -> tuple[dict[str, Any], dict[str, tuple[i
         meta["tokenizer.ggml.pre"] = pre_tokenizer_name(tj, source)
     else:
         rank = {}
-        for r, m in enumerate(merges):
-            rank.setdefault(m.replace(" ", ""), r)
+        for r, (a, b) in enumerate(pairs):
+            rank.setdefault(a + b, r)
         meta["tokenizer.ggml.scores"] = [float(-rank.get(t, 0)) for t in tokens]
         vtypes["tokenizer.ggml.scores"] = (ARRAY, FLOAT32)
         for i, t in enumerate(tokens):
@@ -308,3 +317,58 @@ def tokenizer_metadata(tok, cfg=None) -> tuple[dict[str, Any], dict[str, tuple[i
         meta["tokenizer.chat_template"] = tmpl
         vtypes["tokenizer.chat_template"] = (STRING, None)
     return meta, vtypes
+
+
+def wordpiece_from_metadata(meta: dict[str, Any], tokens: list[str], types: list[int], source: str):
+    """(tokenizers.Tokenizer, tokenizer_config dict) of a `bert` tokenizer in GGUF metadata."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    def unphantom(t: str, ty: int) -> str:
+        if ty == CONTROL or (t.startswith("[") and t.endswith("]")):
+            return t
+        return t[1:] if t.startswith("\u2581") else "##" + t
+
+    words = [unphantom(t, ty) for t, ty in zip(tokens, types)]
+    vocab = {}
+    for i, w in enumerate(words):
+        vocab.setdefault(w, i)
+
+    def tok_of(key):
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return words[i] if isinstance(i, int) and 0 <= i < len(words) else None
+
+    cls, sep, unk = tok_of("bos"), tok_of("eos"), tok_of("unknown")
+    if unk is None:
+        raise ValueError(
+            f"{source}: tokenizer.ggml.unknown_token_id is missing (WordPiece needs an unknown token)"
+        )
+    tk = Tokenizer(
+        models.WordPiece(
+            vocab=vocab, unk_token=unk, continuing_subword_prefix="##", max_input_chars_per_word=100
+        )
+    )
+    tk.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, lowercase=True)
+    tk.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tk.decoder = decoders.WordPiece(prefix="##")
+    tk.add_special_tokens([w for w, ty in zip(words, types) if ty == CONTROL])
+    add_bos, add_eos = (
+        meta.get("tokenizer.ggml.add_bos_token", True),
+        meta.get("tokenizer.ggml.add_eos_token", True),
+    )
+    parts = ([cls] if add_bos and cls else []), ([sep] if add_eos and sep else [])
+    if parts[0] or parts[1]:
+        single = " ".join([*(f"{t}:0" for t in parts[0]), "$A:0", *(f"{t}:0" for t in parts[1])])
+        pair = single + " " + " ".join(["$B:1", *(f"{t}:1" for t in parts[1])])
+        specials = [(t, vocab[t]) for t in {*parts[0], *parts[1]}]
+        tk.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+    config = {
+        "tokenizer_class": "BertTokenizer",
+        "do_lower_case": True,
+        "cls_token": cls,
+        "sep_token": sep,
+        "unk_token": unk,
+        "pad_token": tok_of("padding"),
+        "mask_token": tok_of("mask"),
+        "model_max_length": meta.get("bert.context_length", 512),
+    }
+    return tk, {k: v for k, v in config.items() if v is not None}

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from bitnetlm import progress
 from bitnetlm.formats import atomic
-from bitnetlm.formats.names import IGNORED_SUFFIXES, hf_name, layer_modules
+from bitnetlm.formats.names import IGNORED_SUFFIXES, hf_name, hf_transposed, model_modules
 from bitnetlm.models import CausalLM, ModelConfig, build_empty_model
 from bitnetlm.models.transformer import rope_inv_freq
 from bitnetlm.quant.bitlinear import BitLinear
@@ -27,7 +27,7 @@ from bitnetlm.quant.packing import PackingFormat, pack_hf, unpack_hf
 from bitnetlm.quant.ternary import ternarize
 
 FORMAT_VERSION = "1"
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_LAYER = re.compile(r"(?:model\.layers|transformer\.h)\.(\d+)\.")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -141,16 +141,20 @@ def load_hf(path: str | os.PathLike, mode: str = "infer", dtype: torch.dtype = t
     check_layer_count(cfg, ts.where, src)
     model = build_empty_model(cfg, mode)
     sd: dict[str, torch.Tensor] = {}
-    modules = list(layer_modules(cfg.num_hidden_layers, cfg.has_sub_norms))
+    modules = list(model_modules(cfg))
     for name, kind in progress.bar(modules, desc=f"loading {path.name}", unit="tensor"):
         key = hf_name(name, cfg.arch) + ".weight"
         module = model.get_submodule(name)
-        if kind != "proj":
+        if kind == "proj":
+            sd.update(_load_projection(ts, key, name, module, cfg, dtype, src))
+        else:
             w = ts.get(key)
             _expect(key, w, tuple(module.weight.shape), src, _FLOAT_DTYPES)
             sd[name + ".weight"] = w.to(dtype)
-            continue
-        sd.update(_load_projection(ts, key, name, module, cfg, dtype, src))
+        if getattr(module, "bias", None) is not None:
+            b = ts.get(key.removesuffix("weight") + "bias")
+            _expect(key.removesuffix("weight") + "bias", b, tuple(module.bias.shape), src, _FLOAT_DTYPES)
+            sd[name + ".bias"] = b.to(torch.float32 if isinstance(module, BitLinear) else dtype)
     if not cfg.tie_word_embeddings:
         w = ts.get("lm_head.weight")
         _expect("lm_head.weight", w, (cfg.head_rows, cfg.hidden_size), src, _FLOAT_DTYPES)
@@ -193,6 +197,9 @@ def _load_projection(ts: _Tensors, key: str, name: str, module, cfg: ModelConfig
             p = t.abs().mean().clamp(min=1e-12)
             return {name + ".weight": t * (s / p)}
         return {name + ".weight": (t * s).to(dtype)}
+    if hf_transposed(name, cfg.arch):  # GPT-2's Conv1D holds [in, out]
+        _expect(key, w, (k, n), src, _FLOAT_DTYPES)
+        w = w.t()
     _expect(key, w, (n, k), src, _FLOAT_DTYPES)
     if isinstance(module, BitLinear) and not module.training_mode:  # float master weights -> ternary at load
         t, s = ternarize(w)
@@ -204,8 +211,7 @@ def state_dict_hf(model: CausalLM, dtype: torch.dtype | None = None) -> dict[str
     """Our model's tensors under HF names, ternary projections in the offline packed autobitlinear layout."""
     cfg = model.config
     out: dict[str, torch.Tensor] = {}
-    modules = list(layer_modules(cfg.num_hidden_layers, cfg.has_sub_norms))
-    for name, kind in progress.bar(modules, desc="packing", unit="tensor"):
+    for name, kind in progress.bar(list(model_modules(cfg)), desc="packing", unit="tensor"):
         m = model.get_submodule(name)
         key = hf_name(name, "bitnet" if cfg.arch == "1bitllm" else cfg.arch)
         if kind == "proj" and isinstance(m, BitLinear):
@@ -217,7 +223,11 @@ def state_dict_hf(model: CausalLM, dtype: torch.dtype | None = None) -> dict[str
             out[key + ".weight_scale"] = s.detach().float().reshape(1).cpu()
         else:
             w = m.weight.detach().cpu()
+            w = w.t() if hf_transposed(name, cfg.arch) else w
             out[key + ".weight"] = (w.to(dtype) if dtype is not None else w).contiguous()
+        if getattr(m, "bias", None) is not None:
+            b = m.bias.detach().cpu()
+            out[key + ".bias"] = (b.to(dtype) if dtype is not None else b).contiguous()
     if model.lm_head is not None:
         w = model.lm_head.weight.detach().cpu()
         out["lm_head.weight"] = (w.to(dtype) if dtype is not None else w).contiguous()
@@ -258,7 +268,9 @@ def save_hf(
     if cfg.arch == "1bitllm":  # saved as BitNet with SiLU: transformers has no 1bitLLM class
         hf_cfg["hidden_act"] = cfg.hidden_act
     sd = state_dict_hf(model, dtype)
-    hf_cfg["torch_dtype"] = str(sd["model.embed_tokens.weight"].dtype).removeprefix("torch.")
+    hf_cfg["torch_dtype"] = str(sd[hf_name("embed_tokens", cfg.arch) + ".weight"].dtype).removeprefix(
+        "torch."
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic.temp_dir(out) as tmp:
         meta = {

@@ -135,6 +135,10 @@ def _out_features(key: str, cfg) -> int:
         ("gate_proj", cfg.intermediate_size),
         ("up_proj", cfg.intermediate_size),
         ("down_proj", cfg.hidden_size),
+        ("attn.c_attn", 3 * cfg.hidden_size),  # GPT-2
+        ("attn.c_proj", cfg.hidden_size),
+        ("mlp.c_fc", cfg.intermediate_size),
+        ("mlp.c_proj", cfg.hidden_size),
     ):
         if key.endswith(f"{suffix}.weight"):
             return n
@@ -144,7 +148,7 @@ def _out_features(key: str, cfg) -> int:
 def _in_features(key: str, cfg) -> int:
     if key.endswith("o_proj.weight"):
         return cfg.num_attention_heads * cfg.head_dim
-    if key.endswith("down_proj.weight"):
+    if key.endswith(("down_proj.weight", "mlp.c_proj.weight")):
         return cfg.intermediate_size
     return cfg.hidden_size
 
@@ -223,6 +227,8 @@ def load_mmap(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
     path = Path(path)
     cfg = read_config(path)
     if cfg.quant != "ternary" or cfg.linear_class != "autobitlinear" or cfg.quantization_mode != "offline":
+        return None
+    if cfg.family != "llama":  # biases, transposed weights: load_hf reads these
         return None
     tensors: dict[str, torch.Tensor] = {}
     meta: dict[str, str] = {}

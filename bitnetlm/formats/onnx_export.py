@@ -13,6 +13,7 @@ Token t of the call sits at cache slot P+t and attends to slots <= P+t (no paddi
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -134,6 +135,8 @@ def build_onnx(model):
     from onnx import TensorProto
 
     cfg = model.config
+    if cfg.family != "llama":
+        raise ValueError(f"ONNX export takes LLaMA/BitNet-shaped models, not {cfg.arch}")
     g = _G()
     h_ = g.h
     n_h, n_kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -261,6 +264,8 @@ def build_onnx(model):
     mp.ir_version = 11
     mp.metadata_props.add(key="bitnetlm_format_version", value="1")
     mp.metadata_props.add(key="bitnetlm_arch", value=cfg.arch)
+    # the whole config (context length, token ids, ...): what `onnx_import` cannot read off the graph
+    mp.metadata_props.add(key="bitnetlm_config", value=json.dumps(cfg.to_hf()))
     return mp
 
 

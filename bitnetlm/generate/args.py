@@ -1,8 +1,11 @@
-"""The speculative-decoding flags of `bitnet generate`, `chat`, `serve` and `bench` (SpeculativeConfig's)."""
+"""The generation flags of `bitnet generate`, `chat`, `serve` (and `bench`): speculative decoding
+(SpeculativeConfig's) and the context shift (ContextShift's)."""
 
 from __future__ import annotations
 
 import argparse
+
+from bitnetlm.runtime.args import parse_bool
 
 # (flags, dest, type, default, help); `bitnet serve` reads them from BITNET_<FLAG> too
 SPECULATIVE_FLAGS = [
@@ -30,6 +33,42 @@ SPECULATIVE_FLAGS = [
         "most tokens drafted per step (speculative decoding)",
     ),
 ]
+
+
+# (flags, dest, type, default, help); `bitnet serve` reads them from BITNET_<FLAG> too
+CONTEXT_FLAGS = [
+    (
+        ("--context-shift",),
+        "context_shift",
+        parse_bool,
+        False,
+        "at the end of the context window keep the first --keep tokens, drop the oldest half of the rest and go "
+        "on (llama.cpp's context shift); without it generation ends there with finish reason 'length'",
+    ),
+    (
+        ("--keep", "--n-keep"),
+        "n_keep",
+        int,
+        0,
+        "context shift: prompt tokens kept at the start after BOS (-1: the whole prompt)",
+    ),
+]
+
+
+def add_context_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("context window")
+    for flags, dest, typ, default, text in CONTEXT_FLAGS:
+        extra = dict(nargs="?", const=True) if typ is parse_bool else {}  # `--context-shift` alone means true
+        g.add_argument(
+            *flags, dest=dest, type=typ, default=default, help=f"{text} (default: {default})", **extra
+        )
+
+
+def context_shift_from_args(args):
+    """The ContextShift the flags ask for, or None."""
+    from bitnetlm.engine.scheduler import ContextShift
+
+    return ContextShift(args.n_keep) if args.context_shift else None
 
 
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bitnetlm.engine.scheduler import ContextShift
 from bitnetlm.engine.sequence import GenerationRequest, Token
 from bitnetlm.engine.speculative import SpeculativeConfig
 from bitnetlm.kernels import torch_threads_beside_c
@@ -41,6 +42,7 @@ class GenerationChunk:
     logprob: float
     finish_reason: str | None  # None while generating, then "stop" or "length"
     index: int = 0  # row of the batch
+    finish_detail: str | None = None  # why it finished, where the reason alone does not say (a full context)
     prompt_tokens: int = 0
     generation_tokens: int = 0
     prompt_tps: float = 0.0  # prompt tokens / prefill seconds (all rows of the batch)
@@ -54,7 +56,7 @@ class GenerationChunk:
 class GenerationResult(str):
     """The generated text (a str) carrying the run's details as attributes.
 
-    tokens, finish_reason, prompt_tokens, generation_tokens, prompt_tps, generation_tps, ttft_s, total_s,
+    tokens, finish_reason, finish_detail, prompt_tokens, generation_tokens, prompt_tps, generation_tps, ttft_s, total_s,
     logprobs (one per generated token).
     """
 
@@ -121,12 +123,9 @@ def context_length(model, ctx_size: int | None = None) -> int:
     return int(n)
 
 
-def _budgets(model, prompts, params, ctx_size) -> list[int]:
-    """Each prompt's token budget: its max_tokens, cut at the end of the context (errors for empty prompts or
-    prompts that fill the context)."""
-    ctx = context_length(model, ctx_size)
-    out = []
-    for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+def _check_prompts(prompts, ctx: int) -> None:
+    """Errors for empty prompts and prompts that fill the context."""
+    for i, ids in enumerate(prompts):
         if not ids:
             raise ValueError(f"prompt {i} is empty (0 tokens); give some text or a tokenizer that adds BOS")
         if len(ids) >= ctx:
@@ -134,8 +133,6 @@ def _budgets(model, prompts, params, ctx_size) -> list[int]:
                 f"prompt {i} has {len(ids)} tokens but the context holds {ctx} positions "
                 f"(max_position_embeddings or --ctx-size); shorten the prompt or raise --ctx-size"
             )
-        out.append(min(p.max_tokens, ctx - len(ids)))
-    return out
 
 
 def _eos_ids(model, tok) -> list[int]:
@@ -156,6 +153,7 @@ def _chunk(ev: Token, index: int, t0: float, prompt_tps: float) -> GenerationChu
         logprob=ev.logprob,
         finish_reason=ev.finish_reason,
         index=index,
+        finish_detail=s.finish_detail if ev.finish_reason else None,
         prompt_tokens=s.n_prompt,
         generation_tokens=n,
         prompt_tps=prompt_tps,
@@ -176,23 +174,33 @@ def _engine(
     runtime: RuntimeConfig | None = None,
     prefill_chunk: int = PREFILL_CHUNK,
     speculative: SpeculativeConfig | None = None,
+    context_shift: ContextShift | None = None,
 ) -> Iterator[GenerationChunk]:
     """The generation loop of every offline call: the engine core over the model's runner, stepped here."""
     from bitnetlm.engine.core import EngineCore
     from bitnetlm.runtime import runner_for
 
     t0 = time.perf_counter()
-    budgets = _budgets(model, prompts, params, ctx_size)
-    todo = [i for i, n in enumerate(budgets) if n > 0]
+    ctx = context_length(model, ctx_size)
+    _check_prompts(prompts, ctx)
+    todo = [i for i, p in enumerate(params) if p.max_tokens > 0]
     if not todo:
         return
-    need = max(len(prompts[i]) + budgets[i] for i in todo)
+    need = min(ctx, max(len(prompts[i]) + params[i].max_tokens for i in todo))
     runner = runner_for(model, runtime, rows=len(todo), max_seq_len=need)
-    core = EngineCore(runner, tok, _eos_ids(model, tok), prefill_chunk=prefill_chunk, speculative=speculative)
+    core = EngineCore(
+        runner,
+        tok,
+        _eos_ids(model, tok),
+        prefill_chunk=prefill_chunk,
+        speculative=speculative,
+        context=ctx,
+        context_shift=context_shift,
+    )
     events: list = []
     index = {}  # request id -> its prompt's index
     for i in todo:
-        index[core.add(GenerationRequest(list(prompts[i]), params[i]), events.append, budgets[i]).id] = i
+        index[core.add(GenerationRequest(list(prompts[i]), params[i]), events.append).id] = i
     n_prompt = sum(len(prompts[i]) for i in todo)
     prompt_tps = 0.0
     with torch_threads_beside_c(model):
@@ -230,6 +238,8 @@ def stream_generate(
     runtime: RuntimeConfig | None = None,
     enforce_eager: bool = False,
     speculative: SpeculativeConfig | None = None,
+    context_shift: bool = False,
+    n_keep: int = 0,
     **kwargs,
 ) -> Iterator[GenerationChunk]:
     """Yield one GenerationChunk per generated token; the last one has finish_reason set.
@@ -239,6 +249,9 @@ def stream_generate(
     runtime: how to run the model (default: what `bitnetlm.load` was given for it); on CUDA the decode steps
     replay captured graphs, and enforce_eager=True runs the model's own forward instead (as vLLM's).
     speculative: draft and verify several tokens a step (prompt lookup or a draft model; same outputs).
+    context_shift: at the end of the context window keep the first n_keep prompt tokens (after BOS; -1: the whole
+    prompt), drop the oldest half of the rest and go on (llama.cpp's context shift); without it generation ends
+    there with finish_reason "length" and a finish_detail saying so.
     """
     p = make_params(params, **kwargs)
     ids = prompt_to_ids(tok, prompt, system=system, chat=chat)
@@ -252,7 +265,12 @@ def stream_generate(
         runtime=rt,
         prefill_chunk=prefill_chunk,
         speculative=speculative,
+        context_shift=_context_shift(model, context_shift, n_keep),
     )
+
+
+def _context_shift(model, on: bool, n_keep: int) -> ContextShift | None:
+    return ContextShift(n_keep).check(model.config) if on else None
 
 
 def _result(chunks: list[GenerationChunk], n_prompt: int, t0: float) -> GenerationResult:
@@ -263,6 +281,7 @@ def _result(chunks: list[GenerationChunk], n_prompt: int, t0: float) -> Generati
         tokens=[c.token for c in chunks],
         logprobs=[c.logprob for c in chunks],
         finish_reason=last.finish_reason if last else "length",
+        finish_detail=last.finish_detail if last else None,
         prompt_tokens=n_prompt,
         generation_tokens=len(chunks),
         prompt_tps=last.prompt_tps if last else 0.0,
@@ -287,6 +306,8 @@ def generate(
     runtime: RuntimeConfig | None = None,
     enforce_eager: bool = False,
     speculative: SpeculativeConfig | None = None,
+    context_shift: bool = False,
+    n_keep: int = 0,
     **kwargs,
 ) -> GenerationResult:
     """Generate a completion; returns the text (a str subclass with .tokens, .finish_reason, timings...)."""
@@ -295,7 +316,10 @@ def generate(
     ids = prompt_to_ids(tok, prompt, system=system, chat=chat)
     chunks = []
     rt = _runtime(runtime, enforce_eager)
-    for c in _engine(model, tok, [ids], [p], ctx_size=ctx_size, runtime=rt, speculative=speculative):
+    shift = _context_shift(model, context_shift, n_keep)
+    for c in _engine(
+        model, tok, [ids], [p], ctx_size=ctx_size, runtime=rt, speculative=speculative, context_shift=shift
+    ):
         chunks.append(c)
         if verbose:
             print(c.text, end="", flush=True)
@@ -318,6 +342,8 @@ def batch_generate(
     runtime: RuntimeConfig | None = None,
     enforce_eager: bool = False,
     speculative: SpeculativeConfig | None = None,
+    context_shift: bool = False,
+    n_keep: int = 0,
     **kwargs,
 ) -> list[GenerationResult]:
     """Generate for several prompts at once (one KV row each); each result equals generating it alone."""
@@ -332,7 +358,10 @@ def batch_generate(
     ids = [prompt_to_ids(tok, p, system=system, chat=chat) for p in prompts]
     per_row: list[list[GenerationChunk]] = [[] for _ in prompts]
     rt = _runtime(runtime, enforce_eager)
-    for c in _engine(model, tok, ids, plist, ctx_size=ctx_size, runtime=rt, speculative=speculative):
+    shift = _context_shift(model, context_shift, n_keep)
+    for c in _engine(
+        model, tok, ids, plist, ctx_size=ctx_size, runtime=rt, speculative=speculative, context_shift=shift
+    ):
         per_row[c.index].append(c)
     return [_result(ch, len(i), t0) for ch, i in zip(per_row, ids, strict=True)]
 
@@ -347,4 +376,5 @@ def format_stats(r) -> str:
     drafted = getattr(r, "draft_tokens", 0)
     if drafted:
         line += f" | draft: {r.accepted_tokens}/{drafted} accepted ({r.accepted_tokens / drafted:.0%})"
-    return line
+    detail = getattr(r, "finish_detail", None)
+    return f"{line} ({detail})" if detail else line

@@ -7,7 +7,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-ARCHS = ("bitnet", "1bitllm", "llama")
+ARCHS = ("bitnet", "1bitllm", "llama", "qwen3", "gemma3", "gpt2")
+LLAMA_SHAPED = ("bitnet", "1bitllm", "llama")  # one decoder layer shape (models/transformer.py)
+_GPT2_ACTS = {"gelu_new": "gelu_pytorch_tanh", "gelu_pytorch_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 _SIZES = (
     "vocab_size",
     "hidden_size",
@@ -42,7 +45,10 @@ class ModelConfig:
     """Architecture hyper-parameters.
 
     arch: "bitnet" (BitNet b1.58 2B4T: ReLU^2 gated MLP, sub-norms), "1bitllm" (1bitLLM BitnetForCausalLM: SiLU,
-    sub-norms named inner_attn_ln / ffn_layernorm, latent float weights), "llama" (plain full-precision LLaMA family).
+    sub-norms named inner_attn_ln / ffn_layernorm, latent float weights), "llama" (plain full-precision LLaMA family),
+    "qwen3" (LLaMA layers with per-head q/k RMSNorm), "gemma3" (Gemma 3 text: sandwich (1 + w) norms, GELU-tanh,
+    local sliding-window and global layers), "gpt2" (learned positions, LayerNorm, biases, GELU MLP).
+    For gpt2, rms_norm_eps holds the LayerNorm epsilon.
     quant: "ternary" (projections are BitLinear) or "none" (plain nn.Linear, full precision).
     """
 
@@ -70,6 +76,13 @@ class ModelConfig:
     # a reduced vocabulary (draft models): the token ids the LM head scores; every other id gets logit -inf and
     # shares one embedding row (row len(vocab_subset)). None: the whole vocabulary.
     vocab_subset: list[int] | None = None
+    # Gemma 3: attention scale query_pre_attn_scalar^-0.5, local layers' window and RoPE base, soft-capping
+    query_pre_attn_scalar: float | None = None
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    rope_local_theta: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -111,6 +124,7 @@ class ModelConfig:
             )
         if self.quant not in ("ternary", "none"):
             raise ValueError(f"ModelConfig.quant: expected 'ternary' or 'none', found {self.quant!r}")
+        self._check_gemma()
         if self.vocab_subset is not None:
             self._check_subset()
 
@@ -122,6 +136,7 @@ class ModelConfig:
         )
         _require(ok, "vocab_subset", f"a non-empty list of ids in [0, {self.vocab_size})", v)
         _require(len(set(v)) == len(v), "vocab_subset", "ids without repeats", v)
+        _require(self.family == "llama", "vocab_subset", "a LLaMA/BitNet model", self.arch)
         self.vocab_subset = [int(i) for i in v]
 
     @property
@@ -133,6 +148,42 @@ class ModelConfig:
     def embed_rows(self) -> int:
         """The embedding's rows: one per head token plus one for every other id, or vocab_size."""
         return self.vocab_size if self.vocab_subset is None else len(self.vocab_subset) + 1
+
+    def _check_gemma(self) -> None:
+        for name in (
+            "query_pre_attn_scalar",
+            "rope_local_theta",
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+        ):
+            v = getattr(self, name)
+            _require(v is None or _positive_number(v), name, "a positive finite number or null", v)
+        w = self.sliding_window
+        _require(w is None or _positive_int(w), "sliding_window", "a positive integer or null", w)
+        lt = self.layer_types
+        if lt is not None:
+            ok = (
+                isinstance(lt, list)
+                and len(lt) == self.num_hidden_layers
+                and all(t in _LAYER_TYPES for t in lt)
+            )
+            _require(ok, "layer_types", f"{self.num_hidden_layers} of {_LAYER_TYPES}", lt)
+            _require(
+                w is not None or "sliding_attention" not in lt, "sliding_window", "set for sliding layers", w
+            )
+
+    @property
+    def family(self) -> str:
+        """ "llama" for the LLaMA/BitNet layer shape that the fused CPU step and the CUDA engine run, else arch."""
+        return "llama" if self.arch in LLAMA_SHAPED else self.arch
+
+    @property
+    def shift_unsupported(self) -> str | None:
+        """Why the context shift cannot re-rotate this model's cached keys by one RoPE angle, or None."""
+        return {"gemma3": "two RoPE bases", "gpt2": "learned positions"}.get(self.arch)
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
 
     @property
     def has_sub_norms(self) -> bool:
@@ -150,12 +201,17 @@ class ModelConfig:
         h, i, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
+        if self.arch == "gpt2":  # fused qkv, up/down, biases, two LayerNorms; learned positions
+            per_layer = 4 * h * h + 2 * h * i + 9 * h + i
+            emb = (self.vocab_size + self.max_position_embeddings) * h
+            return emb + L * per_layer + 2 * h + (0 if self.tie_word_embeddings else self.vocab_size * h)
         per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
         if self.has_sub_norms:
             per_layer += h + i
-        return (
-            self.embed_rows * h + L * per_layer + h + (0 if self.tie_word_embeddings else self.head_rows * h)
-        )
+        if self.arch in ("qwen3", "gemma3"):
+            per_layer += 2 * self.head_dim + (2 * h if self.arch == "gemma3" else 0)
+        head = 0 if self.tie_word_embeddings else self.head_rows * h
+        return self.embed_rows * h + L * per_layer + h + head
 
     # ---- HF config.json -------------------------------------------------------------------
     @classmethod
@@ -177,26 +233,7 @@ class ModelConfig:
             _require(
                 cfg.get(key) is None or isinstance(cfg[key], kind), key, f"a {kind.__name__}", cfg.get(key)
             )
-        archs = cfg.get("architectures") or []
-        model_type = cfg.get("model_type")
-        qc = cfg.get("quantization_config") or {}
-        if model_type == "bitnet" or "BitNetForCausalLM" in archs:
-            arch = "bitnet"
-            quant = "ternary" if qc.get("quant_method") == "bitnet" else "none"
-        elif "BitnetForCausalLM" in archs or ("weight_bits" in cfg and model_type == "llama"):
-            arch, quant = "1bitllm", "ternary"
-            qc = {"linear_class": "autobitlinear", "quantization_mode": "online"}
-        elif model_type in ("llama", "smollm", "mistral") or any(
-            a in archs for a in ("LlamaForCausalLM", "MistralForCausalLM")
-        ):
-            arch, quant = "llama", "none"
-            if qc.get("quant_method") == "bitnet":
-                quant = "ternary"
-        else:
-            raise ValueError(
-                f"unknown architecture (model_type={model_type!r}, architectures={archs}); "
-                "supported: BitNetForCausalLM, BitnetForCausalLM (1bitLLM), LlamaForCausalLM"
-            )
+        arch, quant, qc, cfg = _arch_of(cfg)
         for key in (
             "vocab_size",
             "hidden_size",
@@ -206,14 +243,24 @@ class ModelConfig:
         ):
             _require(_positive_int(cfg.get(key)), key, "a positive integer", cfg.get(key))
         rope = cfg.get("rope_parameters") or {}
-        rope_theta = _get(cfg, "rope_theta", _get(rope, "rope_theta", 10000.0))
+        if arch == "gemma3":
+            rope = rope.get("full_attention") or rope
+            _require(isinstance(rope, dict), "rope_parameters", "an object", rope)
+        base = 1_000_000.0 if arch == "gemma3" else 10000.0
+        rope_theta = _get(cfg, "rope_theta", _get(rope, "rope_theta", base))
         rope_scaling = cfg.get("rope_scaling")
         if rope_scaling is None and rope.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
         tie = cfg.get("tie_word_embeddings")
-        tie = arch == "bitnet" if tie is None else tie
+        tie = arch in ("bitnet", "gemma3", "gpt2") if tie is None else tie
         _require(isinstance(tie, bool), "tie_word_embeddings", "true or false", tie)
-        default_act = {"bitnet": "relu2", "1bitllm": "silu", "llama": "silu"}[arch]
+        default_act = {"bitnet": "relu2", "gemma3": "gelu_pytorch_tanh", "gpt2": "gelu_pytorch_tanh"}.get(
+            arch, "silu"
+        )
+        if arch == "gemma3":
+            default_act = _get(cfg, "hidden_activation", default_act)
+        if cfg.get("attention_bias") and arch != "gpt2":
+            raise ValueError(f"field 'attention_bias' must be false for {arch} (not supported)")
         return cls(
             arch=arch,
             vocab_size=cfg["vocab_size"],
@@ -236,16 +283,18 @@ class ModelConfig:
             linear_class=qc.get("linear_class", "bitlinear"),
             quantization_mode=qc.get("quantization_mode", "offline"),
             vocab_subset=cfg.get("vocab_subset"),
+            **(_gemma3_fields(cfg) if arch == "gemma3" else _qwen3_fields(cfg) if arch == "qwen3" else {}),
         )
 
     def to_hf(self) -> dict[str, Any]:
-        """A config.json dict that transformers' BitNetForCausalLM / LlamaForCausalLM loads."""
-        if (
-            self.arch == "llama"
-        ):  # a ternarized llama stays a llama (transformers' bitnet quantizer is generic)
-            model_type, archs = "llama", ["LlamaForCausalLM"]
-        else:
-            model_type, archs = "bitnet", ["BitNetForCausalLM"]
+        """A config.json dict that transformers' model class for this architecture loads (a ternarized LLaMA,
+        Qwen3 or Gemma3 keeps its class: transformers' bitnet quantizer is generic)."""
+        model_type, archs = {
+            "llama": ("llama", ["LlamaForCausalLM"]),
+            "qwen3": ("qwen3", ["Qwen3ForCausalLM"]),
+            "gemma3": ("gemma3_text", ["Gemma3ForCausalLM"]),
+            "gpt2": ("gpt2", ["GPT2LMHeadModel"]),
+        }.get(self.arch, ("bitnet", ["BitNetForCausalLM"]))
         d: dict[str, Any] = {
             "architectures": archs,
             "model_type": model_type,
@@ -271,6 +320,14 @@ class ModelConfig:
             d["rope_scaling"] = self.rope_scaling
         if self.vocab_subset is not None:
             d["vocab_subset"] = list(self.vocab_subset)
+        if self.arch == "gemma3":
+            d.update(_gemma3_hf(self))
+        elif self.arch == "gpt2":
+            d = _gpt2_hf(self, d)
+        elif self.arch == "qwen3" and self.sliding_window is not None:
+            d.update(
+                use_sliding_window=True, sliding_window=self.sliding_window, layer_types=self.layer_types
+            )
         if self.quant == "ternary":
             d["quantization_config"] = {
                 "quant_method": "bitnet",
@@ -281,3 +338,130 @@ class ModelConfig:
 
     def replace(self, **kw) -> ModelConfig:
         return dataclasses.replace(self, **kw)
+
+
+_FAMILIES = {"qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+
+
+def _gpt2_as_common(cfg: dict) -> dict:
+    """GPT-2's config.json keys under the common names (n_embd -> hidden_size, ...)."""
+    act = cfg.get("activation_function", "gelu_new")
+    _require(act in _GPT2_ACTS, "activation_function", f"one of {sorted(_GPT2_ACTS)}", act)
+    for key in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
+        _require(not cfg.get(key), key, "false (not supported)", cfg.get(key))
+    _require(
+        cfg.get("scale_attn_weights", True) is True,
+        "scale_attn_weights",
+        "true",
+        cfg.get("scale_attn_weights"),
+    )
+    hidden, inner = cfg.get("n_embd"), cfg.get("n_inner")
+    return {
+        **cfg,
+        "hidden_size": hidden,
+        "num_hidden_layers": cfg.get("n_layer"),
+        "num_attention_heads": cfg.get("n_head"),
+        "num_key_value_heads": cfg.get("n_head"),
+        "intermediate_size": inner if inner is not None else (4 * hidden if _positive_int(hidden) else None),
+        "max_position_embeddings": cfg.get("n_positions"),
+        "rms_norm_eps": _get(cfg, "layer_norm_epsilon", 1e-5),
+        "hidden_act": _GPT2_ACTS[act],
+        "tie_word_embeddings": cfg.get("tie_word_embeddings", True),
+    }
+
+
+def _gemma3_fields(cfg: dict) -> dict:
+    rope = cfg.get("rope_parameters") or {}
+    local = rope.get("sliding_attention") if isinstance(rope.get("sliding_attention"), dict) else {}
+    layers = cfg.get("layer_types")
+    if layers is None:
+        pattern = _get(cfg, "sliding_window_pattern", 6)
+        _require(_positive_int(pattern), "sliding_window_pattern", "a positive integer", pattern)
+        n = cfg["num_hidden_layers"]
+        layers = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+    return dict(
+        query_pre_attn_scalar=_get(cfg, "query_pre_attn_scalar", 256),
+        sliding_window=_get(cfg, "sliding_window", 4096),
+        layer_types=layers,
+        rope_local_theta=_get(local, "rope_theta", _get(cfg, "rope_local_base_freq", 10000.0)),
+        attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+        final_logit_softcapping=cfg.get("final_logit_softcapping"),
+    )
+
+
+def _arch_of(cfg: dict[str, Any]) -> tuple[str, str, dict, dict[str, Any]]:
+    """(our arch, quant, quantization_config, cfg with GPT-2's names mapped to the common ones) of a config.json."""
+    archs = cfg.get("architectures") or []
+    model_type = cfg.get("model_type")
+    qc = cfg.get("quantization_config") or {}
+    if model_type == "bitnet" or "BitNetForCausalLM" in archs:
+        arch = "bitnet"
+        quant = "ternary" if qc.get("quant_method") == "bitnet" else "none"
+    elif "BitnetForCausalLM" in archs or ("weight_bits" in cfg and model_type == "llama"):
+        arch, quant = "1bitllm", "ternary"
+        qc = {"linear_class": "autobitlinear", "quantization_mode": "online"}
+    elif model_type in ("llama", "smollm", "mistral") or any(
+        a in archs for a in ("LlamaForCausalLM", "MistralForCausalLM")
+    ):
+        arch, quant = "llama", "none"
+        if qc.get("quant_method") == "bitnet":
+            quant = "ternary"
+    elif model_type in _FAMILIES or any(a in archs for a in _FAMILIES.values()):
+        arch = next(k for k, v in _FAMILIES.items() if model_type == k or v in archs)
+        arch = {"gemma3_text": "gemma3"}.get(arch, arch)
+        quant = "ternary" if qc.get("quant_method") == "bitnet" else "none"
+        if arch == "gpt2":
+            cfg = _gpt2_as_common(cfg)
+    else:
+        raise ValueError(
+            f"unknown architecture (model_type={model_type!r}, architectures={archs}); supported: "
+            "BitNetForCausalLM, BitnetForCausalLM (1bitLLM), LlamaForCausalLM, Qwen3ForCausalLM, "
+            "Gemma3ForCausalLM, GPT2LMHeadModel"
+        )
+    return arch, quant, qc, cfg
+
+
+def _qwen3_fields(cfg: dict) -> dict:
+    """Qwen3's optional window, as transformers reads it: with use_sliding_window, the layers from
+    max_window_layers on (or those layer_types names) attend to the last sliding_window positions."""
+    if not cfg.get("use_sliding_window"):
+        return {}
+    n = cfg["num_hidden_layers"]
+    first = _get(cfg, "max_window_layers", 28)
+    _require(isinstance(first, int) and first >= 0, "max_window_layers", "a non-negative integer", first)
+    layers = cfg.get("layer_types") or [
+        "sliding_attention" if i >= first else "full_attention" for i in range(n)
+    ]
+    return dict(sliding_window=cfg.get("sliding_window"), layer_types=layers)
+
+
+def _gemma3_hf(c: ModelConfig) -> dict[str, Any]:
+    return {
+        "hidden_activation": c.hidden_act,
+        "query_pre_attn_scalar": c.query_pre_attn_scalar,
+        "sliding_window": c.sliding_window,
+        "layer_types": c.layer_types,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": c.rope_theta},
+            "sliding_attention": {"rope_type": "default", "rope_theta": c.rope_local_theta},
+        },
+        "attn_logit_softcapping": c.attn_logit_softcapping,
+        "final_logit_softcapping": c.final_logit_softcapping,
+    }
+
+
+def _gpt2_hf(c: ModelConfig, d: dict[str, Any]) -> dict[str, Any]:
+    act = {"gelu_pytorch_tanh": "gelu_new"}.get(c.hidden_act, c.hidden_act)
+    keep = ("architectures", "model_type", "vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
+    return {
+        **{k: d[k] for k in keep},
+        "n_embd": c.hidden_size,
+        "n_layer": c.num_hidden_layers,
+        "n_head": c.num_attention_heads,
+        "n_inner": c.intermediate_size,
+        "n_positions": c.max_position_embeddings,
+        "layer_norm_epsilon": c.rms_norm_eps,
+        "activation_function": act,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "torch_dtype": d["torch_dtype"],
+    }

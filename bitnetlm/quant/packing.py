@@ -21,6 +21,7 @@ class PackingFormat(str, enum.Enum):
     GGUF_TQ2_0 = "gguf-tq2_0"  # llama.cpp TQ2_0 blocks of 256 (formats.gguf)
     GGUF_I2_S = "gguf-i2_s"  # bitnet.cpp I2_S, x86 128-value blocks, per-tensor scale (formats.gguf)
     CPU_2BIT = "cpu-2bit-v2"  # layout of the C kernels (kernels.cpu), see csrc/
+    CPU_BASE3 = "cpu-base3-v1"  # the C kernels' 1.6-bit layout (kernels.cpu), see csrc/bitnet_cpu.h
     TRITON_2BIT = "triton-2bit-v1"  # layout of the Triton kernels (kernels.triton)
 
 

@@ -27,10 +27,17 @@ def ternarize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return t, s
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token int8 quantization over the last dim: returns (X int8, a float32 [..., 1]), x ~= X / a."""
+def quantize_activations(
+    x: torch.Tensor, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token int8 quantization over the last dim: returns (X int8, a float32 [..., 1]), x ~= X / a.
+
+    amax [..., 1]: the tokens' max |x| when x is a slice of the quantized vector (tensor parallelism), else
+    taken from x."""
     xf = x.float()
-    a = QMAX / xf.abs().amax(dim=-1, keepdim=True).clamp(min=ACT_EPS)
+    if amax is None:
+        amax = xf.abs().amax(dim=-1, keepdim=True)
+    a = QMAX / amax.float().clamp(min=ACT_EPS)
     q = (xf * a).round().clamp(QMIN, QMAX).to(torch.int8)
     return q, a
 

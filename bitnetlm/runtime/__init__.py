@@ -48,6 +48,14 @@ def _device(model) -> torch.device:
 def make_runner(model, config: RuntimeConfig, rows: int, max_seq_len: int):
     """A new runner for `model` on its device with `rows` KV rows of `max_seq_len` positions."""
     dev = _device(model)
+    from bitnetlm.parallel import group_of
+
+    if config.kv_tokens and (dev.type != "cpu" or group_of(model) is not None):
+        log.warning("--kv-tokens: the paged KV cache runs in one CPU process; using a static one")
+    if group_of(model) is not None:  # a tensor-parallel shard: the eager forward, mirrored to the other ranks
+        from bitnetlm.runtime.tp import TPRunner
+
+        return TPRunner(model, config, rows, max_seq_len)
     if dev.type == "cuda" and not config.enforce_eager:
         try:
             from bitnetlm.runtime.cuda.engine import gpu_plan
@@ -60,6 +68,13 @@ def make_runner(model, config: RuntimeConfig, rows: int, max_seq_len: int):
                 return CudaRunner(model, config, rows, max_seq_len, plan)
             except (TypeError, ValueError) as e:
                 log.info("the CUDA-graph engine cannot run this model (%s); using the eager forward", e)
+    if dev.type == "cpu" and config.kv_tokens:
+        from bitnetlm.runtime.paged import paged_runner
+
+        got = paged_runner(model, config, rows, max_seq_len)
+        if not isinstance(got, str):
+            return got
+        log.warning("no paged KV cache for this model (%s); using a static one", got)
     if dev.type == "cpu":
         from bitnetlm.runtime.cpu import CpuRunner
 
@@ -67,6 +82,15 @@ def make_runner(model, config: RuntimeConfig, rows: int, max_seq_len: int):
     from bitnetlm.runtime.eager import EagerRunner
 
     return EagerRunner(model, config, rows, max_seq_len)
+
+
+def serving_config(model, config: RuntimeConfig, rows: int, max_seq_len: int) -> RuntimeConfig:
+    """The server's runtime options: on the CPU, without kv_tokens given, a paged KV cache of the positions the
+    static cache would hold (rows x max_seq_len: never more memory), whose rows take blocks as their tokens
+    arrive and share prompt prefixes. Elsewhere (a GPU, tensor parallelism) `config` as it is."""
+    if config.kv_tokens is not None or _device(model).type != "cpu" or _sharded(model):
+        return config
+    return config.replace(kv_tokens=rows * max_seq_len)
 
 
 def _version(t: torch.Tensor) -> int:
@@ -90,7 +114,7 @@ def runner_for(model, config: RuntimeConfig | None, rows: int, max_seq_len: int)
     graphs and repacks the weights) and rebuilt when a weight changes, the options change, or a call needs more
     rows or positions; elsewhere a new one is cheap."""
     config = config_for(model, config)
-    if _device(model).type != "cuda" or config.enforce_eager:
+    if _device(model).type != "cuda" or config.enforce_eager or _sharded(model):
         return make_runner(model, config, rows, max_seq_len)
     runner, fp0, mods = _runners.get(model, (None, None, None))
     fp = (_fingerprint(mods), config) if mods is not None else None
@@ -107,9 +131,23 @@ def runner_for(model, config: RuntimeConfig | None, rows: int, max_seq_len: int)
     return new
 
 
+def _sharded(model) -> bool:
+    from bitnetlm.parallel import group_of
+
+    return group_of(model) is not None
+
+
 def kept_runner(model):
     """The runner `runner_for` keeps for `model` (its CUDA runner), or None."""
     return _runners.get(model, (None,))[0]
 
 
-__all__ = ["RuntimeConfig", "config_for", "configure", "kept_runner", "make_runner", "runner_for"]
+__all__ = [
+    "RuntimeConfig",
+    "config_for",
+    "configure",
+    "kept_runner",
+    "make_runner",
+    "runner_for",
+    "serving_config",
+]

@@ -9,6 +9,10 @@ fused C layer step), `cuda` (captured CUDA graphs over the Triton kernels).
 Sampling happens inside the runner so that a device may keep the sampled tokens where they are: with
 `carry=True` a row's sampled token is also the input of its next decode (pass None as its token), and
 `collect` brings the tokens to the host later, so the host's work on one step overlaps the device's next.
+
+A paged runner (`runtime/paged.py`) also has `pool` (its `BlockPool`), `cached_prefix(tokens)` (the leading
+positions its block cache holds) and `adopt(row, tokens)` (an empty row maps those blocks); the engine's
+scheduler then admits by blocks and reuses prefixes through them.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from bitnetlm.sampling import RowRandom, SamplingParams, sample
 class SampleSpec:
     """What a runner needs to sample a row: its parameters and random stream, the draws it may still need, and
     (for penalties) its prompt and output tokens. `owner` identifies the row's occupant (a new one on a row whose
-    sampler state is kept on the device reloads it)."""
+    sampler state is kept on the device reloads it). `allowed`: the bitmask of the tokens structured output
+    allows this step (`sampling.sampler.apply_allowed`), or None."""
 
     row: int
     params: SamplingParams
@@ -35,6 +40,12 @@ class SampleSpec:
     owner: Any = None
     prompt: Sequence[int] = ()
     output: Sequence[int] = ()
+    allowed: torch.Tensor | None = None
+
+    @property
+    def on_host(self) -> bool:
+        """Sampled by the host sampler: penalties and masks need this step's tokens on the host."""
+        return self.allowed is not None or self.params.needs_penalties
 
 
 @dataclass
@@ -64,6 +75,9 @@ class Runner(Protocol):
     vocab_size: int
     pipelined: bool  # sample(carry=True) may return before the tokens reach the host
     batched_prefill: bool  # prefill_many runs several whole prompts in one forward
+    # the sliding-window layers' rings (models.cache.Ring), or None: a row holds only the last ring.size
+    # positions there, which bounds how far it may roll back (`truncate`) and which prefixes it can keep
+    ring: Any
 
     def prefill(self, row: int, tokens: Sequence[int], start: int = 0) -> torch.Tensor:
         """`tokens` at positions start.. into `row` -> float32 logits [V] after the last one."""
@@ -84,6 +98,10 @@ class Runner(Protocol):
 
     def truncate(self, row: int, n: int) -> None:
         """Forget `row`'s positions from n on (rejected draft tokens)."""
+
+    def shift(self, row: int, keep: int, drop: int) -> None:
+        """Context shift: forget `row`'s positions keep..keep+drop-1 and move the later ones down by `drop`, their
+        keys (cached after RoPE) rotated back by `drop` positions, so the row continues at its length - drop."""
 
     def decode(
         self, rows: Sequence[int], tokens: Sequence[int | None], positions: Sequence[int]
@@ -118,6 +136,7 @@ def host_sample(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> Sampled:
         prompt_tokens=[s.prompt for s in specs] if pen else None,
         output_tokens=[s.output for s in specs] if pen else None,
         num_top_logprobs=top,
+        allowed=[s.allowed for s in specs] if any(s.allowed is not None for s in specs) else None,
     )
     return Sampled(
         out.tokens.tolist(),

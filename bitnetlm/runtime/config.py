@@ -22,6 +22,7 @@ _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "hal
 KV_CACHE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 _KV_ALIASES = {"": "auto", "bfloat16": "bf16", "fp8_e4m3": "fp8", "float8_e4m3fn": "fp8"}
 HEAD_DTYPES = ("bf16", "int8")
+WEIGHTS_LAYOUTS = ("auto", "2bit", "base3")
 BACKENDS = ("reference", "cpu", "triton")
 
 
@@ -94,8 +95,13 @@ class RuntimeConfig:
     kv_cache_dtype: auto (the activations' dtype) | bf16 | fp8 (CUDA; e4m3, unscaled).
     head_dtype: None | bf16 | int8: storage of the embedding + LM head (CPU: the model's own; CUDA: the graph
       engine's int8 head).  threads: C kernel threads (None: physical cores).
+    weights_layout: auto | 2bit | base3: the CPU kernels' ternary weights, 2 or 1.6 bits a weight (auto: the
+      faster here, timed at load on the model's own matrices).
     enforce_eager: CUDA without captured graphs (the model's own forward).
     max_batch: sequences decoded together (KV rows).  max_seq_len: context (None: the model's).
+    kv_tokens: a paged KV cache (CPU, fused step) of this many positions shared by every row, allocated in blocks
+      of kv_block_size positions as tokens arrive, with prompt prefixes shared between rows (0: a static cache of
+      max_seq_len positions per row; None: the default, which is static offline and paged in the CPU server).
     """
 
     device: str = "auto"
@@ -104,9 +110,12 @@ class RuntimeConfig:
     kv_cache_dtype: str = "auto"
     head_dtype: str | None = None
     threads: int | None = None
+    weights_layout: str = "auto"
     enforce_eager: bool = False
     max_batch: int = 8
     max_seq_len: int | None = None
+    kv_tokens: int | None = None
+    kv_block_size: int = 16
 
     def __post_init__(self):
         dev = self.device
@@ -126,9 +135,21 @@ class RuntimeConfig:
             raise ValueError(
                 f"head_dtype: expected one of {', '.join(HEAD_DTYPES)}, found {self.head_dtype!r}"
             )
-        for name, low in (("threads", 1), ("max_batch", 1), ("max_seq_len", 2)):
+        if self.weights_layout in (None, ""):
+            set_("weights_layout", "auto")
+        if self.weights_layout not in WEIGHTS_LAYOUTS:
+            raise ValueError(
+                f"--weights-layout {self.weights_layout!r}: expected one of {', '.join(WEIGHTS_LAYOUTS)}"
+            )
+        for name, low in (
+            ("threads", 1),
+            ("max_batch", 1),
+            ("max_seq_len", 2),
+            ("kv_tokens", 0),
+            ("kv_block_size", 1),
+        ):
             v = getattr(self, name)
-            if v is None and name != "max_batch":
+            if v is None and name not in ("max_batch", "kv_block_size"):
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 flag = {"max_seq_len": "ctx-size"}.get(name, name.replace("_", "-"))

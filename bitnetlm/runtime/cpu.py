@@ -17,6 +17,7 @@ from bitnetlm.kernels import cpu as cpu_kernels
 from bitnetlm.kernels.cpu.decode import PROJ, FusedStep, LayerTensors, StepShape, accepts
 from bitnetlm.kernels.cpu.decode import why_not as _kernel_why_not
 from bitnetlm.kernels.cpu.head import HEAD_DTYPES, CompactEmbedding, CompactHead
+from bitnetlm.kernels.cpu.probe import choose_layout
 from bitnetlm.models.transformer import MLP, Attention, Block, RMSNorm
 from bitnetlm.quant.bitlinear import BitLinear
 from bitnetlm.runtime.config import RuntimeConfig
@@ -25,7 +26,7 @@ from bitnetlm.runtime.eager import EagerRunner
 
 def _layer(blk, eps: float) -> LayerTensors | str:
     """One block's tensors for the fused step, or why it cannot run there."""
-    if (type(blk), type(blk.self_attn), type(blk.mlp)) != (Block, Attention, MLP):
+    if type(blk) is not Block or (type(blk.self_attn), type(blk.mlp)) != (Attention, MLP):
         return f"layer type {type(blk).__name__}"
     a, f = blk.self_attn, blk.mlp
     lins = [getattr(a, p) for p in PROJ[:4]] + [getattr(f, p) for p in PROJ[4:]]
@@ -34,14 +35,15 @@ def _layer(blk, eps: float) -> LayerTensors | str:
             return f"projection {type(lin).__name__} (needs inference BitLinear without bias)"
         if getattr(lin.kernel, "name", None) != "cpu" or lin.packed.device.type != "cpu":
             return f"projection backend {getattr(lin.kernel, 'name', None)!r}"
+        if lin.kernel is not lins[0].kernel:
+            return "projections of one layer in two weight layouts"
     norms = (blk.input_layernorm, blk.post_attention_layernorm, a.attn_sub_norm, f.ffn_sub_norm)
     for n in norms:
         if n is not None and (type(n) is not RMSNorm or n.eps != eps):
             return f"norm {type(n).__name__} (eps {getattr(n, 'eps', None)})"
     w = [None if n is None else n.weight.data for n in norms]
-    return LayerTensors(
-        w[0], w[1], w[2], w[3], tuple(m.packed for m in lins), tuple(m.weight_scale for m in lins)
-    )
+    packed, scales = tuple(m.packed for m in lins), tuple(m.weight_scale for m in lins)
+    return LayerTensors(w[0], w[1], w[2], w[3], packed, scales, lins[0].kernel.code)
 
 
 def why_not(model) -> str | None:
@@ -53,6 +55,10 @@ def why_not(model) -> str | None:
 def fused_step(model) -> FusedStep | str:
     """The fused C step over `model`'s layers, or the reason there is none."""
     cfg = model.config
+    if cfg.family != "llama":
+        return f"the fused C step runs LLaMA/BitNet layers, not {cfg.arch}"
+    if any(cfg.is_sliding(i) for i in range(cfg.num_hidden_layers)):
+        return "the fused C step has no sliding-window layers"
     layers = []
     for blk in model.layers:
         got = _layer(blk, cfg.rms_norm_eps)
@@ -92,16 +98,17 @@ def fused_forward(
     if positions is None:
         positions = torch.arange(t, device=ids.device).expand(b, t)
     cache_pos = positions if cache_pos is None else cache_pos
-    h = model.embed(ids)
-    cos, sin = model.rope(positions, h.dtype)
-    cache.mark(cache_pos, input_mask)
-    fused = step is not None and h.dtype == torch.float32
-    if fused and accepts(step.shape, step.n_layers, cache.k, cache.v, cache.valid, b, t, cache_pos):
-        h = step(h, cos, sin, cache.k, cache.v, cache.valid, cache_pos)
-    else:  # CausalLM.forward's layers
-        mask = cache.attention_mask(cache_pos)
-        for i, layer in enumerate(model.layers):
-            h = layer(h, cos, sin, i, cache, cache_pos, mask)
+    h = None
+    if step is not None and accepts(
+        step.shape, step.n_layers, cache.k, cache.v, cache.valid, b, t, cache_pos
+    ):
+        e = model.embed(ids)
+        if e.dtype == torch.float32:
+            cos, sin = model.rope(positions, e.dtype)
+            cache.mark(cache_pos, input_mask)
+            h = step(e, cos, sin, cache.k, cache.v, cache.valid, cache_pos)
+    if h is None:  # the model's own layers (of any family)
+        h = model.hidden(ids, positions, cache, cache_pos, input_mask)
     if last_only:
         h = h[:, -1:]
     out = logits(model, h)
@@ -114,6 +121,7 @@ def logits(model, h: torch.Tensor) -> torch.Tensor:
     depend on what else is in the batch; the C kernel sums every row alike (a compact head is C already)."""
     w, head = model.lm_head_weight(), model.lm_head
     plain = head is None or (type(head) is nn.Linear and head.bias is None)
+    plain = plain and getattr(model.config, "final_logit_softcapping", None) is None
     if not (plain and h.dtype == torch.float32 and w.dtype in (torch.float32, torch.bfloat16)):
         return model.logits(h)
     if w.device.type != "cpu" or not w.is_contiguous() or not cpu_kernels.available():
@@ -155,6 +163,37 @@ def set_head_dtype(model, dtype: str | None) -> None:
 
 
 def apply(model, config: RuntimeConfig) -> None:
-    """The CPU options of `config` on a loaded model: its head storage and the kernel threads."""
+    """The CPU options of `config` on a loaded model: its head storage, the kernel threads and the ternary
+    weights' layout (after the threads: choosing "auto" times the kernels)."""
     set_head_dtype(model, config.head_dtype)
     configure_threads(model, config.threads)
+    set_weights_layout(model, config.weights_layout)
+
+
+def weights_layout(model) -> str | None:
+    """The layout ("2bit" or "base3") of `model`'s ternary weights on the C kernels, None when none are."""
+    for m in model.modules():
+        if isinstance(m, BitLinear) and not m.training_mode and getattr(m.kernel, "name", None) == "cpu":
+            return "base3" if m.kernel.base3 else "2bit"
+    return None
+
+
+def set_weights_layout(model, layout: str) -> str | None:
+    """Repack `model`'s C-kernel ternary weights into `layout`: "2bit" (cpu-2bit-v2), "base3" (cpu-base3-v1, 1.6
+    bits a weight) or "auto" (the faster one here for this model's matrices, timed: `kernels.cpu.probe`). Returns
+    the layout now in use (None: no weights on the C kernels, nothing changed)."""
+    if layout not in ("auto", *cpu_kernels.WEIGHTS_LAYOUTS):
+        raise ValueError(f"weights_layout: expected auto, 2bit or base3, found {layout!r}")
+    lins = [
+        m
+        for m in model.modules()
+        if isinstance(m, BitLinear) and not m.training_mode and getattr(m.kernel, "name", None) == "cpu"
+    ]
+    if not lins:
+        return None
+    if layout == "auto":
+        layout = choose_layout(lins)
+    backend = cpu_kernels.WEIGHTS_LAYOUTS[layout]
+    for m in lins:
+        m.use_kernel(backend)
+    return layout

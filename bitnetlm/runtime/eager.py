@@ -17,6 +17,20 @@ from bitnetlm.runtime.base import Pending, Sampled, SampleSpec, host_sample
 from bitnetlm.runtime.config import RuntimeConfig
 
 
+def left_padded(prompts: Sequence[Sequence[int]]):
+    """Prompts as one left-padded batch: (ids, positions, cache slots [k, L], real-token mask or None if none is
+    padded), each prompt's last token in the last column."""
+    k, big = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros(k, big, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, big - len(p) :] = torch.tensor(list(p))
+    slots = torch.arange(big)
+    offset = (big - torch.tensor([len(p) for p in prompts]))[:, None]
+    mask = slots[None, :] >= offset  # [k, L]
+    positions = (slots[None, :] - offset).clamp(min=0)
+    return ids, positions, slots[None, :].expand(k, big), None if bool(mask.all()) else mask
+
+
 def model_device(model) -> torch.device:
     for t in model.parameters():
         return t.device
@@ -36,6 +50,7 @@ class EagerRunner:
         self.vocab_size = model.config.vocab_size
         act = model.norm.weight.dtype  # (the embedding's may be a compact head's int8 or bf16 storage)
         self.cache = model.new_cache(rows, max_seq_len, device=self.device, dtype=config.kv_dtype(act))
+        self.ring = self.cache.ring  # the sliding layers' rings (what a row can roll back to, reuse), or None
         self.lengths = [0] * rows  # positions each row holds
         self.carry: dict[int, int] = {}  # row -> its last sample(carry=True) token
         self._last: tuple[torch.Tensor, dict[int, int]] | None = None  # the last decode's logits and rows
@@ -55,10 +70,7 @@ class EagerRunner:
 
     def _view(self, lo: int, hi: int) -> KVCache:
         """The cache's rows [lo, hi): slices share storage, so writes land in the runner's cache."""
-        c = self.cache
-        v = object.__new__(KVCache)
-        v.k, v.v, v.valid = [t[lo:hi] for t in c.k], [t[lo:hi] for t in c.v], c.valid[lo:hi]
-        return v
+        return self.cache.view(lo, hi)
 
     def _check(self, row: int, end: int) -> None:
         if not 0 <= row < self.rows:
@@ -79,31 +91,22 @@ class EagerRunner:
 
     @torch.inference_mode()
     def prefill_many(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-        k, big = len(rows), max(len(p) for p in prompts)
         for r, p in zip(rows, prompts, strict=True):
             self._check(r, len(p))
-        ids = torch.zeros(k, big, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, big - len(p) :] = torch.tensor(list(p))
-        lens = torch.tensor([len(p) for p in prompts])
-        slots = torch.arange(big)
-        offset = (big - lens)[:, None]
-        mask = slots[None, :] >= offset  # [k, L]
-        positions = (slots[None, :] - offset).clamp(min=0)
-        tmp = self.model.new_cache(k, big, device=self.device, dtype=self.cache.k[0].dtype)
+        ids, positions, slots, mask = left_padded(prompts)
+        k, big = ids.shape
+        tmp = self.model.new_cache(k, big, device=self.device, dtype=self.cache.k[0].dtype, rings=False)
         dev = self.device
         logits = self.forward(
             ids.to(dev),
             positions.to(dev),
             tmp,
-            cache_pos=slots[None, :].expand(k, big).to(dev),
-            input_mask=None if bool(mask.all()) else mask.to(dev),
+            cache_pos=slots.to(dev),
+            input_mask=None if mask is None else mask.to(dev),
         )
         for i, (r, p) in enumerate(zip(rows, prompts, strict=True)):
             n = len(p)
-            for main, t in zip(self.cache.k + self.cache.v, tmp.k + tmp.v, strict=True):
-                main[r, :, :n] = t[i, :, big - n :]
-            self.cache.valid[r, :n] = True
+            self.cache.load_row(r, tmp, i, big - n, n)
             self.lengths[r] = n
         return logits.float()
 
@@ -118,18 +121,22 @@ class EagerRunner:
         return logits.float()
 
     def truncate(self, row: int, n: int) -> None:
-        self.cache.valid[row, n:] = False
+        self.cache.forget(row, n)
         self.lengths[row] = min(self.lengths[row], n)
 
+    @torch.inference_mode()
+    def shift(self, row: int, keep: int, drop: int) -> None:
+        n = self.lengths[row]
+        angle = drop * self.model.inv_freq.float().to(self.device)
+        self.cache.shift(row, n, keep, drop, angle.cos(), angle.sin())
+        self.lengths[row] = n - drop
+
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        c = self.cache
-        for t in c.k + c.v:
-            t[dst, :, :n] = t[src, :, :n]
-        c.valid[dst, :n] = c.valid[src, :n]
+        self.cache.copy_prefix(src, dst, n)
         self.lengths[dst] = n
 
     def reset(self, row: int, keep: int = 0) -> None:
-        self.cache.valid[row, keep:] = False
+        self.cache.forget(row, keep)
         self.lengths[row] = keep
         self.carry.pop(row, None)
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bitnetlm.sampling import reductions
+from bitnetlm.sampling.structured import StructuredOutput
 
 
 @dataclass
@@ -39,8 +40,12 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0  # also report the n most likely tokens per step
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = (
+        None  # the output must match it (a dict such as {"json": schema} works)
+    )
 
     def __post_init__(self):
+        self.structured = StructuredOutput.of(self.structured)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
@@ -239,8 +244,9 @@ def row_tensors(params: Sequence[SamplingParams], v: int, device) -> RowTensors:
     )
 
 
-def _penalised(logits, params, prompt_tokens, output_tokens) -> torch.Tensor:
-    """float32 copy of logits [B, V] with penalties and logit_bias applied."""
+def _penalised(logits, params, prompt_tokens, output_tokens, allowed=None) -> torch.Tensor:
+    """float32 copy of logits [B, V] with penalties and logit_bias applied, and the tokens a row's `allowed`
+    bitmask excludes (structured output) removed."""
     b, v = logits.shape
     if len(params) != b:
         raise ValueError(f"process_logits: {b} logit rows but {len(params)} SamplingParams")
@@ -250,7 +256,36 @@ def _penalised(logits, params, prompt_tokens, output_tokens) -> torch.Tensor:
         if p.logit_bias:
             ids, vals = bias_tensors(p, v, x.device)
             x[i, ids] += vals
+    if allowed is not None:
+        apply_allowed(x, allowed)
     return x
+
+
+# what a token a bitmask excludes gets added to its logit: its probability is then exactly 0 (a finite value: one
+# arithmetic pass over the vocabulary, where masked_fill / where over a bool mask take 4-6x as long on the CPU)
+EXCLUDED = -1e30
+
+
+def apply_allowed(x: torch.Tensor, allowed: Sequence[torch.Tensor | None]) -> None:
+    """Exclude (in place) from each row of x [B, V] the tokens its bitmask does not allow: allowed[i] is None
+    (anything goes) or int32 [ceil(V'/32)] with bit j of word w allowing token 32w + j (llguidance's and
+    xgrammar's layout); tokens past its V' are not allowed. An excluded token's logit becomes EXCLUDED."""
+    import numpy as np
+
+    rows = [i for i, m in enumerate(allowed) if m is not None]
+    if not rows:
+        return
+    v = x.shape[1]
+    words = torch.stack([allowed[i] for i in rows]).to(torch.int32).cpu().contiguous()  # [R, W]
+    bits = np.unpackbits(words.numpy().view(np.uint8), axis=1, bitorder="little")[:, :v]  # [R, <= V]
+    ok = torch.zeros(len(rows), v)
+    ok[:, : bits.shape[1]] = torch.from_numpy(bits)
+    pen = ok.sub_(1).mul_(-EXCLUDED).to(x.device)  # 0 where allowed, EXCLUDED elsewhere
+    if len(rows) == x.shape[0]:
+        x.add_(pen)
+    else:
+        idx = torch.tensor(rows, device=x.device)
+        x.index_add_(0, idx, pen)
 
 
 def bias_tensors(p: SamplingParams, v: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -457,11 +492,13 @@ def sample(
     prompt_tokens: Sequence | None = None,
     output_tokens: Sequence | None = None,
     num_top_logprobs: int = 0,
+    allowed: Sequence[torch.Tensor | None] | None = None,
 ) -> SampleOutput:
     """Sample one token per row of `logits` [B, V] with that row's params and random stream (a RowRandom, a
-    generator, or None for torch's global RNG)."""
+    generator, or None for torch's global RNG), among the tokens its `allowed` bitmask allows (see
+    `apply_allowed`; structured output)."""
     b, v = logits.shape
-    x = _penalised(logits, params, prompt_tokens, output_tokens)
+    x = _penalised(logits, params, prompt_tokens, output_tokens, allowed)
     greedy = [p.greedy for p in params]
     if all(greedy):  # (what choose gives, without building the row tensors)
         tokens = reductions.argmax(x)

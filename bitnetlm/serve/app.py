@@ -23,10 +23,13 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from bitnetlm.engine.scheduler import ContextShift
 from bitnetlm.engine.speculative import SpeculativeConfig
+from bitnetlm.models.bert import Encoder
 from bitnetlm.runtime.config import RuntimeConfig
 from bitnetlm.serve import protocol as P
 from bitnetlm.serve.admin import admin_router
+from bitnetlm.serve.embeddings import EmbeddingEngine, embeddings_router
 from bitnetlm.serve.engine import Engine, EngineConfig
 from bitnetlm.serve.models import Loader, Registry, ReleaseAtEnd, Served, reason
 from bitnetlm.serve.offload import Offload
@@ -79,6 +82,7 @@ class ServerConfig:
                 want = f"in [{low}, {high}]" if high is not None else f">= {low}"
                 raise ValueError(f"{flag} {v!r}: expected an integer {want}")
         SpeculativeConfig(e.draft_max, e.lookup, e.lookup_min, e.draft_model)  # (checks the numbers)
+        ContextShift(e.n_keep)  # (checks --keep)
         for flag, v in (("--graceful-timeout", self.graceful_timeout_s), ("keep_alive_s", self.keep_alive_s)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
                 raise ValueError(f"{flag} {v!r}: expected a number of seconds >= 0")
@@ -121,12 +125,15 @@ class _State:
         s = self.models.get(None)
         return s.tokenizer if s is not None else None
 
-    def build(self, name: str, model, tokenizer) -> Engine:
-        """An engine serving `model` as `name` (the server's engine and runtime options)."""
+    def build(self, name: str, model, tokenizer) -> Engine | EmbeddingEngine:
+        """An engine serving `model` as `name` (the server's engine and runtime options); an encoder gets one
+        that only embeds."""
         if tokenizer is None:
             raise ValueError("serving needs a tokenizer (tokenizer.json next to the model)")
         c = self.cfg
         check_context(model, c.runtime)
+        if isinstance(model, Encoder):
+            return EmbeddingEngine(model, tokenizer, c.engine, name, c.runtime.max_seq_len)
         return Engine(model, tokenizer, c.engine, model_name=name, runtime=c.runtime)
 
     def start_engine(self, model, tokenizer, loader: Loader | None = None) -> None:
@@ -176,6 +183,7 @@ async def _start_grpc(st: _State):
 
     try:
         require("grpc", "bitnet serve --grpc-port")
+        require("google.protobuf", "bitnet serve --grpc-port")
         from bitnetlm.serve.grpc_service import start_grpc
 
         server, st.grpc_port = await start_grpc(st, st.cfg.host, st.cfg.grpc_port)
@@ -229,6 +237,7 @@ def create_app(
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal)
     app.include_router(router)
+    app.include_router(embeddings_router)
     app.include_router(ws_router)
     app.include_router(admin_router)
     app.add_middleware(ReleaseAtEnd)

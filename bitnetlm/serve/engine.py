@@ -15,15 +15,17 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from bitnetlm.engine.core import EngineCore
 from bitnetlm.engine.metrics import Metrics
+from bitnetlm.engine.scheduler import ContextShift
 from bitnetlm.engine.sequence import Group, Token
 from bitnetlm.engine.speculative import SpeculativeConfig
 from bitnetlm.engine.worker import emit
-from bitnetlm.runtime import config_for, make_runner
+from bitnetlm.runtime import config_for, make_runner, serving_config
 from bitnetlm.runtime.config import RuntimeConfig
 from bitnetlm.serve.requests import (  # (the request and event types, also imported from here)
     Chunk,
@@ -66,6 +68,12 @@ class EngineConfig:
     draft_max: int = 4
     lookup: int = 0
     lookup_min: int = 1
+    # context shift (engine/scheduler.py's ContextShift): a sequence that reaches the end of the context goes on
+    context_shift: bool = False
+    n_keep: int = 0
+
+    def shift(self, model) -> ContextShift | None:
+        return ContextShift(self.n_keep).check(model.config) if self.context_shift else None
 
     def speculative(self, runtime: RuntimeConfig, tokenizer) -> SpeculativeConfig | None:
         """The SpeculativeConfig these options ask for (a draft model given by name is loaded), or None."""
@@ -91,6 +99,7 @@ class Engine:
         rt = config_for(model, runtime)
         self.max_model_len = rt.max_seq_len or model.config.max_position_embeddings
         self.max_batch = rt.max_batch
+        rt = serving_config(model, rt, rt.max_batch, self.max_model_len)
         self.runner = make_runner(model, rt, rt.max_batch, self.max_model_len)
         if hasattr(self.runner, "warm"):  # every graph captured before /health says ready
             self.runner.warm()
@@ -99,7 +108,15 @@ class Engine:
         self.metrics = Metrics(model_name)
         spec = cfg.speculative(rt, tokenizer)
         self.core = EngineCore(
-            self.runner, tokenizer, eos, cfg.prefill_chunk, self.metrics, spec, cfg.prefix_caching
+            self.runner,
+            tokenizer,
+            eos,
+            cfg.prefill_chunk,
+            self.metrics,
+            spec,
+            context=self.max_model_len,
+            context_shift=cfg.shift(model),
+            prefix_reuse=cfg.prefix_caching,
         )
         sched = self.core.scheduler
         self.metrics.gauges["num_requests_running"] = lambda: self.stats()["running"]
@@ -109,12 +126,16 @@ class Engine:
         self.metrics.gauges["kv_cache_usage_perc"] = lambda: (
             sum(min(len(s.tokens), self.max_model_len) for s in list(sched.running.values())) / positions
         )
+        if hasattr(self.runner, "usage"):  # a paged KV cache: its blocks in use
+            self.metrics.gauges["kv_cache_usage_perc"] = self.runner.usage
 
         self._lock = threading.Condition()
         self._incoming: list[tuple[int, GenerationRequest, Callable]] = []
         self._cancel: dict[int, int] = {}  # gid -> engine step when cancel() was called
         self._groups: dict[int, Group] = {}  # gid -> its group (engine thread)
         self._live: set[int] = set()  # gids submitted and not yet ended
+        self._calls: list[tuple[Callable, tuple, Future]] = []  # `call`s not yet run
+        self._owed = 0.0  # seconds of steps owed to the running sequences for the last call's time
         self._ids = itertools.count(1)
         self.max_cancel_lag_steps = 0  # most steps any cancellation waited before its rows were freed
         self._accepting = True
@@ -141,6 +162,20 @@ class Engine:
             self._lock.notify_all()
         return gid
 
+    def call(self, fn: Callable, *args) -> Future:
+        """Run `fn(*args)` on the engine thread between two steps; its result (or error) in the future.
+
+        For work on the model that must not overlap a step, as an embedding's forward: the runner's kernels,
+        scratch buffers and CUDA streams are used from this thread only. While sequences run, calls take at
+        most half the thread's time: after a call, steps run for as long as it took before the next call."""
+        fut: Future = Future()
+        with self._lock:
+            if not self._accepting:
+                raise EngineClosed("server is shutting down")
+            self._calls.append((fn, args, fut))
+            self._lock.notify_all()
+        return fut
+
     @property
     def capacity(self) -> int:
         """The most sequences the engine holds at once: a row for each running one, the queue full."""
@@ -164,12 +199,14 @@ class Engine:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if req.n < 1 or p.max_tokens < 1:
             raise ValueError(f"n and max_tokens must be >= 1, found n={req.n}, max_tokens={p.max_tokens}")
-        if n_prompt + p.max_tokens > self.max_model_len or n_prompt >= self.max_model_len:
+        past = n_prompt + p.max_tokens > self.max_model_len and not self.config.context_shift
+        if past or n_prompt >= self.max_model_len:
             raise ContextTooLong(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{n_prompt + p.max_tokens} tokens ({n_prompt} in the prompt, {p.max_tokens} for the "
                 "completion). Please reduce the length of the prompt or the completion."
             )
+        self.core.check_blocks(n_prompt, p.max_tokens)  # (a paged KV cache: the request fits it at all)
         if p.logit_bias and any(not 0 <= t < self.vocab_size for t in p.logit_bias):
             raise ValueError(
                 f"logit_bias token ids must be in [0, {self.vocab_size}), found {sorted(p.logit_bias)}"
@@ -191,7 +228,7 @@ class Engine:
                     self._cancel.setdefault(gid, self.core.steps)
             self._lock.notify_all()
             deadline = None if timeout is None else time.monotonic() + timeout
-            while self._live and self._thread.is_alive():
+            while (self._live or self._calls) and self._thread.is_alive():
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     for gid in self._live:
@@ -225,28 +262,42 @@ class Engine:
             "rows_in_use": self.max_batch - len(sched.free_rows),
             "steps": self.core.steps,
             "max_cancel_lag_steps": self.max_cancel_lag_steps,
+            "preemptions": sched.preemptions,
         }
 
     # ---- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not (self._stop or self._cancel or self._incoming or self.core.has_work()):
+                while not (
+                    self._stop or self._cancel or self._incoming or self._calls or self.core.has_work()
+                ):
                     self._lock.wait()
                 if self._stop:
                     break
                 incoming, self._incoming = self._incoming, []
                 cancels, self._cancel = self._cancel, {}
+                due = self._calls and (self._owed <= 0 or not self.core.has_work())
+                call = self._calls.pop(0) if due else None
+            if call is not None:
+                t0 = time.perf_counter()
+                _run_call(*call)
+                self._owed = time.perf_counter() - t0
             for gid, req, sink in incoming:
                 self._admit(gid, req, sink)
             self._apply_cancels(cancels)
+            t0 = time.perf_counter()
             try:
                 self.core.step()
             except Exception as e:  # fail the running requests, keep serving
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 self._fail_running(f"internal error during generation: {type(e).__name__}: {e}")
+            self._owed = max(self._owed - (time.perf_counter() - t0), 0.0)
         with self._lock:
+            calls, self._calls = self._calls, []
             self._lock.notify_all()
+        for _, _, fut in calls:  # (only when shutdown gave up waiting for them)
+            fut.set_exception(EngineClosed("server is shutting down"))
 
     def _admit(self, gid: int, req: GenerationRequest, sink: Callable[[Any], None]) -> None:
         """A submitted request into the core; one it cannot take fails alone, and the engine goes on."""
@@ -273,7 +324,10 @@ class Engine:
                     entry = {"token": self._piece(ev.token), "logprob": ev.logprob, "token_id": ev.token}
                     if ev.top:
                         entry["top"] = [(self._piece(j), v) for j, v in ev.top]
-                sink(Chunk(s.index, ev.text, [ev.token], [entry] if entry else None, ev.finish_reason))
+                detail = s.finish_detail if ev.finish_reason else None
+                sink(
+                    Chunk(s.index, ev.text, [ev.token], [entry] if entry else None, ev.finish_reason, detail)
+                )
                 return
             if isinstance(ev, (Finished, Failed)):
                 self._ended(gid)
@@ -306,3 +360,12 @@ class Engine:
         for g in groups.values():
             self.core.abort(g)
             emit(g, Failed(message))
+
+
+def _run_call(fn: Callable, args: tuple, fut: Future) -> None:
+    if not fut.set_running_or_notify_cancel():
+        return
+    try:
+        fut.set_result(fn(*args))
+    except BaseException as e:  # the caller's to report; the engine goes on
+        fut.set_exception(e)

@@ -16,6 +16,7 @@ from typing import Any
 
 from bitnetlm.serve import protocol as P
 from bitnetlm.serve.body import parse_json
+from bitnetlm.serve.tools import Tools, supports_tools, template_messages
 
 
 class Offload:
@@ -34,8 +35,14 @@ class Offload:
     async def encode(self, tokenizer, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         return await self.run(tokenizer.encode_batch, texts, add_special_tokens) if texts else []
 
-    async def chat(self, tokenizer, messages: list[P.ChatMessage], add_generation_prompt: bool) -> list[int]:
-        return await self.run(_chat_ids, tokenizer, messages, add_generation_prompt)
+    async def chat(
+        self,
+        tokenizer,
+        messages: list[P.ChatMessage],
+        add_generation_prompt: bool,
+        tools: Tools | None = None,
+    ) -> list[int]:
+        return await self.run(_chat_ids, tokenizer, messages, add_generation_prompt, tools)
 
     async def decode(self, tokenizer, ids: list[int]) -> str:
         return await self.run(tokenizer.decode, ids)
@@ -44,12 +51,17 @@ class Offload:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _chat_ids(tokenizer, messages: list[P.ChatMessage], add_generation_prompt: bool) -> list[int]:
-    """The template's text encoded without added special tokens: what apply_chat_template(tokenize=True) gives."""
-    msgs = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+def _chat_ids(
+    tokenizer, messages: list[P.ChatMessage], add_generation_prompt: bool, tools: Tools | None = None
+) -> list[int]:
+    """The template's text encoded without added special tokens: what apply_chat_template(tokenize=True) gives.
+    Tools go to a template that renders them, else into a system message (serve/tools.py)."""
+    native = supports_tools(tokenizer.chat_template)
+    msgs = template_messages(messages, tools, native)
+    funcs = [{"type": "function", "function": f} for f in tools.functions] if tools and native else None
     try:
         text = tokenizer.apply_chat_template(
-            msgs, add_generation_prompt=add_generation_prompt, tokenize=False
+            msgs, add_generation_prompt=add_generation_prompt, tokenize=False, tools=funcs
         )
     except Exception as ex:  # template errors (raise_exception) are the caller's fault
         raise P.APIError(400, f"chat template: {ex}", param="messages") from None

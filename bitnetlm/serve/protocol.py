@@ -4,17 +4,24 @@ Request bodies are checked in two passes: first every top-level key must be a pa
 else -> 400 `unsupported_parameter` naming it), then pydantic validates types and ranges (-> 400
 `invalid_request_error` naming the field). Types are strict, as JSON gives them: a boolean is not an integer
 (`max_tokens: true`), a string is not a number, a number is not a boolean. Parameters OpenAI defines but we
-cannot honour (tools, echo, suffix, json response_format, ...) are accepted only at their neutral value,
-otherwise rejected by name.
+cannot honour (echo, suffix, ...) are accepted only at their neutral value, otherwise rejected by name.
+
+Structured output comes as OpenAI's `response_format` or as vLLM's extensions (`guided_json`, `guided_regex`,
+`guided_grammar`, `guided_choice`, `structured_outputs`); `_Sampling.structured` turns whichever was given into
+one `StructuredOutput`.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from bitnetlm.sampling.structured import StructuredOutput
+from bitnetlm.serve.tools import Tools
 
 MAX_STOP = 16  # OpenAI allows 4; more is harmless and some agents send more
 MAX_LOGPROBS = 20
@@ -52,6 +59,28 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` object: one of its constraints."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _Sampling(_Strict):
     """Parameters shared by /v1/completions and /v1/chat/completions."""
 
@@ -73,6 +102,40 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted for compatibility; only ever logged
     ignore_eos: bool = False  # vLLM extension: keep generating past end-of-sequence tokens
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM extensions (structured output)
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    def structured(self) -> tuple[StructuredOutput | None, str | None]:
+        """(the structured output asked for, the parameter that asked), or (None, None); 400 when several
+        parameters ask, or one asks for nothing that can be enforced."""
+        given = {
+            k: v
+            for k, v in (
+                ("response_format", _from_response_format(self.response_format)),
+                ("guided_json", None if self.guided_json is None else {"json": _schema(self.guided_json)}),
+                ("guided_regex", None if self.guided_regex is None else {"regex": self.guided_regex}),
+                ("guided_grammar", None if self.guided_grammar is None else {"grammar": self.guided_grammar}),
+                ("guided_choice", None if self.guided_choice is None else {"choice": self.guided_choice}),
+                ("structured_outputs", _from_vllm(self.structured_outputs)),
+            )
+            if v is not None
+        }
+        if len(given) > 1:
+            names = ", ".join(repr(k) for k in given)
+            raise APIError(
+                400, f"give at most one structured output parameter, found {names}", param=list(given)[1]
+            )
+        if not given:
+            return None, None
+        [(param, spec)] = given.items()
+        try:
+            return StructuredOutput.of(spec), param
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from None
 
     @field_validator("stop")
     @classmethod
@@ -110,6 +173,50 @@ class _Sampling(_Strict):
         return out
 
 
+def _schema(v: dict | str) -> dict:
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except ValueError as e:
+            raise APIError(400, f"guided_json: not valid JSON ({e})", param="guided_json") from None
+    if not isinstance(v, dict):
+        raise APIError(
+            400,
+            f"guided_json: a JSON schema must be an object, found {type(v).__name__}",
+            param="guided_json",
+        )
+    return v
+
+
+def _from_response_format(rf: ResponseFormat | None) -> dict | None:
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return {"json": True}
+    if rf.json_schema is None:
+        raise APIError(
+            400, "response_format of type 'json_schema' needs a 'json_schema' object", param="response_format"
+        )
+    return {"json": rf.json_schema.schema_ if rf.json_schema.schema_ is not None else True}
+
+
+def _from_vllm(so: StructuredOutputs | None) -> dict | None:
+    if so is None:
+        return None
+    spec = {
+        k: v
+        for k, v in (("regex", so.regex), ("choice", so.choice), ("grammar", so.grammar))
+        if v is not None
+    }
+    if so.json_ is not None:
+        spec["json"] = _schema(so.json_)
+    if so.json_object:
+        if spec:
+            raise APIError(400, "structured_outputs: give exactly one constraint", param="structured_outputs")
+        spec["json"] = True
+    return spec
+
+
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)  # the OpenAI default for completions
@@ -135,10 +242,44 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -153,27 +294,42 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True  # vLLM extension
 
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def tool_setup(self) -> Tools | None:
+        """The tools this request offers the model (None: no tools, or tool_choice "none"); 400 for a choice
+        that names no offered tool."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none", "auto"):
+                raise APIError(400, "tool_choice needs 'tools' to choose from", param="tool_choice")
+            return None
+        if choice == "none":
+            return None
+        names = [t.function.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise APIError(400, f"tools: function names must be unique, found {names}", param="tools")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise APIError(
+                    400, f"tool_choice names function {choice.function.name!r}, which is not among the tools "
+                    f"({', '.join(names)})", param="tool_choice",
+                )  # fmt: skip
+            choice = choice.function.name
+        fns = [t.function.model_dump(exclude_none=True) for t in self.tools]
+        return Tools(fns, choice or "auto", self.parallel_tool_calls is not False)
+
 
 # Parameters OpenAI defines that we accept only at their neutral value: name -> (is_neutral(value), why).
 _NEUTRAL = {
     "echo": (lambda v: not v, "echo is not supported"),
     "suffix": (lambda v: v is None, "suffix (insertion) is not supported"),
-    "tools": (lambda v: not v, "tool calling is not supported"),
-    "tool_choice": (lambda v: v in (None, "none"), "tool calling is not supported"),
-    "parallel_tool_calls": (lambda v: True, ""),
-    "response_format": (
-        lambda v: v is None or v.get("type") == "text",
-        "only response_format {'type': 'text'} is supported",
-    ),
 }
 
 

@@ -21,13 +21,15 @@ __all__ = [
 
 @dataclass
 class Chunk:
-    """New output of choice `index`: text delta, the token ids behind it, logprob entries, finish reason."""
+    """New output of choice `index`: text delta, the token ids behind it, logprob entries, finish reason (and why,
+    where the reason alone does not say: a full context window)."""
 
     index: int
     text: str
     token_ids: list[int]
     logprobs: list[dict] | None = None
     finish_reason: str | None = None
+    finish_detail: str | None = None
 
 
 class QueueFull(Exception):

@@ -9,14 +9,17 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 
+from bitnetlm.deps import MissingDependency
 from bitnetlm.engine.metrics import render_many
 from bitnetlm.sampling import SamplingParams
 from bitnetlm.serve import protocol as P
 from bitnetlm.serve.body import read_body
+from bitnetlm.serve.embeddings import require_generator
 from bitnetlm.serve.engine import Engine
 from bitnetlm.serve.models import Served, hold
 from bitnetlm.serve.relay import Run
 from bitnetlm.serve.responses import respond
+from bitnetlm.serve.tools import Tools
 
 router = APIRouter()
 
@@ -46,7 +49,29 @@ async def _read_json(request: Request) -> Any:
     return await st.offload.json(await read_body(request, st.cfg.max_body_bytes))
 
 
-def _params(req: P._Sampling, max_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
+async def _structured(request: Request, e: Engine, req: P._Sampling, tools: Tools | None = None):
+    """The request's structured output (asked for, or a forced tool call's schema), compiled once here (on the
+    pool) so that what cannot be enforced is a 400 naming it, before the request is queued."""
+    so, param = req.structured()
+    if tools is not None and tools.forced:
+        if so is not None:
+            raise P.APIError(
+                400, f"tool_choice {tools.choice!r} and {param!r} cannot be combined", param=param
+            )
+        so, param = tools.structured(), "tools"
+    if so is not None:
+        try:
+            await _state(request).offload.run(e.core.compile, so)
+        except MissingDependency as ex:
+            raise P.APIError(501, str(ex), type="server_error", param=param, code="not_implemented") from None
+        except ValueError as ex:
+            raise P.APIError(400, str(ex), param=param) from None
+    return so
+
+
+def _params(
+    req: P._Sampling, max_tokens: int, logprobs: bool, top_logprobs: int, structured=None
+) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=req.temperature,
@@ -63,15 +88,16 @@ def _params(req: P._Sampling, max_tokens: int, logprobs: bool, top_logprobs: int
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        structured=structured,
     )
 
 
-async def _generate(request: Request, m: Served, ids, params: SamplingParams, req, chat: bool):
+async def _generate(request: Request, m: Served, ids, params: SamplingParams, req, chat: bool, tools=None):
     run = Run(m.engine)
     _state(request).runs.add(run)
     run.submit(ids, params, req.n, param="messages" if chat else "prompt")
     n_prompt = sum(len(x) for x in ids)
-    return await respond(request, run, m.name, req, n_prompt, params.logprobs, chat)
+    return await respond(request, run, m.name, req, n_prompt, params.logprobs, chat, tools)
 
 
 # ---- routes -------------------------------------------------------------------------------------------
@@ -140,7 +166,7 @@ async def completions(request: Request):
     _engine(request)
     st = _state(request)
     req = P.parse_request(P.CompletionRequest, await _read_json(request))
-    m = _check_model(request, req.model)
+    m = require_generator(_check_model(request, req.model))
     e = m.engine
     prompts = req.prompts()
     if len(prompts) > st.cfg.max_prompts:
@@ -151,7 +177,7 @@ async def completions(request: Request):
     if max_tokens is None:  # null: the rest of the context, as for chat (and in vLLM)
         max_tokens = max(1, e.max_model_len - max(map(len, ids)))
     k = req.logprobs
-    params = _params(req, max_tokens, k is not None, k or 0)
+    params = _params(req, max_tokens, k is not None, k or 0, await _structured(request, m.engine, req))
     return await _generate(request, m, ids, params, req, chat=False)
 
 
@@ -160,12 +186,14 @@ async def chat_completions(request: Request):
     _engine(request)
     st = _state(request)
     req = P.parse_request(P.ChatCompletionRequest, await _read_json(request))
-    m = _check_model(request, req.model)
+    m = require_generator(_check_model(request, req.model))
     if req.top_logprobs and not req.logprobs:
         raise P.APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    ids = await st.offload.chat(m.tokenizer, req.messages, req.add_generation_prompt)
+    tools = req.tool_setup()
+    ids = await st.offload.chat(m.tokenizer, req.messages, req.add_generation_prompt, tools)
     max_tokens = req.effective_max_tokens()
     if max_tokens is None:
         max_tokens = max(1, m.engine.max_model_len - len(ids))
-    params = _params(req, max_tokens, req.logprobs, req.top_logprobs or 0)
-    return await _generate(request, m, [ids], params, req, chat=True)
+    so = await _structured(request, m.engine, req, tools)
+    params = _params(req, max_tokens, req.logprobs, req.top_logprobs or 0, so)
+    return await _generate(request, m, [ids], params, req, chat=True, tools=tools)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import logging
 import os
 import socket
 import sys
@@ -26,6 +27,7 @@ from bitnetlm.runtime.config import RuntimeConfig
 from bitnetlm.serve.app import ServerConfig, check_context, create_app
 from bitnetlm.serve.engine import Engine, EngineConfig
 
+log = logging.getLogger("bitnetlm.serve")
 _RUNTIME = {f.name for f in dataclasses.fields(RuntimeConfig)}
 _ENGINE = {f.name for f in dataclasses.fields(EngineConfig)}
 CUT_MARGIN_S = 5.0  # past the graceful timeout: how long cut requests get to send their last events
@@ -193,11 +195,23 @@ def _config(model_name: str, runtime: RuntimeConfig, engine: dict, server: dict)
     return ServerConfig(model_name=model_name, engine=EngineConfig(**engine), runtime=runtime, **server)
 
 
-def _loader(model, runtime: RuntimeConfig):
+def _loader(model, runtime: RuntimeConfig, tp=None):
+    loads = []
+
     def load():
         from bitnetlm.loading import load_for_generation
 
-        return load_for_generation(model, runtime)
+        if tp is not None and loads:  # the other ranks hold shards of the first load and follow its runner
+            raise ValueError(
+                "a tensor-parallel server loads its model once; restart it to load the model again"
+            )
+        loads.append(1)
+        loaded = load_for_generation(model, runtime)
+        if tp is not None:
+            from bitnetlm.parallel import shard_
+
+            shard_(loaded[0], tp)
+        return loaded
 
     return load
 
@@ -207,9 +221,12 @@ def serve(
     *,
     model_name: str | None = None,
     runtime: RuntimeConfig | None = None,
+    tp=None,
     **kw,
 ) -> None:
     """Serve `model` (a path or zoo name; None = the zoo default) until SIGINT/SIGTERM, then drain and return.
+    `tp`: rank 0's `parallel.TPGroup` (the model is sharded over it; the other ranks `runtime.tp.follow`, and are
+    released when the server ends).
 
     Keywords: the RuntimeConfig's (device, dtype, backend, threads, head_dtype, kv_cache_dtype, enforce_eager,
     max_batch, max_seq_len), the engine's (max_queue, prefill_chunk) and the server's (host, port, api_key,
@@ -222,7 +239,19 @@ def serve(
     rt, eng, server = _split(kw)
     runtime = (runtime or RuntimeConfig()).replace(**rt)
     server["model_path"] = os.fspath(model) if model else None
-    run_server(_config(name, runtime, eng, server), loader=_loader(model, runtime))
+    try:
+        run_server(_config(name, runtime, eng, server), loader=_loader(model, runtime, tp))
+    finally:
+        if tp is not None:
+            _release(tp)
+
+
+def _release(tp) -> None:
+    """Rank 0: let the other ranks stop following (those torchrun's signal has already ended need nothing)."""
+    try:
+        tp.send(["stop"])
+    except RuntimeError as e:
+        log.info("tensor parallelism: the other ranks are gone already (%s)", e)
 
 
 def start(

@@ -21,6 +21,7 @@ from fastapi import APIRouter, WebSocket
 
 from bitnetlm.serve import protocol as P
 from bitnetlm.serve.body import parse_json
+from bitnetlm.serve.embeddings import require_generator
 from bitnetlm.serve.models import pick
 from bitnetlm.serve.relay import CUT, Run
 from bitnetlm.serve.requests import Chunk, Failed, Finished
@@ -79,7 +80,7 @@ async def _start(ws: WebSocket, queue: asyncio.Queue, body) -> tuple[_Run, dict,
 
 
 async def _submit(st, queue: asyncio.Queue, req, m) -> tuple[_Run, dict, int, int]:
-    e, name = m.engine, m.name
+    e, name = require_generator(m).engine, m.name
     ids = await st.offload.chat(m.tokenizer, req.messages, req.add_generation_prompt)
     max_tokens = req.effective_max_tokens()
     if max_tokens is None:

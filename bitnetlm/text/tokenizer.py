@@ -123,6 +123,10 @@ class Tokenizer:
 
     def __init__(self, backend, config: dict | None = None, eos_token_ids=None, source: str = "<memory>"):
         self.backend = backend  # tokenizers.Tokenizer
+        # a tokenizer.json may carry fixed padding / truncation (BERT files: 128); transformers ignores both
+        # unless a call asks for them, and so do we
+        backend.no_padding()
+        backend.no_truncation()
         self.config = dict(config or {})
         self.source = source
         self._special: dict[str, str] = {}

@@ -48,17 +48,20 @@ class TrainConfig:
         "adamw", "adamw | adam | lion | sgd (Lion: ~3-10x smaller lr and larger weight_decay than AdamW)"
     )
     lr: float = _f(1.5e-3, "peak learning rate (BitNet b1.58 uses ~6x the usual fp16 rate)")
-    min_lr_ratio: float = _f(0.0, "final learning rate as a fraction of the peak (cosine/linear decays)")
+    min_lr_ratio: float = _f(
+        0.0, "final learning rate as a fraction of the peak (cosine / linear / wsd decays)"
+    )
     betas: list[float] = _f(None, "Adam / AdamW / Lion betas", default_factory=lambda: [0.9, 0.95])
     eps: float = _f(1e-8, "Adam epsilon")
     momentum: float = _f(0.9, "SGD momentum")
     weight_decay: float = _f(0.1, "weight decay (matrices only; norms, biases and embeddings get none)")
     schedule: str = _f(
         "two_stage",
-        "two_stage (BitNet b1.58: lr cut and weight decay 0 at stage2_at) | cosine | linear | constant",
+        "two_stage (BitNet b1.58: lr cut and weight decay 0 at stage2_at) | cosine | linear | constant | "
+        "wsd (warm-up, stable, linear decay from stage2_at)",
     )
     warmup_steps: int = _f(100, "linear learning-rate warm-up steps")
-    stage2_at: float = _f(0.5, "two_stage: fraction of max_steps where stage 2 starts")
+    stage2_at: float = _f(0.5, "two_stage / wsd: fraction of max_steps where stage 2 (the decay) starts")
     stage2_lr_ratio: float = _f(
         0.4, "two_stage: stage-2 peak learning rate as a fraction of the stage-1 peak"
     )
@@ -92,9 +95,12 @@ class TrainConfig:
     export: bool = _f(True, "save the final model in the packed inference format to out_dir/final")
 
     # ---- helpers ---------------------------------------------------------------------------------
-    def validate(self, model_given: bool = False) -> TrainConfig:
-        """Check the options; model_given: the caller passes an nn.Module (no model/model_config needed)."""
-        if self.data is None:
+    def validate(
+        self, model_given: bool = False, data_given: bool = False, teacher_given: bool = False
+    ) -> TrainConfig:
+        """Check the options; model_given / teacher_given: the caller passes the nn.Module (no model /
+        model_config / teacher path needed); data_given: the caller passes its own batches (no data directory)."""
+        if self.data is None and not data_given:
             raise ValueError("train config: 'data' (a prepared data directory) is required")
         if not model_given and self.model is None and not self.model_config:
             raise ValueError(
@@ -109,10 +115,10 @@ class TrainConfig:
             raise ValueError(
                 f"train config: optimizer must be one of {', '.join(OPTIMIZERS)}, found {self.optimizer!r}"
             )
-        if self.schedule not in ("two_stage", "cosine", "linear", "constant"):
-            raise ValueError(
-                f"train config: schedule must be two_stage|cosine|linear|constant, found {self.schedule!r}"
-            )
+        from bitnetlm.train.schedule import SCHEDULES
+
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"train config: schedule must be {'|'.join(SCHEDULES)}, found {self.schedule!r}")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"train config: precision must be auto|bf16|fp32, found {self.precision!r}")
         if self.distributed not in ("auto", "ddp", "fsdp", "none"):
@@ -121,7 +127,7 @@ class TrainConfig:
             )
         if not 0 <= self.kd_weight <= 1:
             raise ValueError(f"train config: kd_weight must be in [0, 1], found {self.kd_weight}")
-        if (self.kd_weight > 0 or self.hidden_weight > 0) and not self.teacher:
+        if (self.kd_weight > 0 or self.hidden_weight > 0) and not (self.teacher or teacher_given):
             raise ValueError("train config: kd_weight/hidden_weight need a 'teacher' (a path or 'initial')")
         if len(self.betas) != 2:
             raise ValueError(f"train config: betas must be two numbers, found {self.betas}")

@@ -129,32 +129,44 @@ def _forward(model: nn.Module, x: torch.Tensor, want_hidden: bool):
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, model: nn.Module | None = None, teacher: nn.Module | None = None):
-        self.cfg = cfg = config.validate(model_given=model is not None)
+    """One training run. `batches`: None (the config's prepared `data`), or a function (rank, world_size) -> a
+    batch source of this rank: `next_step()` (the step's micro-batches, (input_ids, labels) pairs),
+    `state_dict()` (JSON-serializable: checkpoints hold it) and `load_state_dict(state)` (exact resume)."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        model: nn.Module | None = None,
+        teacher: nn.Module | None = None,
+        batches=None,
+    ):
+        self.cfg = cfg = config.validate(
+            model_given=model is not None, data_given=batches is not None, teacher_given=teacher is not None
+        )
         self.info = D.setup(cfg.device, cfg.distributed)
         self.out = Path(cfg.out_dir)
         self.ckpt_root = self.out / "checkpoints"
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
         torch.manual_seed(cfg.seed)  # same initial weights on every rank
-        self.train_data = TokenShards(cfg.data, "train")
-        try:
-            self.val_data = TokenShards(cfg.data, "val")
-            if self.val_data.num_tokens <= cfg.seq_len:
-                self.val_data = None
-        except ValueError:
-            self.val_data = None
-        self.batches = PackedBatches(
-            self.train_data,
-            cfg.seq_len,
-            cfg.batch_size,
-            cfg.micro_batch_size,
-            self.info.rank,
-            self.info.world_size,
-            cfg.seed,
-        )
+        self.train_data = self.val_data = None
+        if cfg.data is not None:
+            self._open_data(cfg)
+        if batches is not None:
+            self.batches = batches(self.info.rank, self.info.world_size)
+        else:
+            self.batches = PackedBatches(
+                self.train_data,
+                cfg.seq_len,
+                cfg.batch_size,
+                cfg.micro_batch_size,
+                self.info.rank,
+                self.info.world_size,
+                cfg.seed,
+            )
         # ---- model (+ teacher) -----------------------------------------------------------------
-        model = model if model is not None else _build_model(cfg, self.train_data.vocab_size)
+        vocab = self.train_data.vocab_size if self.train_data is not None else None
+        model = model if model is not None else _build_model(cfg, vocab)
         self.teacher = teacher if teacher is not None else _load_teacher(cfg, model)
         if cfg.quantize and not bitlinears(model):
             quantize_(
@@ -206,6 +218,15 @@ class Trainer:
         if self.info.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+
+    def _open_data(self, cfg: TrainConfig) -> None:
+        self.train_data = TokenShards(cfg.data, "train")
+        try:
+            self.val_data = TokenShards(cfg.data, "val")
+            if self.val_data.num_tokens <= cfg.seq_len:
+                self.val_data = None
+        except ValueError:
+            self.val_data = None
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def _find_resume(self):
@@ -426,12 +447,16 @@ class Trainer:
         model_sd, _ = D.full_state_dicts(self.wrapped, self.opt, self.info)
         if not self.info.is_main or not isinstance(self.model, CausalLM):
             return None
-        return export_model(self.model, self.out / "final", model_sd, tokenizer_dir=Path(self.cfg.data))
+        tok = Path(self.cfg.data) if self.cfg.data else None
+        return export_model(self.model, self.out / "final", model_sd, tokenizer_dir=tok)
 
 
-def train(config: TrainConfig, model: nn.Module | None = None, teacher: nn.Module | None = None) -> dict:
-    """Run (or resume) a training run; returns a summary dict (final step, losses, paths)."""
-    trainer = Trainer(config, model=model, teacher=teacher)
+def train(
+    config: TrainConfig, model: nn.Module | None = None, teacher: nn.Module | None = None, batches=None
+) -> dict:
+    """Run (or resume) a training run; returns a summary dict (final step, losses, paths). `batches`: see
+    `Trainer` (None: the config's prepared data)."""
+    trainer = Trainer(config, model=model, teacher=teacher, batches=batches)
     try:
         summary = trainer.fit()
         # every rank waits for the others (rank 0's export) before the group is torn down: a gloo rank that

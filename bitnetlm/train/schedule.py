@@ -3,6 +3,9 @@
 two_stage is the BitNet b1.58 recipe: linear warm-up to the peak, stage 1 at the (high) peak rate,
 then at `stage2_at` of training an abrupt cut to `stage2_lr_ratio` x peak followed by a cosine decay,
 and weight decay switched off for stage 2 (`weight_decay_at`).
+
+wsd (warm-up, stable, decay): linear warm-up, the peak until `stage2_at` of training, then a linear decay that
+would reach 0 at max_steps, floored at `min_ratio` x peak (the recipe of the smollm2-135m-1.58 conversion).
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+SCHEDULES = ("two_stage", "cosine", "linear", "constant", "wsd")
 
 
 class LRSchedule:
@@ -24,8 +29,8 @@ class LRSchedule:
         stage2_at: float = 0.5,
         stage2_ratio: float = 0.4,
     ):
-        if kind not in ("two_stage", "cosine", "linear", "constant"):
-            raise ValueError(f"unknown schedule {kind!r}; known: two_stage, cosine, linear, constant")
+        if kind not in SCHEDULES:
+            raise ValueError(f"unknown schedule {kind!r}; known: {', '.join(SCHEDULES)}")
         self.kind, self.max_steps, self.warmup_steps = kind, max_steps, warmup_steps
         self.min_ratio, self.stage2_at, self.stage2_ratio = min_ratio, stage2_at, stage2_ratio
 
@@ -44,6 +49,10 @@ class LRSchedule:
             frac = (step - mid) / max(self.max_steps - mid, 1)
             lo = self.min_ratio * self.stage2_ratio
             return lo + (self.stage2_ratio - lo) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+        if self.kind == "wsd":
+            # steps left over the length of the decay phase (float: no rounding of its start)
+            left = (self.max_steps - step) / max((1 - self.stage2_at) * self.max_steps, 1e-9)
+            return min(1.0, max(self.min_ratio, left))
         frac = min((step - self.warmup_steps) / max(self.max_steps - self.warmup_steps, 1), 1.0)
         if self.kind == "linear":
             return 1.0 - (1.0 - self.min_ratio) * frac

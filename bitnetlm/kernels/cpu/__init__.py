@@ -1,6 +1,7 @@
 """CPU kernel backend "cpu": the C library in csrc/ (AVX-512 VNNI / AVX2 / NEON / scalar, multithreaded).
 
-Layout PackingFormat.CPU_2BIT ("cpu-2bit-v2", see layout.py). Without the built library (no compiler at
+Layouts PackingFormat.CPU_2BIT ("cpu-2bit-v2", `BACKEND`) and CPU_BASE3 ("cpu-base3-v1", 1.6 bits a weight,
+`BACKEND_BASE3`), see layout.py. Without the built library (no compiler at
 install time) `BACKEND.is_available()` is False and dispatch falls back to
 the reference backend.
 
@@ -15,11 +16,21 @@ import contextlib
 import torch
 
 from bitnetlm.kernels.cpu import _lib, arena
-from bitnetlm.kernels.cpu.layout import pack_cpu, packed_rows, padded_k, unpack_cpu
+from bitnetlm.kernels.cpu.layout import (
+    pack_base3_cpu,
+    pack_cpu,
+    packed_shape,
+    packed_shape3,
+    padded_k,
+    unpack_base3_cpu,
+    unpack_cpu,
+)
 from bitnetlm.quant.packing import PackingFormat
 
 __all__ = [
     "BACKEND",
+    "BACKEND_BASE3",
+    "WEIGHTS_LAYOUTS",
     "available",
     "get_isa",
     "get_num_threads",
@@ -29,7 +40,9 @@ __all__ = [
     "supported_isas",
     "use_isa",
     "pack_cpu",
+    "pack_base3_cpu",
     "unpack_cpu",
+    "unpack_base3_cpu",
     "padded_k",
 ]
 
@@ -96,43 +109,54 @@ def use_isa(name: str | None):
 
 
 class CpuBackend:
+    """The C kernels over one packed layout: cpu-2bit-v2 (`BACKEND`) or cpu-base3-v1 (`BACKEND_BASE3`, 1.6 bits a
+    weight: fewer bytes for decode to read, more work to unpack them). Both are named "cpu"."""
+
     name = "cpu"
-    layout = PackingFormat.CPU_2BIT
+
+    def __init__(self, layout: PackingFormat = PackingFormat.CPU_2BIT):
+        self.layout = PackingFormat(layout)
+        self.base3 = self.layout is PackingFormat.CPU_BASE3
+        self.code = _lib.LAYOUT_BASE3 if self.base3 else _lib.LAYOUT_2BIT
 
     def is_available(self, device: torch.device | str = "cpu") -> bool:
         return torch.device(device).type == "cpu" and available()
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        return pack_cpu(t.to(torch.int8))
+        return (pack_base3_cpu if self.base3 else pack_cpu)(t.to(torch.int8))
 
     def unpack(self, p: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-        return unpack_cpu(p, tuple(shape))
+        return (unpack_base3_cpu if self.base3 else unpack_cpu)(p, tuple(shape))
 
     def repack(self, p: torch.Tensor, layout, shape: tuple[int, int]) -> torch.Tensor | None:
-        """The HF 2-bit layout straight into ours in C (no int8 copy; ~10x faster at load), else None."""
+        """The HF 2-bit layout, or the other "cpu" layout, straight into ours in C without an int8 copy (~10x faster
+        at load), else None."""
         n, k = shape
-        if (
-            PackingFormat(layout) is not PackingFormat.HF_2BIT
-            or p.device.type != "cpu"
-            or p.dtype != torch.uint8
-            or tuple(p.shape) != ((n + 3) // 4, k)
-            or not available()
-        ):
+        layout = PackingFormat(layout)
+        if p.device.type != "cpu" or p.dtype != torch.uint8 or not available():
             return None
-        np_, kp = packed_rows(n), padded_k(k)
-        out = arena.empty((np_, kp // 4))  # [Np, Kp/4]
-        src = p.contiguous()
-        _need().bn_repack_hf(src.data_ptr(), n, k, out.data_ptr())
+        if layout is PackingFormat.HF_2BIT and tuple(p.shape) == ((n + 3) // 4, k):
+            shape2 = packed_shape(n, k)  # [Np, Kp/4]; a temporary for base-3
+            out = torch.empty(shape2, dtype=torch.uint8) if self.base3 else arena.empty(shape2)
+            _need().bn_repack_hf(p.contiguous().data_ptr(), n, k, out.data_ptr())
+            return self.repack(out, PackingFormat.CPU_2BIT, shape) if self.base3 else out
+        other = WEIGHTS_LAYOUTS["2bit" if self.base3 else "base3"]
+        want = packed_shape3(n, k) if other.base3 else packed_shape(n, k)
+        if layout is not other.layout or tuple(p.shape) != want:
+            return None
+        out = arena.empty(packed_shape3(n, k) if self.base3 else packed_shape(n, k))
+        if _need().bn_repack(p.contiguous().data_ptr(), other.code, n, k, out.data_ptr(), self.code) != 0:
+            raise MemoryError(f"repacking a [{n}, {k}] matrix into {self.layout.value}: out of memory")
         return out
 
     def linear(
         self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_features: int
     ) -> torch.Tensor:
-        return self._ops().linear(x, packed, scale, out_features)
+        return self._ops().linear(x, packed, scale, out_features, self.code)
 
     def linear_multi(self, x, packed, scales, out_features):
         """Several linears of one input at once (one activation quantization, one thread dispatch)."""
-        return self._ops().linear_multi(x, packed, scales, out_features)
+        return self._ops().linear_multi(x, packed, scales, out_features, self.code)
 
     _ops_mod = None
 
@@ -146,3 +170,5 @@ class CpuBackend:
 
 
 BACKEND = CpuBackend()
+BACKEND_BASE3 = CpuBackend(PackingFormat.CPU_BASE3)
+WEIGHTS_LAYOUTS = {"2bit": BACKEND, "base3": BACKEND_BASE3}  # runtime weights_layout -> its backend

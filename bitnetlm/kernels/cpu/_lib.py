@@ -12,6 +12,7 @@ from pathlib import Path
 
 ISA_AUTO, ISA_SCALAR, ISA_AVX2, ISA_AVX512VNNI, ISA_NEON = -1, 0, 1, 2, 3
 ISA_NAMES = {ISA_SCALAR: "scalar", ISA_AVX2: "avx2", ISA_AVX512VNNI: "avx512vnni", ISA_NEON: "neon"}
+LAYOUT_2BIT, LAYOUT_BASE3 = 0, 1  # BN_LAYOUT_*
 
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
@@ -46,6 +47,12 @@ def _declare(lib: ctypes.CDLL) -> None:
         "bn_pack": (None, [_vp, _i64, _i64, _vp]),
         "bn_unpack": (None, [_vp, _i64, _i64, _vp]),
         "bn_repack_hf": (None, [_vp, _i64, _i64, _vp]),
+        "bn_repack": (_i32, [_vp, _i32, _i64, _i64, _vp, _i32]),
+        "bn_ternary_matmul_i32_layout": (_i32, [_vp, _i64, _i64, _vp, _i64, _vp, _i32]),
+        "bn_ternary_linear_multi_f32_layout": (
+            _i32,
+            [_vp, _i64, _i64, _i32, _vp, _vp, _vp, _vp, _i64, _i32],
+        ),
         "bn_quantize_act": (None, [_vp, _i64, _i64, _vp, _i64, _vp, _vp]),
         "bn_ternary_matmul_i32": (_i32, [_vp, _i64, _i64, _vp, _i64, _vp]),
         "bn_ternary_linear_f32": (_i32, [_vp, _i64, _i64, _vp, _i64, _f32, _vp]),

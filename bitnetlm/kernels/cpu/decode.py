@@ -7,9 +7,10 @@ dispatches per token. A `FusedStep` runs them all in C over a plain description 
 
 Steps of t > 1 tokens per row (prefill, chunked prefill) send the B*T tokens through each projection as one
 GEMM, write every token's k, v to the cache, then attend causally over the cache rows (keys at slots <= the
-query's that `valid` marks, and the query's own slot). KV cache fp32 or bf16; projections packed for the "cpu"
-backend; relu2 or silu; head_dim even and <= 512. Results equal the torch layers up to float summation order
-(RMSNorm means, attention sums).
+query's that `valid` marks, and the query's own slot). A paged cache (`PagedKV`: a pool of blocks and each row's
+block table) is read block by block in slot order, so its results equal a static cache's bit for bit. KV cache
+fp32 or bf16; projections packed for the "cpu" backend; relu2 or silu; head_dim even and <= 512. Results equal the
+torch layers up to float summation order (RMSNorm means, attention sums).
 
 Attention accuracy: with random 2B4T-shaped weights (attention scores in the thousands, 1024 cached positions)
 one layer's output with the fused step agreed with the torch layer using a float64 attention to 2e-7 of its
@@ -62,6 +63,7 @@ class _Layer(ctypes.Structure):  # bn_decode_layer
         ("ffn_sub_norm", _vp),
         ("w", _vp * len(PROJ)),
         ("scale", _vp * len(PROJ)),
+        ("layout", _i32),
     ]
 
 
@@ -81,7 +83,7 @@ class StepShape:
 @dataclass
 class LayerTensors:
     """One layer's tensors: fp32 norm weights (sub-norms None when absent), the seven projections' packed
-    weights ("cpu" layout) and float32 scales, in PROJ order."""
+    weights (all in the "cpu" backend layout `layout`, a _lib.LAYOUT_* code) and float32 scales, in PROJ order."""
 
     in_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -89,12 +91,13 @@ class LayerTensors:
     ffn_sub_norm: torch.Tensor | None
     weights: tuple[torch.Tensor, ...]
     scales: tuple[torch.Tensor, ...]
+    layout: int = _lib.LAYOUT_2BIT
 
 
 def _library():
     """The C library with bn_decode_forward_f32's signature declared, or None if the build lacks it."""
     lib = _lib.load()
-    if lib is None or not hasattr(lib, "bn_decode_forward_f32"):
+    if lib is None or not hasattr(lib, "bn_decode_forward_paged_f32"):
         return None
     fn = lib.bn_decode_forward_f32
     if fn.argtypes is None:
@@ -102,6 +105,9 @@ def _library():
         fn.argtypes = [_vp, _vp, _i64, _vp, _vp, _vp, _vp, _vp, _vp, _i64, _i64, _vp, _vp]
         lib.bn_decode_work_floats.restype = _i64
         lib.bn_decode_work_floats.argtypes = [_vp, _i64]
+        paged = lib.bn_decode_forward_paged_f32
+        paged.restype = ctypes.c_int
+        paged.argtypes = [_vp, _vp, _i64, _vp, _vp, _vp, _i64, _i64, _vp, _vp, _vp, _vp, _i64, _i64, _vp, _vp]
     return lib
 
 
@@ -167,18 +173,20 @@ class FusedStep:
                     setattr(st, field, w.data_ptr())
             for j, (w, s) in enumerate(zip(L.weights, L.scales)):
                 st.w[j], st.scale[j] = w.data_ptr(), s.data_ptr()
+            st.layout = L.layout
         self.work = torch.empty(0, dtype=torch.float32)
 
-    def __call__(self, h, cos, sin, k, v, valid, slots) -> torch.Tensor:
+    def __call__(self, h, cos, sin, k, v, valid, slots, pages: PagedKV | None = None) -> torch.Tensor:
         """h [B, T, hidden] -> h after every layer; cos, sin [B, T, head_dim]; k, v: per-layer caches [B, n_kv,
-        S, D]; valid [B, S] (this step's slots already marked); slots [B, T] where each token's k, v go."""
+        S, D], or with `pages` per-layer block pools [blocks, n_kv, block_size, D]; valid [B, S] (this step's
+        slots already marked); slots [B, T] where each token's k, v go."""
         with _LOCK:  # self.cfg and self.work are per-call state
-            return self._step(h, cos, sin, k, v, valid, slots)
+            return self._step(h, cos, sin, k, v, valid, slots, pages)
 
-    def _step(self, h, cos, sin, k, v, valid, slots) -> torch.Tensor:
+    def _step(self, h, cos, sin, k, v, valid, slots, pages) -> torch.Tensor:
         b, t, hidden = h.shape
         c = self.cfg
-        c.max_seq = k[0].shape[2]
+        c.max_seq = valid.shape[1]
         c.kv_dtype = KV_DTYPES[k[0].dtype]
         need = int(self.lib.bn_decode_work_floats(ctypes.addressof(c), b * t))
         if self.work.numel() < need:
@@ -188,25 +196,31 @@ class FusedStep:
         cos, sin = cos.reshape(b * t, -1).contiguous(), sin.reshape(b * t, -1).contiguous()
         kp = (_vp * self.n_layers)(*[x.data_ptr() for x in k])
         vp = (_vp * self.n_layers)(*[x.data_ptr() for x in v])
-        rc = self.lib.bn_decode_forward_f32(
-            ctypes.addressof(c),
-            ctypes.addressof(self.layers),
-            self.n_layers,
-            ctypes.addressof(kp),
-            ctypes.addressof(vp),
-            valid.data_ptr(),
-            slot.data_ptr(),
-            cos.data_ptr(),
-            sin.data_ptr(),
-            b,
-            t,
-            out.data_ptr(),
-            self.work.data_ptr(),
-        )
+        head = (ctypes.addressof(c), ctypes.addressof(self.layers), self.n_layers, ctypes.addressof(kp))
+        tail = (valid.data_ptr(), slot.data_ptr(), cos.data_ptr(), sin.data_ptr(), b, t)
+        tail += (out.data_ptr(), self.work.data_ptr())
+        if pages is None:
+            rc = self.lib.bn_decode_forward_f32(*head, ctypes.addressof(vp), *tail)
+        else:
+            table = pages.table.contiguous()
+            if table.dtype != torch.int32 or table.shape != (b, c.max_seq // pages.block_size):
+                raise ValueError(f"block table {tuple(table.shape)} {table.dtype} for {b} rows")
+            n_blocks = k[0].shape[0]
+            args = (ctypes.addressof(vp), table.data_ptr(), pages.block_size, n_blocks)
+            rc = self.lib.bn_decode_forward_paged_f32(*head, *args, *tail)
         if rc != 0:
-            raise RuntimeError(f"bn_decode_forward_f32 failed with code {rc}")
+            raise RuntimeError(f"the fused C step failed with code {rc}")
         self.calls += 1
         return out.view(b, t, hidden)
+
+
+@dataclass
+class PagedKV:
+    """A step's view of a paged KV cache: `table` [B, S // block_size] int32, the pool blocks holding each row's
+    slots in order."""
+
+    table: torch.Tensor
+    block_size: int
 
 
 def phase_timers(on: bool) -> dict[str, float]:

@@ -12,7 +12,9 @@ import ctypes
 import torch
 
 from bitnetlm.kernels.cpu import _lib
-from bitnetlm.kernels.cpu.layout import packed_shape
+from bitnetlm.kernels.cpu.layout import packed_shape, packed_shape3
+
+LAYOUT_NAMES = {_lib.LAYOUT_2BIT: "cpu-2bit-v2", _lib.LAYOUT_BASE3: "cpu-base3-v1"}
 
 
 def lib() -> ctypes.CDLL:
@@ -22,12 +24,14 @@ def lib() -> ctypes.CDLL:
     return lib
 
 
-def _check_packed(packed: torch.Tensor, n: int, k: int, where: str) -> None:
-    want = packed_shape(n, k)
+def _check_packed(packed: torch.Tensor, n: int, k: int, where: str, layout: int = 0) -> None:
+    if layout not in LAYOUT_NAMES:
+        raise ValueError(f"{where}: unknown weight layout {layout!r}; known: {sorted(LAYOUT_NAMES)}")
+    want = packed_shape3(n, k) if layout == _lib.LAYOUT_BASE3 else packed_shape(n, k)
     if packed.dtype != torch.uint8 or tuple(packed.shape) != want or not packed.is_contiguous():
         raise ValueError(
-            f"{where}: packed weights must be contiguous uint8 {list(want)} in layout cpu-2bit-v2 for "
-            f"[{n}, {k}], found {packed.dtype} {list(packed.shape)}"
+            f"{where}: packed weights must be contiguous uint8 {list(want)} in layout {LAYOUT_NAMES[layout]} "
+            f"for [{n}, {k}], found {packed.dtype} {list(packed.shape)}"
         )
 
 
@@ -39,27 +43,47 @@ def _as_f32_2d(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---- eager implementations ------------------------------------------------------------------------
-def ternary_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | float, out_features: int):
-    """y = (X @ T^T) * s / a with per-token int8 X: bit-identical to the reference backend (float32)."""
+def ternary_linear(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | float, out_features: int, layout: int = 0
+):
+    """y = (X @ T^T) * s / a with per-token int8 X: bit-identical to the reference backend (float32).
+    layout: _lib.LAYOUT_* of `packed`."""
     k = x.shape[-1]
-    _check_packed(packed, out_features, k, "cpu ternary_linear")
+    _check_packed(packed, out_features, k, "cpu ternary_linear", layout)
     x2 = _as_f32_2d(x)
     m = x2.shape[0]
     y = torch.empty((m, out_features), dtype=torch.float32)
-    s = float(scale)
-    lib().bn_ternary_linear_f32(x2.data_ptr(), m, k, packed.data_ptr(), out_features, s, y.data_ptr())
+    s = ctypes.c_float(float(scale))
+    sp = ctypes.c_void_p(ctypes.addressof(s))
+    w, n, yp = ctypes.c_void_p(packed.data_ptr()), ctypes.c_int64(out_features), ctypes.c_void_p(y.data_ptr())
+    rc = lib().bn_ternary_linear_multi_f32_layout(
+        x2.data_ptr(),
+        m,
+        k,
+        1,
+        ctypes.byref(w),
+        ctypes.byref(n),
+        ctypes.byref(sp),
+        ctypes.byref(yp),
+        0,
+        layout,
+    )
+    if rc != 0:
+        raise RuntimeError(f"bn_ternary_linear_multi_f32_layout failed with code {rc}")
     y = y.reshape(*x.shape[:-1], out_features)
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
-def ternary_linear_multi(x: torch.Tensor, packed: list[torch.Tensor], scales: list, out_features: list[int]):
+def ternary_linear_multi(
+    x: torch.Tensor, packed: list[torch.Tensor], scales: list, out_features: list[int], layout: int = 0
+):
     """Several ternary linears of one input (q/k/v or gate/up): one quantization, one thread dispatch.
 
     Called ~120 times per 2B4T decode step, so the per-call Python work is kept small: the checks and the
     ctypes pointer arrays are made once per group of weights (`_plan`), outputs share one buffer.
     """
     k = x.shape[-1]
-    plan = _plan(packed, scales, out_features, k)
+    plan = _plan(packed, scales, out_features, k, layout)
     x2 = x.reshape(-1, k)  # [M, K]
     if x2.dtype != torch.float32:
         x2 = x2.float()
@@ -70,11 +94,11 @@ def ternary_linear_multi(x: torch.Tensor, packed: list[torch.Tensor], scales: li
     # separate contiguous outputs, already in their final shape (cheaper than splitting one buffer)
     ys = [torch.empty((*lead, n), dtype=torch.float32) for n in plan.sizes]
     yp = (ctypes.c_void_p * plan.count)(*[y.data_ptr() for y in ys])
-    rc = lib().bn_ternary_linear_multi_f32(
-        x2.data_ptr(), m, k, plan.count, plan.ptrs, plan.ns, plan.scales, yp
+    rc = lib().bn_ternary_linear_multi_f32_layout(
+        x2.data_ptr(), m, k, plan.count, plan.ptrs, plan.ns, plan.scales, yp, 0, layout
     )
     if rc != 0:
-        raise RuntimeError(f"bn_ternary_linear_multi_f32 failed with code {rc}")
+        raise RuntimeError(f"bn_ternary_linear_multi_f32_layout failed with code {rc}")
     if x.dtype != torch.float32:
         return [y.to(x.dtype) for y in ys]
     return ys
@@ -87,10 +111,10 @@ class _Plan:
 _plans: dict[tuple, _Plan] = {}
 
 
-def _plan(packed, scales, out_features, k: int) -> _Plan:
+def _plan(packed, scales, out_features, k: int, layout: int) -> _Plan:
     """Checked ctypes arrays of weight/scale pointers for one group of layers, cached by their addresses.
     Scales are passed by pointer and read at call time, so a cached plan never holds a stale scale value."""
-    key = (k, *(p.data_ptr() for p in packed), *(s.data_ptr() for s in scales), *out_features)
+    key = (k, layout, *(p.data_ptr() for p in packed), *(s.data_ptr() for s in scales), *out_features)
     plan = _plans.get(key)
     if plan is not None:
         return plan
@@ -98,7 +122,7 @@ def _plan(packed, scales, out_features, k: int) -> _Plan:
     if not 1 <= count <= 8 or len(scales) != count or len(out_features) != count:
         raise ValueError(f"ternary_linear_multi: 1..8 matrices with one scale and size each, got {count}")
     for p, n in zip(packed, out_features):
-        _check_packed(p, n, k, "cpu ternary_linear_multi")
+        _check_packed(p, n, k, "cpu ternary_linear_multi", layout)
     for sc in scales:
         if not (isinstance(sc, torch.Tensor) and sc.dtype == torch.float32 and sc.device.type == "cpu"):
             raise TypeError(
@@ -116,16 +140,18 @@ def _plan(packed, scales, out_features, k: int) -> _Plan:
     return plan
 
 
-def ternary_matmul_i32(xq: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+def ternary_matmul_i32(
+    xq: torch.Tensor, packed: torch.Tensor, out_features: int, layout: int = 0
+) -> torch.Tensor:
     """Exact int32 product X @ T^T for any int8 X [..., K] (the oracle is quant.ternary.int_matmul)."""
     if xq.dtype != torch.int8:
         raise TypeError(f"ternary_matmul_i32: activations must be int8, found {xq.dtype}")
     k = xq.shape[-1]
-    _check_packed(packed, out_features, k, "cpu ternary_matmul_i32")
+    _check_packed(packed, out_features, k, "cpu ternary_matmul_i32", layout)
     x2 = xq.reshape(-1, k).contiguous()  # [M, K]
     out = torch.empty((x2.shape[0], out_features), dtype=torch.int32)
-    rc = lib().bn_ternary_matmul_i32(
-        x2.data_ptr(), x2.shape[0], k, packed.data_ptr(), out_features, out.data_ptr()
+    rc = lib().bn_ternary_matmul_i32_layout(
+        x2.data_ptr(), x2.shape[0], k, packed.data_ptr(), out_features, out.data_ptr(), layout
     )
     if rc != 0:
         raise RuntimeError(f"bn_ternary_matmul_i32 failed with code {rc}")
@@ -183,35 +209,41 @@ def gemm_i8row(x: torch.Tensor, w: torch.Tensor, wscale: torch.Tensor) -> torch.
 # ---- custom ops (torch.compile sees these) --------------------------------------------------------
 @torch.library.custom_op("bitnetlm::cpu_ternary_linear", mutates_args=())
 def cpu_ternary_linear(
-    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_features: int
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_features: int, layout: int = 0
 ) -> torch.Tensor:
-    return ternary_linear(x, packed, scale, out_features)
+    return ternary_linear(x, packed, scale, out_features, layout)
 
 
 @cpu_ternary_linear.register_fake
-def _(x, packed, scale, out_features):
+def _(x, packed, scale, out_features, layout=0):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
 @torch.library.custom_op("bitnetlm::cpu_ternary_linear_multi", mutates_args=())
 def cpu_ternary_linear_multi(
-    x: torch.Tensor, packed: list[torch.Tensor], scales: list[torch.Tensor], out_features: list[int]
+    x: torch.Tensor,
+    packed: list[torch.Tensor],
+    scales: list[torch.Tensor],
+    out_features: list[int],
+    layout: int = 0,
 ) -> list[torch.Tensor]:
-    return ternary_linear_multi(x, packed, scales, out_features)
+    return ternary_linear_multi(x, packed, scales, out_features, layout)
 
 
 @cpu_ternary_linear_multi.register_fake
-def _(x, packed, scales, out_features):
+def _(x, packed, scales, out_features, layout=0):
     return [x.new_empty((*x.shape[:-1], n)) for n in out_features]
 
 
 @torch.library.custom_op("bitnetlm::cpu_ternary_matmul_i32", mutates_args=())
-def cpu_ternary_matmul_i32(xq: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    return ternary_matmul_i32(xq, packed, out_features)
+def cpu_ternary_matmul_i32(
+    xq: torch.Tensor, packed: torch.Tensor, out_features: int, layout: int = 0
+) -> torch.Tensor:
+    return ternary_matmul_i32(xq, packed, out_features, layout)
 
 
 @cpu_ternary_matmul_i32.register_fake
-def _(xq, packed, out_features):
+def _(xq, packed, out_features, layout=0):
     return xq.new_empty((*xq.shape[:-1], out_features), dtype=torch.int32)
 
 
@@ -239,16 +271,16 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def linear(x, packed, scale, out_features):
+def linear(x, packed, scale, out_features, layout: int = 0):
     if _compiling():
-        return cpu_ternary_linear(x, packed, scale, out_features)
-    return ternary_linear(x, packed, scale, out_features)
+        return cpu_ternary_linear(x, packed, scale, out_features, layout)
+    return ternary_linear(x, packed, scale, out_features, layout)
 
 
-def linear_multi(x, packed, scales, out_features):
+def linear_multi(x, packed, scales, out_features, layout: int = 0):
     if _compiling():
-        return cpu_ternary_linear_multi(x, list(packed), list(scales), list(out_features))
-    return ternary_linear_multi(x, packed, scales, out_features)
+        return cpu_ternary_linear_multi(x, list(packed), list(scales), list(out_features), layout)
+    return ternary_linear_multi(x, packed, scales, out_features, layout)
 
 
 def head_float(x, w):

@@ -34,12 +34,11 @@ _candidates: dict[tuple, list[dict]] = {}  # each key's candidate list, as built
 
 
 def cache_root() -> Path:
-    """The cache folder ($BITNET_CACHE, else ~/.cache/bitnetlm, as the zoo's): the tuner's disk cache and the
-    user's step-tune tables live under it."""
-    base = os.environ.get("BITNET_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "bitnetlm"
-    )
-    return Path(base)
+    """The cache folder (`bitnetlm.paths.cache_root`): the tuner's disk cache and the user's step-tune tables live
+    under it."""
+    from bitnetlm.paths import cache_root as root
+
+    return root()
 
 
 MODES = ("chain", "graph", "bench", "off")

@@ -164,7 +164,7 @@ class CudaEngine:
         self.k_cache = [torch.zeros(shape, device=dev, dtype=kv) for _ in layers]
         self.v_cache = [torch.zeros(shape, device=dev, dtype=kv) for _ in layers]
         self._graphs: dict[tuple, _DecodeState] = {}
-        self._bufs: dict = {}  # decode.QuantBuf per batch size (fused q|k|v + RoPE input)
+        self._bufs: dict = {}  # decode.QuantBuf per batch size (fused q|k|v + RoPE input); verify inputs
         self._prefill_pool = None  # the memory pool the prefill graphs share (prefill_state)
         # the DecodePlan every launch of a step follows (benchmarks swap it between captures)
         self.plan = ecfg.plan if ecfg.plan is not None else gpu_plan(dev)
@@ -299,18 +299,20 @@ class CudaEngine:
         these B rows use (a prompt prefilled into one row of a batch; the captured steps run rows 0..B-1).
         last_at: [1] index of the token whose logits to return (a padded prompt's last real token).
         head_argmax (int8 head): (maxima, indices) of the head's vocabulary tiles instead of logits.
-        keys (T = 1): the decode attention's key range (`attention.key_range`; 0: the default splits).
+        keys (T = 1): the decode attention's key range (`attention.key_range`; 0: the default splits). keys
+        (T > 1): a chunk at the positions in pos, known only on the device (a captured verify), attending over
+        cache slots 0..keys-1 with a causal mask built from pos; start is then ignored.
         greedy (int8 head): (tok, out, step, pos) of a greedy step, which the head runs itself (`w8a16_greedy`);
         returns None. copy_to (T > 1, B = 1): int64 [1], a cache row that also receives the keys and values."""
         b, t = tok.shape
-        self._check_batch(b, start + t)
+        self._check_batch(b, max(start + t, keys if t > 1 else 0))
         if row0 + b > self.k_cache[0].shape[0]:
             raise ValueError(f"CudaEngine.forward: rows {row0}..{row0 + b - 1} exceed the cache's rows")
         h = self._embed(tok.reshape(-1))  # [B*T, hidden]
         if t == 1:
             h = self._decode_layers(h, pos, b, row0, keys)
         else:
-            h = self._prefill_layers(h, pos, b, t, row0, start, copy_to)
+            h = self._prefill_layers(h, pos, b, t, row0, start, copy_to, keys)
         if last_at is not None:
             h = h.view(b, t, -1).index_select(1, last_at)[:, 0]  # [B, hidden]
         elif last_only:
@@ -370,9 +372,10 @@ class CudaEngine:
             )
         return h
 
-    def _prefill_layers(self, h, pos, b: int, t: int, row0: int, start: int, copy_to):
+    def _prefill_layers(self, h, pos, b: int, t: int, row0: int, start: int, copy_to, keys: int = 0):
         """Every layer of a prefill of t > 1 tokens a row from `start` (0: a prompt's first chunk; else a chunk
-        continuing it) -> the last layer's output rows [B*T, hidden]."""
+        continuing it; keys > 0: a chunk at the device positions pos over cache slots 0..keys-1, see forward)
+        -> the last layer's output rows [B*T, hidden]."""
         from bitnetlm.kernels.triton.rope import rope_cache
 
         plan, nh, nkv, hd = self.plan, self.nh, self.nkv, self.hd
@@ -380,8 +383,12 @@ class CudaEngine:
         tp = tp if tp <= self.ecfg.max_seq_len else t
         # a prefill from 0 over a cache of another dtype (float8): the attention's K/V, reused by every layer;
         # pad slots zeroed, since a masked NaN still poisons p @ V
-        kv16 = None
-        if not start and self.k_cache[0].dtype != self.ecfg.dtype:
+        kv16, mask = None, None
+        if keys:  # query i sees keys 0..pos + i: static shapes, so the chunk can be captured for any position
+            slots = torch.arange(keys, device=self.device)
+            at = pos[:1].long() + torch.arange(t, device=self.device)
+            mask = slots[None, :] <= at[:, None]  # [T, keys]
+        elif not start and self.k_cache[0].dtype != self.ecfg.dtype:
             new = torch.empty if tp == t else torch.zeros
             kv16 = new((2, b, nkv, tp, hd), device=self.device, dtype=self.ecfg.dtype).unbind(0)
         for li, L in enumerate(self.layers):
@@ -389,7 +396,13 @@ class CudaEngine:
             q = torch.empty((b, t, nh, hd), device=self.device, dtype=self.ecfg.dtype)
             qkv = self._lin(h, L.qkv, L.qkv_scale, (nh + 2 * nkv) * hd, norm=L.in_norm)  # [B*T, (H+2Hkv)*D]
             rope_cache(qkv, self.cos, self.sin, pos, q, kc, vc, nh, nkv, t, copy_to, row0, kv16, plan)
-            if not start:  # from position 0: queries and keys padded to tp (see prefill_len)
+            if keys:
+                kp, vp = kc[:, :, :keys].to(q.dtype), vc[:, :, :keys].to(q.dtype)
+                o = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), kp, vp, attn_mask=mask, enable_gqa=nh != nkv
+                )  # [B, H, T, D]
+                o = o.transpose(1, 2).reshape(b * t, nh * hd)
+            elif not start:  # from position 0: queries and keys padded to tp (see prefill_len)
                 qp = q
                 if tp != t:  # real query i sees keys 0..i only: the pad rows never reach the real ones
                     qp = q.new_zeros((b, tp, nh, hd))
@@ -568,6 +581,37 @@ class CudaEngine:
         st = _DecodeState(graph, tok, pos, last, tok, logits, extra={"last": last, "row": row})
         self._graphs[key] = st
         return st
+
+    def verify_inputs(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tok [1, t], pos [1]): the inputs of every verify graph of length t (verify_state)."""
+        if ("verify", t) not in self._bufs:
+            dev = self.device
+            self._bufs[("verify", t)] = (
+                torch.zeros((1, t), dtype=torch.long, device=dev),
+                torch.zeros((1,), dtype=torch.int32, device=dev),
+            )
+        return self._bufs[("verify", t)]
+
+    def verify_state(self, row: int, t: int, keys: int) -> _DecodeState:
+        """The captured forward of t tokens of cache row `row` at positions pos[0]..pos[0]+t-1 attending over
+        cache slots 0..keys-1 -> logits [t, V]: speculative verification, one graph a (row, length, key span),
+        in the prefill graphs' memory pool. Its inputs (`verify_inputs`) must hold the real tokens and position
+        before the first call: the capture's eager warm-up runs write the keys and values the replay will."""
+        key = ("verify", row, t, keys)
+        if key in self._graphs:
+            return self._graphs[key]
+        if keys > self.ecfg.max_seq_len or t > keys:
+            raise ValueError(f"CudaEngine.verify_state: {t} tokens over {keys} cache slots do not fit")
+        tok, pos = self.verify_inputs(t)
+
+        def body():
+            return self.forward(tok, pos, last_only=False, row0=row, keys=keys)
+
+        if self._prefill_pool is None:
+            self._prefill_pool = torch.cuda.graph_pool_handle()
+        graph, logits = capture(body, pool=self._prefill_pool)
+        self._graphs[key] = _DecodeState(graph, tok, pos, pos, tok, logits)
+        return self._graphs[key]
 
     def logits_state(self, batch: int, max_keys: int = 0) -> _DecodeState:
         """A captured step without sampling: logits [B, V] of tok [B, 1] at pos [B], then pos += 1. The caller

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
+from bitnetlm.models.cache import shift_rows
 from bitnetlm.runtime.base import Pending, Sampled, SampleSpec, host_sample
 from bitnetlm.runtime.config import KV_CACHE_DTYPES, RuntimeConfig
 from bitnetlm.runtime.cuda.engine import PREFILL_ALIGN, PREFILL_SHORT, CudaEngine, EngineConfig
@@ -52,6 +53,15 @@ class _Staging:
         i, self.i = self.i, (self.i + 1) % len(self.used)
         self.used[i].synchronize()
         return i
+
+
+def verify_span(n: int, start: int, max_seq_len: int) -> tuple[int, int]:
+    """(tokens, cache slots) of the captured verify of n tokens at positions start..start+n-1: n padded to a
+    power of two (at least 2) and the slots to one (at least 64), so that a handful of graphs serve every
+    draft length and context; (0, 0) where the padded tokens would pass the context's end."""
+    t = max(2, 1 << (n - 1).bit_length())
+    keys = min(max(64, 1 << (start + t - 1).bit_length()), max_seq_len)
+    return (t, keys) if start + t <= keys else (0, 0)
 
 
 def weights_kind(model) -> str | None:
@@ -89,12 +99,15 @@ def engine_config(
 class CudaRunner:
     pipelined = True
     batched_prefill = False
+    ring = None  # (the captured engine runs LLaMA-shaped layers: no sliding windows)
 
     def __init__(self, model, config: RuntimeConfig, rows: int, max_seq_len: int, plan=None):
         from bitnetlm.kernels.triton.attention import key_range  # (Triton: only once a CUDA engine exists)
 
         if not all(hasattr(model, a) for a in ("layers", "embed_tokens", "norm", "inv_freq", "config")):
             raise TypeError(f"{type(model).__name__} is not a bitnetlm CausalLM")
+        if model.config.family != "llama":
+            raise TypeError(f"the CUDA-graph engine runs LLaMA/BitNet layers, not {model.config.arch}")
         self.config = config
         self.device = next(model.parameters()).device
         ecfg = engine_config(model, config, rows, max_seq_len, plan=plan)
@@ -112,6 +125,8 @@ class CudaRunner:
         )
         self._fused: dict = {}  # steady graphs: (size, keys, sampler kind) -> GraphSampler with step_graph
         self._kind: tuple | None = None  # (sampler version, b, its kind) for the steady graphs' key
+        # row -> [owner, key, draws left] of its loaded uniforms (_occupants)
+        self._draws: dict[int, list] = {}
 
     def warm(self) -> None:
         """Capture every batch size and short key range now, while no row is in use (a capture's eager warm-up
@@ -142,17 +157,40 @@ class CudaRunner:
 
     @torch.no_grad()
     def verify(self, row: int, tokens: Sequence[int], start: int) -> torch.Tensor:
+        """Through a captured graph of the tokens padded to a power of two, over a power-of-two span of the
+        cache (`verify_span`); the pad tokens' keys land past the row's length, where nothing reads them."""
         self._unsteady()
-        tok = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, T]
-        pos = torch.full((1,), start, dtype=torch.int32, device=self.device)
         if start == 0:
             raise ValueError("verify continues a cached prompt (start > 0)")
-        out = self.eng.forward(tok, pos, row0=row, start=start, last_only=False)  # [T, V]
-        self.lengths[row] = start + len(tokens)
+        n = len(tokens)
+        t, keys = verify_span(n, start, self.max_seq_len)
+        if t == 0:  # (the padded span would pass the context's end: eagerly, at its exact length)
+            tok = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, T]
+            pos = torch.full((1,), start, dtype=torch.int32, device=self.device)
+            out = self.eng.forward(tok, pos, row0=row, start=start, last_only=False)  # [T, V]
+        else:
+            host = torch.zeros((t + 1,), dtype=torch.long)
+            host[:n] = torch.tensor(list(tokens), dtype=torch.long)
+            host[t] = start
+            tok, pos = self.eng.verify_inputs(t)
+            tok.copy_(host[None, :t].to(self.device))
+            pos.copy_(host[t:].to(self.device, torch.int32))
+            st = self.eng.verify_state(row, t, keys)  # (captured on first use, from these inputs)
+            st.graph.replay()
+            out = st.logits[:n].clone()  # (the graphs share a memory pool: the next replay may reuse it)
+        self.lengths[row] = start + n
         return out
 
     def truncate(self, row: int, n: int) -> None:
         self.lengths[row] = min(self.lengths[row], n)  # (the row attends to positions 0..pos only)
+
+    @torch.no_grad()
+    def shift(self, row: int, keep: int, drop: int) -> None:
+        # (queued on the stream after the steps that wrote the row; the next decode uploads the lower positions)
+        self._unsteady()
+        n, e = self.lengths[row], self.eng
+        shift_rows(e.k_cache, e.v_cache, row, n, keep, drop, e.cos[drop], e.sin[drop])
+        self.lengths[row] = n - drop
 
     def prefill_many(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         return torch.stack([self.prefill(r, p) for r, p in zip(rows, prompts, strict=True)])
@@ -215,15 +253,16 @@ class CudaRunner:
                 if carry
                 else Pending(list(specs), host_sample(logits, specs))
             )
-        host = [s for s in specs if s.params.needs_penalties]
+        host = [s for s in specs if s.on_host]
         if host and carry:
             raise ValueError(
-                "rows with penalties need their tokens on the host: sample them with carry=False"
+                "rows with penalties or a structured-output mask need their tokens on the host: sample them "
+                "with carry=False"
             )
         if not carry:
             if len(host) == len(specs) or all(s.params.greedy for s in specs):
                 return Pending(list(specs), host_sample(self.logits[[s.row for s in specs]], specs))
-            cap = [s for s in specs if not s.params.needs_penalties]
+            cap = [s for s in specs if not s.on_host]
             got = {}
             if host:
                 got.update(
@@ -237,8 +276,7 @@ class CudaRunner:
         """The captured sampler over the last decode's logits; its outputs reach pinned host memory by the graph
         itself (slot n % 2 of its HostRing), read by `collect`."""
         cs = self._make_sampler()
-        rows = {s.row: (s.owner, s.params, s.random, s.budget) for s in specs}
-        gs, n = cs.sample(self.logits, rows)
+        gs, n = cs.sample(self.logits, self._occupants(specs))
         r, k = gs.host, n % 2
         host = [r.tok[k], r.lp[k], *((r.top_i[k], r.top_v[k]) if gs.top_n else ())]
         return self._pending(specs, [s.row for s in specs], host, gs.top_n, ring=(r, n))
@@ -276,6 +314,19 @@ class CudaRunner:
         pending.result = Sampled(*lists[:2], *(lists[2:] if d["top_n"] else (None, None)))
         return pending.result
 
+    def _occupants(self, specs: Sequence[SampleSpec]) -> dict[int, tuple]:
+        """The captured sampler's rows for one sampling of `specs`: (occupant key, params, stream, draws to load).
+        A row holds at most max_seq_len uniforms; an occupant that samples more (a context-shifting sequence)
+        gets a new key when they run out, which loads the next ones of its stream."""
+        out = {}
+        for s in specs:
+            d = self._draws.get(s.row)
+            if d is None or d[0] is not s.owner or d[2] == 0:
+                d = self._draws[s.row] = [s.owner, object(), min(s.budget, self.max_seq_len)]
+            out[s.row] = (d[1], s.params, s.random, d[2])
+            d[2] -= 1
+        return out
+
     def _make_sampler(self):
         from bitnetlm.runtime.cuda.graph_sampler import ContinuousSampler
 
@@ -291,7 +342,7 @@ class CudaRunner:
             b in self.sizes
             and list(rows) == list(range(b))
             and all(t is None for t in tokens)
-            and not any(s.params.needs_penalties for s in specs)
+            and not any(s.on_host for s in specs)
         )
 
     def _steady_step(self, rows, positions, specs) -> Pending:
@@ -299,13 +350,12 @@ class CudaRunner:
 
         b, positions = len(rows), list(positions)
         cs = self._make_sampler()
-        changed = cs.load({s.row: (s.owner, s.params, s.random, s.budget) for s in specs})
+        changed = cs.load(self._occupants(specs))
         if changed or self._kind is None or self._kind[:2] != (cs.version, b):
             self._kind = (cs.version, b, *cs.kind(b))  # (row_tensors: uploads, so only when rows change)
         t, bias, top_n = self._kind[2:]
-        keys = self._key_range(
-            b, max(p + s.budget + 1 for p, s in zip(positions, specs, strict=True)), self.eng.plan
-        )
+        top = max(p + s.budget + 1 for p, s in zip(positions, specs, strict=True))
+        keys = self._key_range(b, min(top, self.max_seq_len), self.eng.plan)  # (a shifting row stays inside)
         key = (b, keys, t.key(), bias, top_n)
         if self._steady is not None and self._steady[:2] != (key, positions):
             self._unsteady()

@@ -103,6 +103,8 @@ def _dense_group(mods, dev: torch.device, dtype: torch.dtype) -> tuple[torch.Ten
 
 def from_model(model, weights: str, dtype: torch.dtype, dev: torch.device, share: bool = False) -> Weights:
     """The engine's weights of a bitnetlm CausalLM: weights "ternary" (BitLinear projections) or "dense"."""
+    if model.config.family != "llama":
+        raise TypeError(f"the CUDA-graph engine runs LLaMA/BitNet layers, not {model.config.arch}")
     if model.config.vocab_subset is not None:
         raise ValueError("a model with a reduced vocabulary (vocab_subset) runs on the CPU only")
 
