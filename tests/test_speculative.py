@@ -89,8 +89,7 @@ def test_config_errors():
         SpeculativeConfig(num_tokens=0, lookup=3)
     with pytest.raises(ValueError, match="--lookup"):
         SpeculativeConfig(lookup=3, lookup_min=4)
-    with pytest.raises(ValueError, match="not both"):
-        SpeculativeConfig(lookup=3, draft=object())
+    assert SpeculativeConfig(lookup=3, draft=object()).enabled  # both: lookup, else the draft model
     assert not SpeculativeConfig().enabled
 
 
@@ -200,6 +199,21 @@ def test_draft_model_greedy_unchanged(tiny):
     assert [b.tokens for b in both] == [a.tokens for a in alone]
 
 
+def test_lookup_and_draft_model_together_greedy_unchanged(tiny):
+    """Lookup drafts where the text repeats, a (random) draft model elsewhere; its rows catch up in between."""
+    model, tok = tiny
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (40, 9, 33)]
+    prompts = [REPETITIVE, "Emma Woodhouse,", GROUNDED]
+    alone = batch_generate(model, tok, prompts, params)
+    spec = SpeculativeConfig(
+        num_tokens=3, lookup=3, lookup_min=2, draft=random_draft(model.config.vocab_size)
+    )
+    both = batch_generate(model, tok, prompts, params, speculative=spec)
+    assert [b.tokens for b in both] == [a.tokens for a in alone]
+    r = both[0]  # the repeating prompt: lookup's drafts are accepted (the random model's alone: none are)
+    assert r.accepted_tokens >= 5 and r.draft_tokens - r.accepted_tokens >= 5
+
+
 def test_draft_model_vocabulary_must_match(tiny):
     model, tok = tiny
     spec = SpeculativeConfig(draft=random_draft(512))
@@ -281,7 +295,7 @@ def _choices(model, tok, ids, params, n, spec):
     return g.seqs
 
 
-@pytest.mark.parametrize("kind", ["lookup", "bad-draft", "self-draft"])
+@pytest.mark.parametrize("kind", ["lookup", "bad-draft", "self-draft", "lookup+bad-draft"])
 def test_sampled_distribution_unchanged(tiny, kind):
     model, tok = tiny
     base = tok.encode(REPETITIVE)
@@ -294,6 +308,14 @@ def test_sampled_distribution_unchanged(tiny, kind):
             num_tokens=2, draft=random_draft(model.config.vocab_size), adaptive=False, max_rows=256
         ),
         "self-draft": SpeculativeConfig(num_tokens=2, draft=model, adaptive=False, max_rows=256),
+        "lookup+bad-draft": SpeculativeConfig(
+            num_tokens=3,
+            lookup=3,
+            lookup_min=2,
+            draft=random_draft(model.config.vocab_size),
+            adaptive=False,
+            max_rows=256,
+        ),
     }[kind]
     probs = _exact(model, ids, depth, temp, top_k)
     counts, drafted, accepted = Counter(), 0, 0
@@ -345,7 +367,6 @@ def test_speculative_flags(capsys):
     for argv, want in (
         (["--lookup", "3", "--draft-max", "0"], "--draft-max 0: expected an integer >= 1"),
         (["--lookup", "2", "--lookup-min", "3"], "--lookup 2 / --lookup-min 3"),
-        (["--lookup", "2", "--draft-model", "bitnet-tiny"], "not both"),
         (["--draft-model", "smollm2-135m-1.58"], "--draft-model smollm2-135m-1.58: its tokenizer differs"),
     ):
         assert main(["generate", "-m", "bitnet-tiny", "Hi", "-n", "2", *argv]) == 2, argv

@@ -2,7 +2,8 @@
 
 A drafter proposes up to k tokens for a sequence: prompt lookup (the tokens that followed the latest earlier
 occurrence of the sequence's last n tokens, n from `lookup` down to `lookup_min`: no second model) or a draft
-model sharing the target's tokenizer (its own KV rows, one per target row, kept in step). The target scores the
+model sharing the target's tokenizer (its own KV rows, one per target row, kept in step), or both: lookup where
+it finds a match, the model where it does not (its row then catches up on the tokens it did not draft). The target scores the
 last token and the draft in one forward of k+1 tokens over its cache (`Runner.verify`), then, position by
 position, with the logits processors of non-speculative sampling (penalties over the tokens so far, bias,
 temperature, top-k / top-p / min-p):
@@ -40,8 +41,9 @@ PAUSE = 16  # ... for this many steps, doubled at each pause in a row
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """num_tokens: the most tokens drafted a step (k). lookup: prompt lookup's longest n-gram (0: off), down to
-    lookup_min. draft: a draft model (a bitnetlm CausalLM with the target's tokenizer), or None. adaptive: adapt
-    each row's draft length to its acceptance. max_rows: speculate only in steps that decode at most this many
+    lookup_min. draft: a draft model (a bitnetlm CausalLM with the target's tokenizer), or None; with both, a
+    row drafts by lookup where the text repeats and by the model elsewhere. adaptive: adapt each row's draft
+    length to its acceptance. max_rows: speculate only in steps that decode at most this many
     rows (each row verifies in a pass of its own, while one decode step serves them all)."""
 
     num_tokens: int = 4
@@ -61,8 +63,6 @@ class SpeculativeConfig:
             )
         if isinstance(self.max_rows, bool) or not isinstance(self.max_rows, int) or self.max_rows < 1:
             raise ValueError(f"speculative max_rows {self.max_rows!r}: expected an integer >= 1")
-        if self.lookup and self.draft is not None:
-            raise ValueError("speculative decoding takes prompt lookup or a draft model, not both")
 
     def replace(self, **changes) -> SpeculativeConfig:
         return dataclasses.replace(self, **changes)
@@ -122,6 +122,7 @@ class RowState:
 class Draft:
     tokens: list[int]
     q: torch.Tensor | None = None  # [n, V] the draft model's probabilities (sampled rows); None: point masses
+    paced: bool = True  # its acceptance counts toward pausing the row (not lookup's beside a draft model)
 
 
 class Speculator:
@@ -166,25 +167,32 @@ class Speculator:
         if len(seqs) > self.config.max_rows:
             return {}
         cap = self.context
-        want = {}
+        both = self.config.lookup > 0 and self.draft_runner is not None
+        want, paused = {}, set()
         for s in seqs:
             if s.shifted and self.draft_runner is not None:
                 # (a draft row holds the sequence's tokens at their own positions, which a shifted row no longer
                 # does: such a row decodes one token a step; prompt lookup drafts from the text and goes on)
                 continue
             st = self.state(s)
-            if st.paused:
+            if st.paused:  # (beside a draft model, the pause is the model's: lookup goes on)
                 st.paused -= 1
-                continue
+                if not both:
+                    continue
+                paused.add(s)
             k = min(st.k, s.budget - 1, cap - s.n_cached, self.longest)  # the bonus token counts: up to P + k
             if k > 0:
                 want[s] = k
         if not want:
             return {}
-        if self.draft_runner is None:
-            out = {s: Draft(self._lookup(s, k)) for s, k in want.items()}
-            return {s: d for s, d in out.items() if d.tokens}
-        return self._model_drafts(list(want.items()))
+        out = {}
+        if self.config.lookup:
+            out = {s: Draft(self._lookup(s, k), paced=not both) for s, k in want.items()}
+            out = {s: d for s, d in out.items() if d.tokens}
+        rest = [(s, k) for s, k in want.items() if s not in out and s not in paused]
+        if self.draft_runner is not None and rest:  # (its row catches up on the lookup-drafted tokens later)
+            out.update(self._model_drafts(rest))
+        return out
 
     def _lookup(self, s: Sequence, k: int) -> list[int]:
         st = self.state(s)
@@ -239,7 +247,7 @@ class Speculator:
         prm = s.params
         if prm.greedy and not (prm.needs_penalties or prm.logit_bias or prm.top_logprobs):
             out, lps = _greedy_accept(d, logits)
-            self._settle(s, len(d), len(out) - 1)
+            self._settle(s, len(d), len(out) - 1, draft.paced)
             return out, lps, [None] * len(out)
         out, accepted = self._accept(s, d, draft.q, logits)
         top_n = s.params.top_logprobs
@@ -249,7 +257,7 @@ class Speculator:
             if top_n
             else [None] * len(out)
         )
-        self._settle(s, len(d), accepted)
+        self._settle(s, len(d), accepted, draft.paced)
         return out, lp.tolist(), tops
 
     def _accept(self, s: Sequence, d: list[int], q, logits) -> tuple[list[int], int]:
@@ -285,7 +293,7 @@ class Speculator:
         p = _probs(tail, s, output=s.generated + out)
         return [*out, _draw(p, s.random.take(1).to(p.device))], len(d)
 
-    def _settle(self, s: Sequence, drafted: int, accepted: int) -> None:
+    def _settle(self, s: Sequence, drafted: int, accepted: int, paced: bool) -> None:
         """After a verify: the caches hold positions up to the last accepted token; adapt the draft length."""
         n = s.n_cached + accepted  # the last token's position + 1 + accepted
         s.n_cached = n
@@ -306,6 +314,8 @@ class Speculator:
         if not self.config.adaptive:
             return
         st.k = min(self.config.num_tokens, st.k + 1) if accepted == drafted else max(1, accepted + 1)
+        if not paced:
+            return
         st.history = [*st.history[-(WINDOW - 1) :], (drafted, accepted)]
         tried = sum(a for a, _ in st.history)
         if len(st.history) == WINDOW:

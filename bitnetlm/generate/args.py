@@ -14,7 +14,8 @@ SPECULATIVE_FLAGS = [
         "draft_model",
         str,
         None,
-        "speculative decoding with this draft model (same tokenizer as the model); outputs are unchanged",
+        "speculative decoding with this draft model (same tokenizer as the model; with --lookup, where lookup "
+        "finds no match); outputs are unchanged",
     ),
     (
         ("--lookup", "--prompt-lookup-max"),

@@ -248,7 +248,7 @@ def stream_generate(
     kwargs: SamplingParams fields (max_tokens, temperature, top_k, top_p, min_p, seed, stop, ...).
     runtime: how to run the model (default: what `bitnetlm.load` was given for it); on CUDA the decode steps
     replay captured graphs, and enforce_eager=True runs the model's own forward instead (as vLLM's).
-    speculative: draft and verify several tokens a step (prompt lookup or a draft model; same outputs).
+    speculative: draft and verify several tokens a step (prompt lookup, a draft model, or both; same outputs).
     context_shift: at the end of the context window keep the first n_keep prompt tokens (after BOS; -1: the whole
     prompt), drop the oldest half of the rest and go on (llama.cpp's context shift); without it generation ends
     there with finish_reason "length" and a finish_detail saying so.
