@@ -3,17 +3,17 @@ models and real text, and what one verify pass costs against one decode step. Ma
 
     python benchmarks/speculative.py                          # both zoo models, every prompt, k 4 and 8
     python benchmarks/speculative.py --models bitnet-tiny --draft-max 4 --tokens 128 --threads 2
-    python benchmarks/speculative.py --models smollm2-135m-1.58 --draft-model smollm2-135m-1.58-draft \
-        --draft-max 2,3,4,5,6 --reps 5                        # a draft model instead of prompt lookup
+    python benchmarks/speculative.py --models smollm2-135m-1.58 --draft-model runs/draft \
+        --draft-max 3,5                          # lookup, a draft model (scripts/train_smollm2_draft.py), both
 
 Prompts are input-grounded, built from Jane Austen (.assets/austen) and this package's own Python source: copy a
 passage, copy it with an edit, restate a function, continue a numbered list, and one free continuation (not
 grounded: what lookup costs where it finds little). Each row is greedy generation of --tokens tokens (ignore_eos),
 the baseline measured in the same run; speculative output is checked token for token against it.
 
-With --draft-model the runs interleave: each repetition generates once without and once per k with the draft, so
-that a noisy machine's slow spells fall on both sides; the rows give the median of the timed repetitions, and the
-benchmark stops if any speculative output differs from the baseline's.
+With --draft-model the runs interleave: each repetition generates once without, then once per k and method
+(prompt lookup, the draft model, both), so that a noisy machine's slow spells fall on all sides; the rows give the
+median of the timed repetitions, and the benchmark stops if any speculative output differs from the baseline's.
 """
 
 from __future__ import annotations
@@ -63,37 +63,63 @@ def verify_cost(model, ks, reps: int) -> list[tuple[int, float, float]]:
     return [(1, decode * 1e3, 1.0), *out]
 
 
-def draft_rows(model, tok, draft, name: str, ks, n_gen: int, reps: int) -> list[tuple]:
-    """Per prompt and k: median t/s without and with the draft model, speedup, acceptance, tokens per pass."""
+def draft_rows(model, tok, draft, name: str, ks, n_gen: int, reps: int, lookup: int) -> list[tuple]:
+    """Per prompt, k and method (prompt lookup, the draft model, both): median t/s without and with it, the
+    speedup, acceptance and tokens per target pass."""
     import statistics
 
     from bitnetlm.engine.speculative import SpeculativeConfig
     from bitnetlm.generate import generate
 
+    methods = {
+        "lookup": dict(lookup=lookup),
+        "draft model": dict(draft=draft),
+        "lookup + draft model": dict(lookup=lookup, lookup_min=2, draft=draft),
+    }
     rows = []
     for pname, text in prompts().items():
-        base_tps, runs = [], {k: [] for k in ks}
+        base_tps, runs = [], {(k, m): [] for k in ks for m in methods}
         for _ in range(reps + 1):  # the first warms up
             kw = dict(max_tokens=n_gen, temperature=0, ignore_eos=True)
             base = generate(model, tok, text, **kw)
             base_tps.append(base.generation_tps)
-            for k in ks:
-                r = generate(model, tok, text, speculative=SpeculativeConfig(num_tokens=k, draft=draft), **kw)
+            for k, m in runs:
+                r = generate(
+                    model, tok, text, speculative=SpeculativeConfig(num_tokens=k, **methods[m]), **kw
+                )
                 if r.tokens != base.tokens:
-                    raise SystemExit(
-                        f"{name} + draft, {pname!r}, k {k}: the output differs from the baseline's"
-                    )
-                runs[k].append(r)
+                    raise SystemExit(f"{name}, {m}, {pname!r}, k {k}: the output differs from the baseline's")
+                runs[k, m].append(r)
         b = statistics.median(base_tps[1:])
-        for k in ks:
-            last = runs[k][-1]
-            tps = statistics.median(r.generation_tps for r in runs[k][1:])
+        for (k, m), rs in runs.items():
+            last = rs[-1]
+            tps = statistics.median(r.generation_tps for r in rs[1:])
             passes = last.generation_tokens - last.accepted_tokens
             rows.append(
                 (
-                    name, pname, k, f"{b:.1f}", f"{tps:.1f}", f"**{tps / b:.2f}x**",
+                    pname, m, k, f"{b:.1f}", f"{tps:.1f}", f"**{tps / b:.2f}x**",
                     f"{last.accepted_tokens / max(1, last.draft_tokens):.0%}",
-                    f"{last.generation_tokens / max(1, passes):.2f}", "yes",
+                    f"{last.generation_tokens / max(1, passes):.2f}",
+                )
+            )  # fmt: skip
+        print(f"{name}: {pname} done", flush=True)
+    return rows
+
+
+def lookup_rows(model, tok, name: str, args) -> list[tuple]:
+    from bitnetlm.bench import bench_speculative
+    from bitnetlm.engine.speculative import SpeculativeConfig
+
+    rows = []
+    for pname, text in prompts().items():
+        for k in args.draft_max:
+            spec = SpeculativeConfig(num_tokens=k, lookup=args.lookup)
+            base, sp = bench_speculative(model, tok, text, args.tokens, spec, args.reps, name, args.threads)
+            rows.append(
+                (
+                    name, pname, k, f"{base['tokens_per_s']:.1f}", f"{sp['tokens_per_s']:.1f}",
+                    f"**{sp['speedup']:.2f}x**", f"{sp['acceptance']:.0%}", f"{sp['tokens_per_pass']:.2f}",
+                    "yes" if sp["same_output"] else "NO",
                 )
             )  # fmt: skip
         print(f"{name}: {pname} done", flush=True)
@@ -106,7 +132,9 @@ def main() -> None:
     p.add_argument("--draft-max", type=int_list, default=[4, 8], help="k values (default: 4,8)")
     p.add_argument("--lookup", type=int, default=4, help="longest n-gram (default: 4)")
     p.add_argument(
-        "--draft-model", default=None, help="a draft model (zoo name or directory) instead of lookup"
+        "--draft-model",
+        default=None,
+        help="a draft model (zoo name or directory): compare lookup, it, and both (one model in --models)",
     )
     p.add_argument("--tokens", type=int, default=96, help="tokens generated per run (default: 96)")
     p.add_argument("--reps", type=int, default=3, help="timed runs per row, after one warm-up (default: 3)")
@@ -115,8 +143,6 @@ def main() -> None:
     args = p.parse_args()
     common.use_checkout()
     import bitnetlm
-    from bitnetlm.bench import bench_speculative
-    from bitnetlm.engine.speculative import SpeculativeConfig
     from bitnetlm.runtime.config import RuntimeConfig
 
     rt = RuntimeConfig(threads=args.threads, device=args.device)
@@ -125,45 +151,33 @@ def main() -> None:
     for name in args.models:
         model, tok = bitnetlm.load(name, rt)
         costs += [(name, *c) for c in verify_cost(model, [1, 3, 4, 5, 7, 8], 2 * args.reps + 3)]
-        if draft is not None:  # one draft step, in the target's decode steps
-            _, ms, _ = verify_cost(draft, [], 2 * args.reps + 3)[0]
-            costs.append((f"{args.draft_model} (draft)", 1, ms, ms / costs[-7][2]))
-            rows += draft_rows(model, tok, draft, name, args.draft_max, args.tokens, args.reps)
+        if draft is None:
+            rows += lookup_rows(model, tok, name, args)
             continue
-        for pname, text in prompts().items():
-            for k in args.draft_max:
-                spec = SpeculativeConfig(num_tokens=k, lookup=args.lookup)
-                base, sp = bench_speculative(
-                    model, tok, text, args.tokens, spec, args.reps, name, args.threads
-                )
-                rows.append(
-                    (
-                        name, pname, k, f"{base['tokens_per_s']:.1f}", f"{sp['tokens_per_s']:.1f}",
-                        f"**{sp['speedup']:.2f}x**", f"{sp['acceptance']:.0%}", f"{sp['tokens_per_pass']:.2f}",
-                        "yes" if sp["same_output"] else "NO",
-                    )
-                )  # fmt: skip
-            print(f"{name}: {pname} done", flush=True)
+        _, ms, _ = verify_cost(draft, [], 2 * args.reps + 3)[0]  # one draft step, in target decode steps
+        costs.append((f"{args.draft_model} (draft)", 1, ms, ms / costs[-7][2]))
+        rows += draft_rows(model, tok, draft, name, args.draft_max, args.tokens, args.reps, args.lookup)
     gpu = args.device.startswith("cuda")
-    how = f"draft model {args.draft_model}" if draft is not None else f"lookup n {args.lookup}..1"
-    common.header(
-        ("Draft model" if draft is not None else "Prompt lookup") + ", single stream, greedy",
-        gpu=gpu,
-        details=f"{args.tokens} tokens, {args.threads} threads, {how}, adaptive draft length; t/s are the "
-        + ("median of the timed repetitions" if draft is not None else "mean of the timed runs"),
-    )
-    cols = [
-        "model",
-        "prompt",
-        "k",
-        "t/s off",
-        "t/s draft" if draft is not None else "t/s lookup",
-        "speedup",
-        "acceptance",
-        "tokens/pass",
-        "same output",
-    ]
-    print(common.table(cols, rows, [False, False] + [True] * 7))
+    if draft is None:
+        common.header(
+            "Prompt lookup, single stream, greedy",
+            gpu=gpu,
+            details=f"{args.tokens} tokens, {args.threads} threads, lookup n {args.lookup}..1, adaptive draft "
+            "length; t/s are the mean of the timed runs",
+        )
+        cols = ["model", "prompt", "k", "t/s off", "t/s lookup", "speedup", "acceptance", "tokens/pass"]
+        print(common.table([*cols, "same output"], rows, [False, False] + [True] * 7))
+    else:
+        common.header(
+            f"Prompt lookup, a draft model and both, single stream, greedy: {args.models[0]}",
+            gpu=gpu,
+            details=f"{args.tokens} tokens, {args.threads} threads, draft model {args.draft_model}, lookup n "
+            f"{args.lookup}..1 (beside the draft model {args.lookup}..2), adaptive draft length; each repetition "
+            "runs the baseline and every row in turn; t/s are medians of the timed repetitions; every output "
+            "equals the baseline's (the benchmark stops otherwise)",
+        )
+        cols = ["prompt", "method", "k", "t/s off", "t/s", "speedup", "acceptance", "tokens/pass"]
+        print(common.table(cols, rows, [False, False] + [True] * 6))
     common.header(
         "One verify pass of n tokens against one decode step", details="256 tokens in the cache; best of runs"
     )
