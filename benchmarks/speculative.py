@@ -150,12 +150,13 @@ def main() -> None:
     draft = None if args.draft_model is None else bitnetlm.load(args.draft_model, rt)[0]
     for name in args.models:
         model, tok = bitnetlm.load(name, rt)
-        costs += [(name, *c) for c in verify_cost(model, [1, 3, 4, 5, 7, 8], 2 * args.reps + 3)]
+        target = verify_cost(model, [1, 3, 4, 5, 7, 8], 2 * args.reps + 3)
+        costs += [(name, *c) for c in target]
         if draft is None:
             rows += lookup_rows(model, tok, name, args)
             continue
         _, ms, _ = verify_cost(draft, [], 2 * args.reps + 3)[0]  # one draft step, in target decode steps
-        costs.append((f"{args.draft_model} (draft)", 1, ms, ms / costs[-7][2]))
+        costs.append((f"{args.draft_model} (draft)", 1, ms, ms / target[0][1]))
         rows += draft_rows(model, tok, draft, name, args.draft_max, args.tokens, args.reps, args.lookup)
     gpu = args.device.startswith("cuda")
     if draft is None:

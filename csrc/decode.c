@@ -209,13 +209,18 @@ static void sub_norm_row(const rows_job *J, int64_t i) {
     rmsnorm(J->W->att + i * qd, J->L->attn_sub_norm, qd, J->c->eps, J->W->att + i * qd);
 }
 
-/* h += o, then the MLP's input norm */
-static void post_norm_row(const rows_job *J, int64_t i) {
+static void residual_row(const rows_job *J, int64_t i) {
     int64_t H = J->c->hidden;
     float *h = J->h + i * H;
     const float *o = J->W->o + i * H;
     for (int64_t e = 0; e < H; e++) h[e] = h[e] + o[e];
-    rmsnorm(h, J->L->post_norm, H, J->c->eps, J->W->xn + i * H);
+}
+
+/* h += o, then the MLP's input norm */
+static void post_norm_row(const rows_job *J, int64_t i) {
+    int64_t H = J->c->hidden;
+    residual_row(J, i);
+    rmsnorm(J->h + i * H, J->L->post_norm, H, J->c->eps, J->W->xn + i * H);
 }
 
 static void act_row(const rows_job *J, int64_t i) {
@@ -231,13 +236,6 @@ static void act_row(const rows_job *J, int64_t i) {
         bn_silu_mul_f32(g, u, y, I);
     }
     if (J->L->ffn_sub_norm) rmsnorm(y, J->L->ffn_sub_norm, I, J->c->eps, y);
-}
-
-static void residual_row(const rows_job *J, int64_t i) {
-    int64_t H = J->c->hidden;
-    float *h = J->h + i * H;
-    const float *o = J->W->o + i * H;
-    for (int64_t e = 0; e < H; e++) h[e] = h[e] + o[e];
 }
 
 static int layer_step(const bn_decode_config *c, const bn_kv_pages *pages, const bn_decode_layer *L, void *kc, void *vc,

@@ -82,13 +82,8 @@ def batch_of(seqs, rows: torch.Tensor):
 
 def student_logits(student, x: torch.Tensor) -> torch.Tensor:
     """Logits [B, T, head rows] over the reduced vocabulary only (no full-vocabulary scatter)."""
-    pos = torch.arange(x.shape[1]).expand(x.shape)
-    h = student.embed(x)
-    cos, sin = student.rope(pos, h.dtype)
-    for i, layer in enumerate(student.layers):
-        h = layer(h, cos, sin, i, None, None, None)
     w = student.embed_tokens.weight
-    return F.linear(student.norm(h), w[: len(w) - 1])
+    return F.linear(student.hidden_states(x), w[: len(w) - 1])
 
 
 @torch.no_grad()

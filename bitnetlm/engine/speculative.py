@@ -3,10 +3,10 @@
 A drafter proposes up to k tokens for a sequence: prompt lookup (the tokens that followed the latest earlier
 occurrence of the sequence's last n tokens, n from `lookup` down to `lookup_min`: no second model) or a draft
 model sharing the target's tokenizer (its own KV rows, one per target row, kept in step), or both: lookup where
-it finds a match, the model where it does not (its row then catches up on the tokens it did not draft). The target scores the
-last token and the draft in one forward of k+1 tokens over its cache (`Runner.verify`), then, position by
-position, with the logits processors of non-speculative sampling (penalties over the tokens so far, bias,
-temperature, top-k / top-p / min-p):
+it finds a match, the model where it does not (its row then catches up on the tokens it did not draft). The
+target scores the last token and the draft in one forward of k+1 tokens over its cache (`Runner.verify`), then,
+position by position, with the logits processors of non-speculative sampling (penalties over the tokens so far,
+bias, temperature, top-k / top-p / min-p):
 - greedy: a draft token is accepted while it is the target's argmax; the first that is not is replaced by it;
 - sampled: draft token x (drawn from q) is accepted with probability min(1, p(x) / q(x)), else the token is drawn
   from norm(max(0, p - q)); a prompt-lookup draft is a point mass (q(x) = 1). When every draft token is accepted,
