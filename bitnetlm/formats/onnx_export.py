@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -128,29 +129,36 @@ def _rotate_half(g: _G, x: str, half: int) -> str:
     return g.op("Concat", [g.op("Neg", [x2]), x1], axis=-1)
 
 
-def build_onnx(model):
-    """An onnx.ModelProto for `model` (CausalLM, any mode)."""
-    if model.config.vocab_subset is not None:
-        raise ValueError("ONNX export: a model with a reduced vocabulary (vocab_subset) is not supported")
+def _io_values(h, cfg, n_layers: int) -> tuple[list, list]:
+    """The graph's inputs and outputs: ids, positions and past k/v in; logits and present k/v out."""
     from onnx import TensorProto
 
-    cfg = model.config
-    if cfg.family != "llama":
-        raise ValueError(f"ONNX export takes LLaMA/BitNet-shaped models, not {cfg.arch}")
-    g = _G()
-    h_ = g.h
-    n_h, n_kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    rep = n_h // n_kv
+    n_kv, d = cfg.num_key_value_heads, cfg.head_dim
     inputs = [
-        h_.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
-        h_.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
+        h.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
+        h.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
     ]
-    outputs = [h_.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", cfg.vocab_size])]
-    emb = model.embed_tokens.weight.detach().float()
-    emb_name = g.const(emb.numpy(), "embed")
-    x = g.op("Gather", [emb_name, "input_ids"], axis=0)  # [B, T, H]
-    # RoPE tables from position_ids
-    inv = model.inv_freq.detach().float().numpy()
+    outputs = [h.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", cfg.vocab_size])]
+    for i in range(n_layers):
+        for kind in ("key", "value"):
+            inputs.append(
+                h.make_tensor_value_info(
+                    f"past_key_values.{i}.{kind}", TensorProto.FLOAT, ["batch", n_kv, "past", d]
+                )
+            )
+            outputs.append(
+                h.make_tensor_value_info(
+                    f"present.{i}.{kind}", TensorProto.FLOAT, ["batch", n_kv, "total", d]
+                )
+            )
+    return inputs, outputs
+
+
+def _rope_tables(g: _G, inv_freq: torch.Tensor) -> tuple[str, str]:
+    """cos and sin [B, 1, T, D] of the RoPE angles at position_ids."""
+    from onnx import TensorProto
+
+    inv = inv_freq.detach().float().numpy()
     freqs = g.op(
         "Mul",
         [
@@ -161,7 +169,11 @@ def build_onnx(model):
     embp = g.op("Concat", [freqs, freqs], axis=-1)  # [B, T, D]
     cos = g.op("Unsqueeze", [g.op("Cos", [embp]), g.const(_i64([1]))])  # [B, 1, T, D]
     sin = g.op("Unsqueeze", [g.op("Sin", [embp]), g.const(_i64([1]))])
-    # causal mask over cache slots: query t (slot P+t) sees slots j <= P+t
+    return cos, sin
+
+
+def _causal_mask(g: _G) -> tuple[str, str, str]:
+    """(batch dim, step dim, additive mask [T, S]): query t (cache slot P+t) sees slots j <= P+t."""
     shape_ids = g.op("Shape", ["input_ids"])
     b_dim = g.op("Slice", [shape_ids, g.const(_i64([0])), g.const(_i64([1]))])
     t_dim = g.op("Slice", [shape_ids, g.const(_i64([1])), g.const(_i64([2]))])
@@ -177,79 +189,91 @@ def build_onnx(model):
         "LessOrEqual",
         [g.op("Unsqueeze", [kpos, g.const(_i64([0]))]), g.op("Unsqueeze", [qpos, g.const(_i64([1]))])],
     )  # [T, S]
-    neg = g.op("Where", [allowed, g.const(_f32(0.0)), g.const(_f32(-np.inf))])  # additive mask [T, S]
-    heads_shape = lambda n: g.op("Concat", [b_dim, t_dim, g.const(_i64([n, d]))], axis=0)  # noqa: E731
-    scale = g.const(_f32(1.0 / np.sqrt(d)))
-    for i, layer in progress.bar(list(enumerate(model.layers)), desc="building the ONNX graph", unit="layer"):
-        for kind in ("key", "value"):
-            inputs.append(
-                h_.make_tensor_value_info(
-                    f"past_key_values.{i}.{kind}", TensorProto.FLOAT, ["batch", n_kv, "past", d]
-                )
-            )
-            outputs.append(
-                h_.make_tensor_value_info(
-                    f"present.{i}.{kind}", TensorProto.FLOAT, ["batch", n_kv, "total", d]
-                )
-            )
-        at = layer.self_attn
-        hn = _rmsnorm(g, x, layer.input_layernorm.weight, cfg.rms_norm_eps)
-        q = g.op(
-            "Transpose",
-            [g.op("Reshape", [_linear(g, hn, at.q_proj, f"l{i}_q"), heads_shape(n_h)])],
-            perm=[0, 2, 1, 3],
-        )  # [B, H, T, D]
-        k = g.op(
-            "Transpose",
-            [g.op("Reshape", [_linear(g, hn, at.k_proj, f"l{i}_k"), heads_shape(n_kv)])],
-            perm=[0, 2, 1, 3],
-        )
-        v = g.op(
-            "Transpose",
-            [g.op("Reshape", [_linear(g, hn, at.v_proj, f"l{i}_v"), heads_shape(n_kv)])],
-            perm=[0, 2, 1, 3],
-        )
-        q = g.op("Add", [g.op("Mul", [q, cos]), g.op("Mul", [_rotate_half(g, q, d // 2), sin])])
-        k = g.op("Add", [g.op("Mul", [k, cos]), g.op("Mul", [_rotate_half(g, k, d // 2), sin])])
-        kc = f"present.{i}.key"
-        vc = f"present.{i}.value"
-        g.nodes.append(h_.make_node("Concat", [f"past_key_values.{i}.key", k], [kc], axis=2))
-        g.nodes.append(h_.make_node("Concat", [f"past_key_values.{i}.value", v], [vc], axis=2))
-        kk, vv = kc, vc
-        if rep > 1:  # GQA: repeat each KV head `rep` times -> [B, H, S, D]
-            full = g.op("Concat", [b_dim, g.const(_i64([n_h, -1, d]))], axis=0)
-            exp_shape = g.op(
-                "Concat", [b_dim, g.const(_i64([n_kv, rep])), g.op("Shape", [kc], start=2)], axis=0
-            )
-            kk = g.op(
-                "Reshape", [g.op("Expand", [g.op("Unsqueeze", [kc, g.const(_i64([2]))]), exp_shape]), full]
-            )
-            vv = g.op(
-                "Reshape", [g.op("Expand", [g.op("Unsqueeze", [vc, g.const(_i64([2]))]), exp_shape]), full]
-            )
-        scores = g.op("Mul", [g.op("MatMul", [q, g.op("Transpose", [kk], perm=[0, 1, 3, 2])]), scale])
-        p = g.op("Softmax", [g.op("Add", [scores, neg])], axis=-1)
-        o = g.op("Transpose", [g.op("MatMul", [p, vv])], perm=[0, 2, 1, 3])  # [B, T, H, D]
-        o = g.op("Reshape", [o, g.op("Concat", [b_dim, t_dim, g.const(_i64([n_h * d]))], axis=0)])
-        if at.attn_sub_norm is not None:
-            o = _rmsnorm(g, o, at.attn_sub_norm.weight, cfg.rms_norm_eps)
-        x = g.op("Add", [x, _linear(g, o, at.o_proj, f"l{i}_o")])
-        mlp = layer.mlp
-        hn = _rmsnorm(g, x, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
-        gate = _linear(g, hn, mlp.gate_proj, f"l{i}_gate")
-        if cfg.hidden_act == "relu2":
-            r = g.op("Relu", [gate])
-            act = g.op("Mul", [r, r])
-        elif cfg.hidden_act == "silu":
-            act = g.op("Mul", [gate, g.op("Sigmoid", [gate])])
-        else:
-            raise ValueError(f"ONNX export: unsupported hidden_act {cfg.hidden_act!r} (relu2, silu)")
-        m = g.op("Mul", [act, _linear(g, hn, mlp.up_proj, f"l{i}_up")])
-        if mlp.ffn_sub_norm is not None:
-            m = _rmsnorm(g, m, mlp.ffn_sub_norm.weight, cfg.rms_norm_eps)
-        x = g.op("Add", [x, _linear(g, m, mlp.down_proj, f"l{i}_down")])
-    x = _rmsnorm(g, x, model.norm.weight, cfg.rms_norm_eps)
-    # logits = x @ W^T as Gemm(transB=1) on [B*T, H] rows: a tied head shares the embedding initializer
+    neg = g.op("Where", [allowed, g.const(_f32(0.0)), g.const(_f32(-np.inf))])
+    return b_dim, t_dim, neg
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """Graph values every layer reads: the RoPE tables, the causal mask, the batch and step dims, 1/sqrt(d)."""
+
+    cos: str
+    sin: str
+    mask: str
+    b_dim: str
+    t_dim: str
+    scale: str
+
+
+def _to_heads(g: _G, y: str, sh: _Shared, n: int, d: int) -> str:
+    """[B, T, n*d] -> [B, n, T, d]."""
+    shape = g.op("Concat", [sh.b_dim, sh.t_dim, g.const(_i64([n, d]))], axis=0)
+    return g.op("Transpose", [g.op("Reshape", [y, shape])], perm=[0, 2, 1, 3])
+
+
+def _apply_rope(g: _G, x: str, sh: _Shared, half: int) -> str:
+    """x * cos + rotate_half(x) * sin."""
+    return g.op("Add", [g.op("Mul", [x, sh.cos]), g.op("Mul", [_rotate_half(g, x, half), sh.sin])])
+
+
+def _repeat_kv(g: _G, kc: str, vc: str, sh: _Shared, n_h: int, n_kv: int, d: int) -> tuple[str, str]:
+    """GQA: each KV head repeated n_h / n_kv times -> [B, H, S, D] (the cache itself unchanged)."""
+    rep = n_h // n_kv
+    if rep <= 1:
+        return kc, vc
+    full = g.op("Concat", [sh.b_dim, g.const(_i64([n_h, -1, d]))], axis=0)
+    exp_shape = g.op("Concat", [sh.b_dim, g.const(_i64([n_kv, rep])), g.op("Shape", [kc], start=2)], axis=0)
+    kk = g.op("Reshape", [g.op("Expand", [g.op("Unsqueeze", [kc, g.const(_i64([2]))]), exp_shape]), full])
+    vv = g.op("Reshape", [g.op("Expand", [g.op("Unsqueeze", [vc, g.const(_i64([2]))]), exp_shape]), full])
+    return kk, vv
+
+
+def _attention_block(g: _G, x: str, layer, i: int, cfg, sh: _Shared) -> str:
+    """x + o_proj(attention(norm(x))) of layer i, its k/v appended to the cache as present.{i}.*."""
+    n_h, n_kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    at = layer.self_attn
+    hn = _rmsnorm(g, x, layer.input_layernorm.weight, cfg.rms_norm_eps)
+    q = _to_heads(g, _linear(g, hn, at.q_proj, f"l{i}_q"), sh, n_h, d)  # [B, H, T, D]
+    k = _to_heads(g, _linear(g, hn, at.k_proj, f"l{i}_k"), sh, n_kv, d)
+    v = _to_heads(g, _linear(g, hn, at.v_proj, f"l{i}_v"), sh, n_kv, d)
+    q, k = _apply_rope(g, q, sh, d // 2), _apply_rope(g, k, sh, d // 2)
+    kc, vc = f"present.{i}.key", f"present.{i}.value"
+    g.nodes.append(g.h.make_node("Concat", [f"past_key_values.{i}.key", k], [kc], axis=2))
+    g.nodes.append(g.h.make_node("Concat", [f"past_key_values.{i}.value", v], [vc], axis=2))
+    kk, vv = _repeat_kv(g, kc, vc, sh, n_h, n_kv, d)
+    scores = g.op("Mul", [g.op("MatMul", [q, g.op("Transpose", [kk], perm=[0, 1, 3, 2])]), sh.scale])
+    p = g.op("Softmax", [g.op("Add", [scores, sh.mask])], axis=-1)
+    o = g.op("Transpose", [g.op("MatMul", [p, vv])], perm=[0, 2, 1, 3])  # [B, T, H, D]
+    o = g.op("Reshape", [o, g.op("Concat", [sh.b_dim, sh.t_dim, g.const(_i64([n_h * d]))], axis=0)])
+    if at.attn_sub_norm is not None:
+        o = _rmsnorm(g, o, at.attn_sub_norm.weight, cfg.rms_norm_eps)
+    return g.op("Add", [x, _linear(g, o, at.o_proj, f"l{i}_o")])
+
+
+def _activation(g: _G, gate: str, hidden_act: str) -> str:
+    """The MLP's gate activation: relu2 (BitNet) or silu."""
+    if hidden_act == "relu2":
+        r = g.op("Relu", [gate])
+        return g.op("Mul", [r, r])
+    if hidden_act == "silu":
+        return g.op("Mul", [gate, g.op("Sigmoid", [gate])])
+    raise ValueError(f"ONNX export: unsupported hidden_act {hidden_act!r} (relu2, silu)")
+
+
+def _mlp_block(g: _G, x: str, layer, i: int, cfg) -> str:
+    """x + down(act(gate(norm(x))) * up(norm(x))) of layer i."""
+    mlp = layer.mlp
+    hn = _rmsnorm(g, x, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
+    act = _activation(g, _linear(g, hn, mlp.gate_proj, f"l{i}_gate"), cfg.hidden_act)
+    m = g.op("Mul", [act, _linear(g, hn, mlp.up_proj, f"l{i}_up")])
+    if mlp.ffn_sub_norm is not None:
+        m = _rmsnorm(g, m, mlp.ffn_sub_norm.weight, cfg.rms_norm_eps)
+    return g.op("Add", [x, _linear(g, m, mlp.down_proj, f"l{i}_down")])
+
+
+def _logits(g: _G, x: str, model, emb_name: str, sh: _Shared) -> None:
+    """logits [B, T, V] = x @ W^T as Gemm(transB=1) on [B*T, H] rows; a tied head shares the embedding."""
+    cfg = model.config
     head = (
         emb_name
         if model.lm_head is None
@@ -257,8 +281,14 @@ def build_onnx(model):
     )
     rows = g.op("Reshape", [x, g.const(_i64([-1, cfg.hidden_size]))])
     flat = g.op("Gemm", [rows, head], transB=1)
-    out_shape = g.op("Concat", [b_dim, t_dim, g.const(_i64([cfg.vocab_size]))], axis=0)
-    g.nodes.append(h_.make_node("Reshape", [flat, out_shape], ["logits"]))
+    out_shape = g.op("Concat", [sh.b_dim, sh.t_dim, g.const(_i64([cfg.vocab_size]))], axis=0)
+    g.nodes.append(g.h.make_node("Reshape", [flat, out_shape], ["logits"]))
+
+
+def _model_proto(g: _G, cfg, n_layers: int):
+    """The ModelProto of the built graph, with the config as metadata."""
+    h_ = g.h
+    inputs, outputs = _io_values(h_, cfg, n_layers)
     graph = h_.make_graph(g.nodes, "bitnetlm", inputs, outputs, initializer=g.inits)
     mp = h_.make_model(graph, opset_imports=[h_.make_opsetid("", OPSET)], producer_name="bitnetlm")
     mp.ir_version = 11
@@ -267,6 +297,27 @@ def build_onnx(model):
     # the whole config (context length, token ids, ...): what `onnx_import` cannot read off the graph
     mp.metadata_props.add(key="bitnetlm_config", value=json.dumps(cfg.to_hf()))
     return mp
+
+
+def build_onnx(model):
+    """An onnx.ModelProto for `model` (CausalLM, any mode)."""
+    cfg = model.config
+    if cfg.vocab_subset is not None:
+        raise ValueError("ONNX export: a model with a reduced vocabulary (vocab_subset) is not supported")
+    g = _G()  # (imports onnx)
+    if cfg.family != "llama":
+        raise ValueError(f"ONNX export takes LLaMA/BitNet-shaped models, not {cfg.arch}")
+    emb_name = g.const(model.embed_tokens.weight.detach().float().numpy(), "embed")
+    x = g.op("Gather", [emb_name, "input_ids"], axis=0)  # [B, T, H]
+    cos, sin = _rope_tables(g, model.inv_freq)
+    b_dim, t_dim, mask = _causal_mask(g)
+    sh = _Shared(cos, sin, mask, b_dim, t_dim, g.const(_f32(1.0 / np.sqrt(cfg.head_dim))))
+    for i, layer in progress.bar(list(enumerate(model.layers)), desc="building the ONNX graph", unit="layer"):
+        x = _attention_block(g, x, layer, i, cfg, sh)
+        x = _mlp_block(g, x, layer, i, cfg)
+    x = _rmsnorm(g, x, model.norm.weight, cfg.rms_norm_eps)
+    _logits(g, x, model, emb_name, sh)
+    return _model_proto(g, cfg, len(model.layers))
 
 
 def export_onnx(model, out: str | os.PathLike) -> Path:
