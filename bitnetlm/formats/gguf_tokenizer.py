@@ -56,19 +56,8 @@ def _spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]
     return merges
 
 
-def tokenizer_from_gguf_metadata(meta: dict[str, Any], source: str = "GGUF") -> tuple[Any, dict[str, Any]]:
-    """(tokenizers.Tokenizer, tokenizer_config dict) described by GGUF metadata."""
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        normalizers,
-        pre_tokenizers,
-        processors,
-    )
-
+def _checked_tokens(meta: dict[str, Any], source: str) -> tuple[Any, list[str], list[int]]:
+    """(tokenizer.ggml.model, tokens, token types) of the metadata; one-line errors when they are unusable."""
     kind = meta.get("tokenizer.ggml.model")
     tokens = meta.get("tokenizer.ggml.tokens")
     if kind is None or tokens is None:
@@ -80,66 +69,72 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any], source: str = "GGUF") -> 
     types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
     if len(types) != len(tokens):
         raise ValueError(f"{source}: {len(types)} token types for {len(tokens)} tokens")
+    return kind, tokens, types
+
+
+def _token_of(meta: dict[str, Any], tokens: list[str], key: str) -> str | None:
+    """The token whose id metadata `tokenizer.ggml.<key>` holds (None if absent or out of range)."""
+    i = meta.get(f"tokenizer.ggml.{key}")
+    return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
+
+
+def _byte_level_bpe(meta: dict[str, Any], vocab: dict[str, int]):
+    """A `gpt2` tokenizer: byte-level BPE with the pre-tokenizer llama.cpp names in tokenizer.ggml.pre."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
     pre = meta.get("tokenizer.ggml.pre", "default")
-    vocab = {t: i for i, t in enumerate(tokens)}
-    merges_raw = meta.get("tokenizer.ggml.merges")
-
-    def tok_of(key):
-        i = meta.get(f"tokenizer.ggml.{key}")
-        return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
-
-    bos, eos, unk, pad = (
-        tok_of("bos_token_id"),
-        tok_of("eos_token_id"),
-        tok_of("unknown_token_id"),
-        tok_of("padding_token_id"),
-    )
-    if kind == "bert":
-        return wordpiece_from_metadata(meta, tokens, types, source)
-    if kind == "gpt2":
-        merges = [tuple(m.split(" ", 1)) for m in merges_raw or []]
-        model = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in LLAMA3_PRES, fuse_unk=False)
-        tk = Tokenizer(model)
-        if pre in SPLIT_PRES:
-            tk.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Split(Regex(SPLIT_PRES[pre]), behavior="isolated"),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-                ]
-            )
-        elif pre == "smollm":  # llama.cpp: digits one by one, then the GPT-2 split
-            tk.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Digits(individual_digits=True),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-                ]
-            )
-        else:
-            tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        tk.decoder = decoders.ByteLevel()
-        alphabet = set(_bytes_to_unicode().values())
-    elif kind == "llama":
-        scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
-        merges = [tuple(m.split(" ", 1)) for m in merges_raw] if merges_raw else _spm_merges(tokens, scores)
-        model = models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
-        tk = Tokenizer(model)
-        norms = [normalizers.Replace(" ", "\u2581")]
-        if meta.get("tokenizer.ggml.add_space_prefix", True):
-            norms.insert(0, normalizers.Prepend("\u2581"))
-        tk.normalizer = normalizers.Sequence(norms)
-        tk.decoder = decoders.Sequence(
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    model = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in LLAMA3_PRES, fuse_unk=False)
+    tk = Tokenizer(model)
+    if pre in SPLIT_PRES:
+        tk.pre_tokenizer = pre_tokenizers.Sequence(
             [
-                decoders.Replace("\u2581", " "),
-                decoders.ByteFallback(),
-                decoders.Fuse(),
-                decoders.Strip(" ", 1, 0),
+                pre_tokenizers.Split(Regex(SPLIT_PRES[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
-        alphabet = None
-    else:
-        raise ValueError(
-            f"{source}: tokenizer.ggml.model {kind!r} is not supported (supported: gpt2, llama, bert)"
+    elif pre == "smollm":  # llama.cpp: digits one by one, then the GPT-2 split
+        tk.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
         )
+    else:
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tk.decoder = decoders.ByteLevel()
+    return tk
+
+
+def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str], vocab: dict[str, int], unk: str | None):
+    """A `llama` tokenizer: SentencePiece-style BPE with byte fallback (merges from the file or the scores)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    merges_raw = meta.get("tokenizer.ggml.merges")
+    scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in merges_raw] if merges_raw else _spm_merges(tokens, scores)
+    model = models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    tk = Tokenizer(model)
+    norms = [normalizers.Replace(" ", "\u2581")]
+    if meta.get("tokenizer.ggml.add_space_prefix", True):
+        norms.insert(0, normalizers.Prepend("\u2581"))
+    tk.normalizer = normalizers.Sequence(norms)
+    tk.decoder = decoders.Sequence(
+        [
+            decoders.Replace("\u2581", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    return tk
+
+
+def _add_typed_tokens(tk, tokens: list[str], types: list[int], alphabet: set[str] | None) -> None:
+    """CONTROL tokens as special added tokens (byte-level: only those it can spell, or <...>), USER_DEFINED
+    tokens as plain added tokens."""
+    from tokenizers import AddedToken
+
     special = [
         AddedToken(t, special=True, normalized=False)
         for t, ty in zip(tokens, types)
@@ -152,8 +147,12 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any], source: str = "GGUF") -> 
         tk.add_special_tokens(special)
     if user:
         tk.add_tokens(user)
-    add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
-    add_eos = meta.get("tokenizer.ggml.add_eos_token", False)
+
+
+def _set_post_processor(tk, kind: str, vocab: dict[str, int], bos, eos, add_bos, add_eos) -> None:
+    """BOS / EOS added by a template post-processor when the metadata asks for them (byte-level: offsets)."""
+    from tokenizers import processors
+
     if (add_bos and bos) or (add_eos and eos):
         single = (f"{bos}:0 " if add_bos and bos else "") + "$A:0" + (f" {eos}:0" if add_eos and eos else "")
         pair = (
@@ -166,6 +165,30 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any], source: str = "GGUF") -> 
         tk.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
     elif kind == "gpt2":
         tk.post_processor = processors.ByteLevel(trim_offsets=False)
+
+
+def tokenizer_from_gguf_metadata(meta: dict[str, Any], source: str = "GGUF") -> tuple[Any, dict[str, Any]]:
+    """(tokenizers.Tokenizer, tokenizer_config dict) described by GGUF metadata."""
+    kind, tokens, types = _checked_tokens(meta, source)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    bos, eos, unk, pad = (
+        _token_of(meta, tokens, key)
+        for key in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")
+    )
+    if kind == "bert":
+        return wordpiece_from_metadata(meta, tokens, types, source)
+    if kind == "gpt2":
+        tk, alphabet = _byte_level_bpe(meta, vocab), set(_bytes_to_unicode().values())
+    elif kind == "llama":
+        tk, alphabet = _sentencepiece_bpe(meta, tokens, vocab, unk), None
+    else:
+        raise ValueError(
+            f"{source}: tokenizer.ggml.model {kind!r} is not supported (supported: gpt2, llama, bert)"
+        )
+    _add_typed_tokens(tk, tokens, types, alphabet)
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
+    add_eos = meta.get("tokenizer.ggml.add_eos_token", False)
+    _set_post_processor(tk, kind, vocab, bos, eos, add_bos, add_eos)
     config: dict[str, Any] = {
         "add_bos_token": bool(add_bos),
         "add_eos_token": bool(add_eos),
@@ -225,14 +248,9 @@ def _token_str(v) -> str | None:
     return v
 
 
-def tokenizer_metadata(tok, cfg=None) -> tuple[dict[str, Any], dict[str, tuple[int, int | None]]]:
-    """GGUF tokenizer metadata (and value types) for a tokenizer directory or bitnetlm Tokenizer."""
-    from bitnetlm.formats.gguf_file import ARRAY, BOOL, FLOAT32, INT32, STRING, UINT32
-
-    tj, tc = _tokenizer_dir_files(tok)
-    model = tj.get("model") or {}
-    if model.get("type") != "BPE":
-        raise ValueError(f"only BPE tokenizers can be written to GGUF, found {model.get('type')!r}")
+def _token_table(tj: dict, model: dict, cfg) -> tuple[dict[str, int], list[str], list[int]]:
+    """(vocabulary with the added tokens, tokens by id, llama.cpp token types): ids no token holds (and any
+    beyond, up to the model's vocab_size) become [PAD<i>] UNUSED; byte-fallback pieces <0xNN> are BYTE."""
     vocab: dict[str, int] = dict(model.get("vocab") or {})
     added = {a["content"]: a for a in tj.get("added_tokens") or []}
     for a in added.values():
@@ -246,14 +264,78 @@ def tokenizer_metadata(tok, cfg=None) -> tuple[dict[str, Any], dict[str, tuple[i
         tokens[i] = t
         a = added.get(t)
         types[i] = NORMAL if a is None else CONTROL if a.get("special") else USER_DEFINED
-    byte_fallback = bool(model.get("byte_fallback"))
-    kind = "llama" if byte_fallback else "gpt2"
-    pairs = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model.get("merges") or []]
-    merges = [" ".join(p) for p in pairs]
+    if model.get("byte_fallback"):
+        for i, t in enumerate(tokens):
+            if len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+                types[i] = BYTE
+    return vocab, tokens, types
+
+
+def _merge_strings(kind: str, pairs: list[tuple]) -> list[str]:
+    """tokenizer.ggml.merges ("a b"); none for a SentencePiece vocabulary whose pieces hold spaces."""
     if kind == "llama" and any(" " in a or " " in b for a, b in pairs):
         # "a b" cannot hold a piece with a space (Gemma's whitespace runs): the reader derives the merges from
         # the scores instead, as llama.cpp's SentencePiece converter leaves them out
-        merges = []
+        return []
+    return [" ".join(p) for p in pairs]
+
+
+def _merge_scores(pairs: list[tuple], tokens: list[str]) -> list[float]:
+    """SentencePiece scores that order the merges: minus the rank of the first merge making each token."""
+    rank = {}
+    for r, (a, b) in enumerate(pairs):
+        rank.setdefault(a + b, r)
+    return [float(-rank.get(t, 0)) for t in tokens]
+
+
+def _special_ids(tc: dict, vocab: dict[str, int], cfg) -> dict[str, int | None]:
+    """BOS / EOS / UNK / PAD ids: tokenizer_config's tokens, else the model config's ids (the first of a list)."""
+
+    def tid(name: str, fallback) -> int | None:
+        t = _token_str(tc.get(name))
+        if t is not None and t in vocab:
+            return vocab[t]
+        if isinstance(fallback, list):
+            fallback = fallback[0] if fallback else None
+        return fallback
+
+    return {
+        "bos_token_id": tid("bos_token", getattr(cfg, "bos_token_id", None)),
+        "eos_token_id": tid("eos_token", getattr(cfg, "eos_token_id", None)),
+        "unknown_token_id": tid("unk_token", None),
+        "padding_token_id": tid("pad_token", getattr(cfg, "pad_token_id", None)),
+    }
+
+
+def _adds_bos(tj: dict, tc: dict, bos_tok: str | None) -> bool:
+    """tokenizer_config's add_bos_token, else whether the post-processor's template inserts the BOS token."""
+    add_bos = tc.get("add_bos_token")
+    if add_bos is None:
+        post = json.dumps(tj.get("post_processor") or {})
+        add_bos = bool(bos_tok) and "TemplateProcessing" in post and json.dumps(bos_tok) in post
+    return bool(add_bos)
+
+
+def _default_chat_template(tc: dict) -> str | None:
+    """The chat template, or the one named "default" of a list of named templates."""
+    tmpl = tc.get("chat_template")
+    if isinstance(tmpl, list):  # [{"name": "default", "template": ...}, ...]
+        tmpl = next((x.get("template") for x in tmpl if x.get("name") == "default"), None)
+    return tmpl
+
+
+def tokenizer_metadata(tok, cfg=None) -> tuple[dict[str, Any], dict[str, tuple[int, int | None]]]:
+    """GGUF tokenizer metadata (and value types) for a tokenizer directory or bitnetlm Tokenizer."""
+    from bitnetlm.formats.gguf_file import ARRAY, BOOL, FLOAT32, INT32, STRING, UINT32
+
+    tj, tc = _tokenizer_dir_files(tok)
+    model = tj.get("model") or {}
+    if model.get("type") != "BPE":
+        raise ValueError(f"only BPE tokenizers can be written to GGUF, found {model.get('type')!r}")
+    vocab, tokens, types = _token_table(tj, model, cfg)
+    kind = "llama" if model.get("byte_fallback") else "gpt2"
+    pairs = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model.get("merges") or []]
+    merges = _merge_strings(kind, pairs)
     meta: dict[str, Any] = {
         "tokenizer.ggml.model": kind,
         "tokenizer.ggml.tokens": tokens,
@@ -272,47 +354,21 @@ def tokenizer_metadata(tok, cfg=None) -> tuple[dict[str, Any], dict[str, tuple[i
         )
         meta["tokenizer.ggml.pre"] = pre_tokenizer_name(tj, source)
     else:
-        rank = {}
-        for r, (a, b) in enumerate(pairs):
-            rank.setdefault(a + b, r)
-        meta["tokenizer.ggml.scores"] = [float(-rank.get(t, 0)) for t in tokens]
+        meta["tokenizer.ggml.scores"] = _merge_scores(pairs, tokens)
         vtypes["tokenizer.ggml.scores"] = (ARRAY, FLOAT32)
-        for i, t in enumerate(tokens):
-            if len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
-                types[i] = BYTE
         meta["tokenizer.ggml.add_space_prefix"] = "Prepend" in json.dumps(tj.get("normalizer"))
         vtypes["tokenizer.ggml.add_space_prefix"] = (BOOL, None)
-
-    def tid(name: str, fallback) -> int | None:
-        t = _token_str(tc.get(name))
-        if t is not None and t in vocab:
-            return vocab[t]
-        if isinstance(fallback, list):
-            fallback = fallback[0] if fallback else None
-        return fallback
-
-    ids = {
-        "bos_token_id": tid("bos_token", getattr(cfg, "bos_token_id", None)),
-        "eos_token_id": tid("eos_token", getattr(cfg, "eos_token_id", None)),
-        "unknown_token_id": tid("unk_token", None),
-        "padding_token_id": tid("pad_token", getattr(cfg, "pad_token_id", None)),
-    }
+    ids = _special_ids(tc, vocab, cfg)
     for k, v in ids.items():
         if v is not None:
             meta[f"tokenizer.ggml.{k}"] = int(v)
             vtypes[f"tokenizer.ggml.{k}"] = (UINT32, None)
-    post = json.dumps(tj.get("post_processor") or {})
     bos_tok = tokens[ids["bos_token_id"]] if ids["bos_token_id"] is not None else None
-    add_bos = tc.get("add_bos_token")
-    if add_bos is None:
-        add_bos = bool(bos_tok) and "TemplateProcessing" in post and json.dumps(bos_tok) in post
-    meta["tokenizer.ggml.add_bos_token"] = bool(add_bos)
+    meta["tokenizer.ggml.add_bos_token"] = _adds_bos(tj, tc, bos_tok)
     meta["tokenizer.ggml.add_eos_token"] = bool(tc.get("add_eos_token", False))
     vtypes["tokenizer.ggml.add_bos_token"] = (BOOL, None)
     vtypes["tokenizer.ggml.add_eos_token"] = (BOOL, None)
-    tmpl = tc.get("chat_template")
-    if isinstance(tmpl, list):  # [{"name": "default", "template": ...}, ...]
-        tmpl = next((x.get("template") for x in tmpl if x.get("name") == "default"), None)
+    tmpl = _default_chat_template(tc)
     if tmpl:
         meta["tokenizer.chat_template"] = tmpl
         vtypes["tokenizer.chat_template"] = (STRING, None)
