@@ -129,6 +129,71 @@ def load_gguf_model(
 # ---- writing --------------------------------------------------------------------------------------
 
 
+def _ternary_type(cfg, qtype: str | None) -> str:
+    """The lower-cased ternary GGUF type to write ("" for a full-precision model without one); checked."""
+    qkey = (qtype or "").lower()  # (a full-precision model has no ternary type)
+    if cfg.quant == "ternary" and qkey not in codecs.TERNARY_TYPES:
+        raise ValueError(
+            f"--type must be one of {sorted(codecs.TERNARY_TYPES)} for a ternary model, got {qtype!r}"
+        )
+    return qkey
+
+
+def _shape_metadata(model, cfg, p: str) -> tuple[dict, dict]:
+    """(metadata, value types) every file gets: the name, the LLaMA-shaped hyperparameters under architecture
+    prefix `p`, the format versions."""
+    meta: dict = {
+        "general.name": getattr(model, "name", None)
+        or f"{cfg.arch} {cfg.num_hidden_layers}L {cfg.hidden_size}d",
+        f"{p}.vocab_size": cfg.vocab_size,
+        f"{p}.context_length": cfg.max_position_embeddings,
+        f"{p}.embedding_length": cfg.hidden_size,
+        f"{p}.feed_forward_length": cfg.intermediate_size,
+        f"{p}.block_count": cfg.num_hidden_layers,
+        f"{p}.attention.head_count": cfg.num_attention_heads,
+        f"{p}.attention.head_count_kv": cfg.num_key_value_heads,
+        f"{p}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+        f"{p}.rope.freq_base": float(cfg.rope_theta),
+        f"{p}.rope.dimension_count": cfg.head_dim,
+        "bitnetlm.format_version": GGUF_FORMAT_VERSION,
+        "general.quantization_version": GGML_QUANT_VERSION,
+    }
+    if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+        meta[f"{p}.attention.key_length"] = cfg.head_dim
+        meta[f"{p}.attention.value_length"] = cfg.head_dim
+    types = {
+        f"{p}.vocab_size": (4, None),  # UINT32, as llama.cpp writes them
+        f"{p}.context_length": (4, None),
+        f"{p}.embedding_length": (4, None),
+        f"{p}.feed_forward_length": (4, None),
+        f"{p}.block_count": (4, None),
+        f"{p}.attention.head_count": (4, None),
+        f"{p}.attention.head_count_kv": (4, None),
+        f"{p}.rope.dimension_count": (4, None),
+        f"{p}.attention.key_length": (4, None),
+        f"{p}.attention.value_length": (4, None),
+        "bitnetlm.format_version": (4, None),
+        "general.quantization_version": (4, None),
+    }
+    return meta, types
+
+
+def _token_metadata(tokenizer, cfg) -> tuple[dict, dict]:
+    """The tokenizer's GGUF metadata, or without one just the config's BOS / EOS ids (the first of a list)."""
+    if tokenizer is not None:
+        from bitnetlm.formats.gguf_tokenizer import tokenizer_metadata
+
+        return tokenizer_metadata(tokenizer, cfg)
+    meta, types = {}, {}
+    for key, val in (("bos_token_id", cfg.bos_token_id), ("eos_token_id", cfg.eos_token_id)):
+        if isinstance(val, list):
+            val = val[0] if val else None
+        if val is not None:
+            meta[f"tokenizer.ggml.{key}"] = int(val)
+            types[f"tokenizer.ggml.{key}"] = (4, None)
+    return meta, types
+
+
 def save_gguf(
     model: CausalLM,
     path: str | os.PathLike,
@@ -155,72 +220,23 @@ def save_gguf(
             f"{path}: GGUF has no reduced vocabulary (vocab_subset); keep this model in the HF format"
         )
     cfg = model.config
-    ternary = cfg.quant == "ternary"
-    qkey = (qtype or "").lower()  # (a full-precision model has no ternary type)
-    if ternary and qkey not in codecs.TERNARY_TYPES:
-        raise ValueError(
-            f"--type must be one of {sorted(codecs.TERNARY_TYPES)} for a ternary model, got {qtype!r}"
-        )
+    qkey = _ternary_type(cfg, qtype)
     arch = gguf_arch_name(cfg, arch_name)
     if cfg.family == "llama":
         tensors = _llama_tensors(model, cfg, arch, qkey, embed_type, Path(path).name)
     else:
         tensors = _family_tensors(model, cfg, qkey, embed_type, Path(path).name)
-
-    p = arch
-    meta: dict = {
-        "general.name": getattr(model, "name", None)
-        or f"{cfg.arch} {cfg.num_hidden_layers}L {cfg.hidden_size}d",
-        f"{p}.vocab_size": cfg.vocab_size,
-        f"{p}.context_length": cfg.max_position_embeddings,
-        f"{p}.embedding_length": cfg.hidden_size,
-        f"{p}.feed_forward_length": cfg.intermediate_size,
-        f"{p}.block_count": cfg.num_hidden_layers,
-        f"{p}.attention.head_count": cfg.num_attention_heads,
-        f"{p}.attention.head_count_kv": cfg.num_key_value_heads,
-        f"{p}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
-        f"{p}.rope.freq_base": float(cfg.rope_theta),
-        f"{p}.rope.dimension_count": cfg.head_dim,
-        "bitnetlm.format_version": GGUF_FORMAT_VERSION,
-        "general.quantization_version": GGML_QUANT_VERSION,
-    }
-    if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
-        meta[f"{p}.attention.key_length"] = cfg.head_dim
-        meta[f"{p}.attention.value_length"] = cfg.head_dim
+    meta, types = _shape_metadata(model, cfg, arch)
     if cfg.rope_scaling:
         raise ValueError("writing GGUF for models with rope_scaling is not supported yet")
-    types = {
-        f"{p}.vocab_size": (4, None),  # UINT32, as llama.cpp writes them
-        f"{p}.context_length": (4, None),
-        f"{p}.embedding_length": (4, None),
-        f"{p}.feed_forward_length": (4, None),
-        f"{p}.block_count": (4, None),
-        f"{p}.attention.head_count": (4, None),
-        f"{p}.attention.head_count_kv": (4, None),
-        f"{p}.rope.dimension_count": (4, None),
-        f"{p}.attention.key_length": (4, None),
-        f"{p}.attention.value_length": (4, None),
-        "bitnetlm.format_version": (4, None),
-        "general.quantization_version": (4, None),
-    }
     if cfg.family != "llama":
-        _family_metadata(cfg, p, meta, types)
-    if ternary:
+        _family_metadata(cfg, arch, meta, types)
+    if cfg.quant == "ternary":
         meta["general.file_type"] = {"tq1_0": 36, "tq2_0": 37, "i2_s": 40}[qkey]  # llama_ftype MOSTLY_*
         types["general.file_type"] = (4, None)
-    if tokenizer is not None:
-        from bitnetlm.formats.gguf_tokenizer import tokenizer_metadata
-
-        tmeta, ttypes = tokenizer_metadata(tokenizer, cfg)
-        meta.update(tmeta)
-        types.update(ttypes)
-    else:
-        for key, val in (("bos_token_id", cfg.bos_token_id), ("eos_token_id", cfg.eos_token_id)):
-            if isinstance(val, list):
-                val = val[0] if val else None
-            if val is not None:
-                meta[f"tokenizer.ggml.{key}"] = int(val)
-                types[f"tokenizer.ggml.{key}"] = (4, None)
+    tmeta, ttypes = _token_metadata(tokenizer, cfg)
+    meta.update(tmeta)
+    types.update(ttypes)
     meta.update(extra_metadata or {})
     path = Path(path)
     write_gguf(path, arch, meta, tensors, value_types=types)
