@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -16,6 +17,7 @@ from test_generate import tiny_llama3_bitnet
 import bitnetlm
 from bitnetlm.cli import main
 from bitnetlm.generate import Tokenizer, generate
+from bitnetlm.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMON = ["--device", "cpu", "--backend", "reference", "--temp", "0", "--ignore-eos"]
@@ -101,6 +103,41 @@ def test_generate_json_schema_and_regex_on_the_llama3_vocabulary(model_dir, tmp_
         == 2
     )
     assert "none" in capsys.readouterr().err
+
+
+def test_chat_session_streams_text_drops_old_turns_and_refuses_long_messages(loaded):
+    """chat_session in text mode: each answer streamed as generate() gives it; /help on stderr; a message the
+    context cannot hold is refused in one line and forgotten; when the conversation outgrows the context the
+    oldest turn goes (the system prompt stays)."""
+    from bitnetlm.commands.chat import HELP, chat_session
+
+    model, tok = loaded
+    kw = dict(max_tokens=4, temperature=0, ignore_eos=True)
+    system = {"role": "system", "content": "Be brief."}
+    u1, u2 = {"role": "user", "content": "Hello"}, {"role": "user", "content": "How are you?"}
+    a1 = {"role": "assistant", "content": str(generate(model, tok, [system, u1], **kw))}
+
+    def n_tokens(msgs):
+        return len(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
+
+    ctx = n_tokens([system, a1, u2]) + 4  # the second turn fits only without the first question
+    assert n_tokens([system, u1, a1, u2]) + 4 > ctx and n_tokens([system, u1]) + 4 <= ctx
+    long = {"role": "user", "content": "word " * 100}
+    out, err = io.StringIO(), io.StringIO()
+    lines = ["Hello\n", "/help\n", long["content"] + "\n", "How are you?\r\n", "/exit\n", "never read\n"]
+    got = chat_session(model, tok, lines, SamplingParams(**kw), system="Be brief.", ctx_size=ctx, out=out,
+                       err=err, verbose=True, interactive=True)  # fmt: skip
+    a2 = {"role": "assistant", "content": str(generate(model, tok, [system, a1, u2], **kw))}
+    assert got == [system, a1, u2, a2]
+    assert out.getvalue() == a1["content"] + "\n" + a2["content"] + "\n"
+    err_lines = err.getvalue().replace("> ", "").splitlines()
+    assert err_lines[1] == HELP
+    assert (
+        err_lines[2]
+        == f"error: this message needs {n_tokens([system, long])} tokens but the context holds {ctx}"
+    )
+    assert len(err_lines) == 4 and all("tokens/s" in err_lines[i] for i in (0, 3))
+    assert err.getvalue().count("> ") == 5  # a prompt before each line read; /exit ends the chat
 
 
 def test_chat_repl_through_a_pipe(model_dir, loaded):

@@ -42,6 +42,52 @@ def _fit(tok, messages: list[dict], ctx: int, reserve: int) -> tuple[list[dict],
         del msgs[first]
 
 
+def _ask(err, prompt: str) -> None:
+    """Show the input prompt (when reading from a terminal)."""
+    if prompt:
+        err.write(prompt)
+        err.flush()
+
+
+def _answer(model, tokenizer, ids: list[int], p, out, stream: bool, **engine_options):
+    """Generate the answer to the prompt `ids`, its text streamed to `out` when `stream`; the result."""
+    import time
+
+    from bitnetlm.generate.generate import _engine, _result
+
+    t0 = time.perf_counter()
+    chunks = []
+    for c in _engine(model, tokenizer, [ids], [p], **engine_options):
+        chunks.append(c)
+        if stream and c.text:
+            out.write(c.text)
+            out.flush()
+    return _result(chunks, len(ids), t0)
+
+
+def _end_turn(res, out, err, json_lines: bool, verbose: bool) -> None:
+    """Close an answer on `out`: a newline after the streamed text, or the whole turn as one JSON line."""
+    from bitnetlm.generate import format_stats
+
+    if json_lines:
+        rec = {
+            "role": "assistant",
+            "content": str(res),
+            "finish_reason": res.finish_reason,
+            "finish_detail": res.finish_detail,
+            "prompt_tokens": res.prompt_tokens,
+            "generation_tokens": res.generation_tokens,
+            "generation_tps": res.generation_tps,
+            "ttft_s": res.ttft_s,
+        }
+        out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    else:
+        out.write("\n")
+    out.flush()
+    if verbose:
+        print(format_stats(res), file=err)
+
+
 def chat_session(
     model,
     tokenizer,
@@ -65,86 +111,39 @@ def chat_session(
     SpeculativeConfig (drafts verified in one pass; same answers); `context_shift`: a ContextShift (an answer
     that reaches the end of the context window goes on past it).
     """
-    from bitnetlm.generate import format_stats, make_params
-    from bitnetlm.generate.generate import _engine, _result, context_length
+    from bitnetlm.generate import make_params
+    from bitnetlm.generate.generate import context_length
 
     out = out or sys.stdout
     err = err or sys.stderr
     p = make_params(params)
     ctx = context_length(model, ctx_size)
+    engine_options = dict(ctx_size=ctx, runtime=runtime, speculative=speculative, context_shift=context_shift)
     base = [{"role": "system", "content": system}] if system else []
     messages = list(base)
     prompt = "> " if interactive else ""
-
-    def ask():
-        if prompt:
-            err.write(prompt)
-            err.flush()
-
-    ask()
+    _ask(err, prompt)
     for raw in lines:
         line = raw.rstrip("\r\n")
         cmd = line.strip()
-        if not cmd:
-            ask()
-            continue
         if cmd in ("/exit", "/quit", "/bye"):
             break
         if cmd == "/reset":
             messages = list(base)
             print("(conversation reset)", file=err)
-            ask()
-            continue
-        if cmd in ("/help", "/?"):
+        elif cmd in ("/help", "/?"):
             print(HELP, file=err)
-            ask()
-            continue
-        messages.append({"role": "user", "content": line})
-        try:
-            messages, ids = _fit(tokenizer, messages, ctx, reserve=min(p.max_tokens, ctx // 4))
-        except ValueError as e:
-            print(f"error: {e}", file=err)
-            messages.pop()
-            ask()
-            continue
-        import time
-
-        t0 = time.perf_counter()
-        chunks = []
-        for c in _engine(
-            model,
-            tokenizer,
-            [ids],
-            [p],
-            ctx_size=ctx,
-            runtime=runtime,
-            speculative=speculative,
-            context_shift=context_shift,
-        ):
-            chunks.append(c)
-            if not json_lines and c.text:
-                out.write(c.text)
-                out.flush()
-        res = _result(chunks, len(ids), t0)
-        messages.append({"role": "assistant", "content": str(res)})
-        if json_lines:
-            rec = {
-                "role": "assistant",
-                "content": str(res),
-                "finish_reason": res.finish_reason,
-                "finish_detail": res.finish_detail,
-                "prompt_tokens": res.prompt_tokens,
-                "generation_tokens": res.generation_tokens,
-                "generation_tps": res.generation_tps,
-                "ttft_s": res.ttft_s,
-            }
-            out.write(json.dumps(rec, ensure_ascii=False) + "\n")
-        else:
-            out.write("\n")
-        out.flush()
-        if verbose:
-            print(format_stats(res), file=err)
-        ask()
+        elif cmd:
+            user = {"role": "user", "content": line}
+            try:
+                fitted, ids = _fit(tokenizer, [*messages, user], ctx, reserve=min(p.max_tokens, ctx // 4))
+            except ValueError as e:
+                print(f"error: {e}", file=err)
+            else:
+                res = _answer(model, tokenizer, ids, p, out, not json_lines, **engine_options)
+                messages = [*fitted, {"role": "assistant", "content": str(res)}]
+                _end_turn(res, out, err, json_lines, verbose)
+        _ask(err, prompt)
     return messages
 
 
