@@ -128,6 +128,74 @@ def _forward(model: nn.Module, x: torch.Tensor, want_hidden: bool):
     return logits_of(model(x)), None
 
 
+def _open_data(cfg: TrainConfig) -> tuple[TokenShards, TokenShards | None]:
+    """The prepared data's train split and its val split (None when missing or not longer than seq_len)."""
+    train_data = TokenShards(cfg.data, "train")
+    try:
+        val_data = TokenShards(cfg.data, "val")
+        if val_data.num_tokens <= cfg.seq_len:
+            val_data = None
+    except ValueError:
+        val_data = None
+    return train_data, val_data
+
+
+def _batch_source(cfg: TrainConfig, info, train_data, batches):
+    """This rank's batch source: the caller's factory's, else packed sequences of the prepared data."""
+    if batches is not None:
+        return batches(info.rank, info.world_size)
+    return PackedBatches(
+        train_data,
+        cfg.seq_len,
+        cfg.batch_size,
+        cfg.micro_batch_size,
+        info.rank,
+        info.world_size,
+        cfg.seed,
+    )
+
+
+def _prepare_student(model: nn.Module, cfg: TrainConfig) -> nn.Module:
+    """The model to train, in training mode: ternary QAT layers (unless it has some already), whose
+    activation quantization follows the config."""
+    if cfg.quantize and not bitlinears(model):
+        quantize_(model, QuantizeConfig(exclude=list(cfg.quant_exclude), quantize_input=cfg.quantize_input))
+    for m in bitlinears(model):
+        m.quantize_input = cfg.quantize_input
+    model.train()
+    return model
+
+
+def _lr_schedule(cfg: TrainConfig) -> LRSchedule:
+    """The learning-rate multiplier by step (also the weight decay's, in two-stage schedules)."""
+    return LRSchedule(
+        cfg.schedule,
+        cfg.max_steps,
+        cfg.warmup_steps,
+        cfg.min_lr_ratio,
+        cfg.stage2_at,
+        cfg.stage2_lr_ratio,
+    )
+
+
+def _wrap(model: nn.Module, info, compile_: bool) -> nn.Module:
+    """The model as the step runs it: DDP, FSDP2 (each block of its block list sharded, then the root) or
+    itself; torch.compile'd on request."""
+    blocks = None
+    with contextlib.suppress(ValueError):
+        blocks = find_layers(model)
+    wrapped = D.wrap(model, info, blocks)
+    if compile_:
+        wrapped = torch.compile(wrapped)
+    return wrapped
+
+
+def _autocast(precision: str, dev: torch.device):
+    """A factory of the forward's autocast context: bf16 when asked, or by default on CUDA; else none."""
+    use_bf16 = precision == "bf16" or (precision == "auto" and dev.type == "cuda")
+    return (lambda: torch.autocast(dev.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
+
+
 class Trainer:
     """One training run. `batches`: None (the config's prepared `data`), or a function (rank, world_size) -> a
     batch source of this rank: `next_step()` (the step's micro-batches, (input_ids, labels) pairs),
@@ -149,56 +217,24 @@ class Trainer:
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
         torch.manual_seed(cfg.seed)  # same initial weights on every rank
-        self.train_data = self.val_data = None
-        if cfg.data is not None:
-            self._open_data(cfg)
-        if batches is not None:
-            self.batches = batches(self.info.rank, self.info.world_size)
-        else:
-            self.batches = PackedBatches(
-                self.train_data,
-                cfg.seq_len,
-                cfg.batch_size,
-                cfg.micro_batch_size,
-                self.info.rank,
-                self.info.world_size,
-                cfg.seed,
-            )
+        self.train_data, self.val_data = _open_data(cfg) if cfg.data is not None else (None, None)
+        self.batches = _batch_source(cfg, self.info, self.train_data, batches)
         # ---- model (+ teacher) -----------------------------------------------------------------
         vocab = self.train_data.vocab_size if self.train_data is not None else None
         model = model if model is not None else _build_model(cfg, vocab)
         self.teacher = teacher if teacher is not None else _load_teacher(cfg, model)
-        if cfg.quantize and not bitlinears(model):
-            quantize_(
-                model, QuantizeConfig(exclude=list(cfg.quant_exclude), quantize_input=cfg.quantize_input)
-            )
-        for m in bitlinears(model):
-            m.quantize_input = cfg.quantize_input
-        model.train()
-        self.model = model.to(self.info.device)
+        self.model = _prepare_student(model, cfg).to(self.info.device)
         if self.teacher is not None:
             self.teacher.to(self.info.device)
-        self.schedule = LRSchedule(
-            cfg.schedule,
-            cfg.max_steps,
-            cfg.warmup_steps,
-            cfg.min_lr_ratio,
-            cfg.stage2_at,
-            cfg.stage2_lr_ratio,
-        )
+        self.schedule = _lr_schedule(cfg)
         self.want_hidden = cfg.hidden_weight > 0 and self.teacher is not None
         # ---- wrap, optimizer, scheduler ------------------------------------------------------
-        blocks = None
-        with contextlib.suppress(ValueError):
-            blocks = find_layers(self.model)
         # resume: the model weights go into the plain module before DDP/FSDP wrapping (FSDP2 then shards
         # exactly those tensors); the optimizer state is loaded after the optimizer exists
         self._resume = self._find_resume()
         if self._resume is not None:
             self.model.load_state_dict(self._resume[0], strict=True)
-        self.wrapped = D.wrap(self.model, self.info, blocks)
-        if cfg.compile:
-            self.wrapped = torch.compile(self.wrapped)
+        self.wrapped = _wrap(self.model, self.info, cfg.compile)
         groups = param_groups(self.model, cfg.weight_decay)
         self.opt = build_optimizer(cfg.optimizer, groups, cfg.lr, cfg.betas, cfg.eps, cfg.momentum)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self.schedule)
@@ -208,25 +244,12 @@ class Trainer:
         self.bad_evals = 0
         self.last_val = None
         self.resumed_from = None
-        dev = self.info.device
-        use_bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and dev.type == "cuda")
-        self.autocast = (
-            (lambda: torch.autocast(dev.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
-        )
+        self.autocast = _autocast(cfg.precision, self.info.device)
         resumed = self._maybe_resume()
         self.metrics = _Metrics(self.out, self.info.is_main, cfg.tensorboard, self.step if resumed else None)
         if self.info.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-
-    def _open_data(self, cfg: TrainConfig) -> None:
-        self.train_data = TokenShards(cfg.data, "train")
-        try:
-            self.val_data = TokenShards(cfg.data, "val")
-            if self.val_data.num_tokens <= cfg.seq_len:
-                self.val_data = None
-        except ValueError:
-            self.val_data = None
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def _find_resume(self):
