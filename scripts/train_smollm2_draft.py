@@ -80,6 +80,24 @@ def batch_of(seqs, rows: torch.Tensor):
     return x, y
 
 
+def repeats(n: int, length: int, head_ids: torch.Tensor, g: torch.Generator):
+    """Inputs [n, 3 * length] and labels (head rows) of n random reduced-vocabulary sequences: a random prefix,
+    then a segment, then the segment again (prefix and segment of random lengths up to `length`, so that only the
+    content can tell where the copy comes from). Only the second copy's tokens after its first are labelled: they
+    follow from the first copy alone, so the loss there teaches the draft to copy from its context (an induction
+    head), which the target's loops reward."""
+    x = torch.zeros(n, 3 * length, dtype=torch.long)
+    y = torch.full((n, 3 * length), -100, dtype=torch.long)
+    for b in range(n):
+        pre, m = (int(v) for v in torch.randint(0, length, (2,), generator=g))
+        m = max(m, 4)
+        r = torch.randint(0, len(head_ids), (pre + m,), generator=g)
+        seq = torch.cat([r, r[pre:]])  # [pre + 2m] head rows
+        x[b, : len(seq) - 1] = head_ids[seq[:-1]]
+        y[b, pre + m : len(seq) - 1] = seq[pre + m + 1 :]
+    return x, y
+
+
 def student_logits(student, x: torch.Tensor) -> torch.Tensor:
     """Logits [B, T, head rows] over the reduced vocabulary only (no full-vocabulary scatter)."""
     w = student.embed_tokens.weight
@@ -101,6 +119,54 @@ def agreement(student, seqs, rows: torch.Tensor, batch: int) -> float:
     return hit / max(1, tot)
 
 
+def copy_phase(student, a, t0: float) -> None:
+    """--copy-steps steps on the copy task alone (`repeats`, --copy-batch sequences, constant --lr): where an
+    induction head forms. On the distillation data alone it does not (the copy loss stays at chance), and the
+    target's loops are what the draft then fails to follow."""
+    opt = torch.optim.AdamW(student.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    g = torch.Generator().manual_seed(a.seed + 1)
+    for step in range(a.copy_steps):
+        x, y = repeats(a.copy_batch, a.copy_length, student.head_ids, g)
+        loss = F.cross_entropy(student_logits(student, x).flatten(0, 1).float(), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % 25 == 0 or step == a.copy_steps - 1:
+            print(
+                f"[{time.time() - t0:.0f}s] copy step {step}/{a.copy_steps} loss {loss.item():.4f}",
+                flush=True,
+            )
+
+
+def distill(student, train, rows: torch.Tensor, a, t0: float) -> None:
+    """--epochs over the distillation data (cross-entropy on the target's tokens), each batch with --copies
+    copy-task sequences beside it so that the induction head stays; warm-up, then linear decay to 10%."""
+    opt = torch.optim.AdamW(student.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    g = torch.Generator().manual_seed(a.seed)
+    steps = int(a.epochs * len(train) / a.batch)
+    order = torch.cat([torch.randperm(len(train), generator=g) for _ in range(int(a.epochs) + 1)])
+    warm = max(1, steps // 20)
+    for step in range(steps):
+        lr = a.lr * min((step + 1) / warm, 1.0 - 0.9 * step / steps)
+        for grp in opt.param_groups:
+            grp["lr"] = lr
+        x, y = batch_of([train[i] for i in order[step * a.batch : (step + 1) * a.batch].tolist()], rows)
+        loss = F.cross_entropy(student_logits(student, x).flatten(0, 1).float(), y.flatten())
+        copy_loss = torch.zeros(())
+        if a.copies:
+            cx, cy = repeats(a.copies, a.copy_length, student.head_ids, g)
+            copy_loss = F.cross_entropy(student_logits(student, cx).flatten(0, 1).float(), cy.flatten())
+        opt.zero_grad(set_to_none=True)
+        (loss + copy_loss).backward()
+        opt.step()
+        if step % 20 == 0 or step == steps - 1:
+            print(
+                f"[{time.time() - t0:.0f}s] step {step}/{steps} loss {loss.item():.4f} copy {copy_loss.item():.4f} "
+                f"lr {lr:.2e}",
+                flush=True,
+            )
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2-135m-1.58")
@@ -116,6 +182,22 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--copies",
+        type=int,
+        default=8,
+        help="copy-task sequences beside every distillation batch (default: 8, 0 for none)",
+    )
+    ap.add_argument(
+        "--copy-length",
+        type=int,
+        default=32,
+        help="the copy task's prefix and segment lengths, at most (default: 32)",
+    )
+    ap.add_argument(
+        "--copy-steps", type=int, default=0, help="steps of the copy task alone first (default: 0)"
+    )
+    ap.add_argument("--copy-batch", type=int, default=16, help="sequences a copy-task step (default: 16)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
         "--init", default=None, help="continue from this draft directory (its layers and vocabulary)"
@@ -152,25 +234,10 @@ def main(argv=None) -> int:
         f"[{time.time() - t0:.0f}s] agreement before: {agreement(student, held, rows, a.batch):.3f}",
         flush=True,
     )
-    opt = torch.optim.AdamW(student.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    g = torch.Generator().manual_seed(a.seed)
-    steps = int(a.epochs * len(train) / a.batch)
-    order = torch.cat([torch.randperm(len(train), generator=g) for _ in range(int(a.epochs) + 1)])
-    warm = max(1, steps // 20)
-    for step in range(steps):
-        lr = a.lr * min((step + 1) / warm, 1.0 - 0.9 * step / steps)
-        for grp in opt.param_groups:
-            grp["lr"] = lr
-        x, y = batch_of([train[i] for i in order[step * a.batch : (step + 1) * a.batch].tolist()], rows)
-        loss = F.cross_entropy(student_logits(student, x).flatten(0, 1).float(), y.flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if step % 20 == 0 or step == steps - 1:
-            print(
-                f"[{time.time() - t0:.0f}s] step {step}/{steps} loss {loss.item():.4f} lr {lr:.2e}",
-                flush=True,
-            )
+    if a.copy_steps:
+        copy_phase(student, a, t0)
+    if a.epochs:
+        distill(student, train, rows, a, t0)
     agree = agreement(student, held, rows, a.batch)
     print(f"[{time.time() - t0:.0f}s] agreement after: {agree:.3f}", flush=True)
     from bitnetlm.train.export import export_model
