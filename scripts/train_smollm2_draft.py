@@ -35,9 +35,10 @@ writes, so it learns from that text):
     python scripts/train_smollm2_draft.py --data runs/draft-data.jsonl --init runs/draft4 --copies 8 --lr 3e-4 \
         --seed 5 --out runs/draft5
 
-On a shared 2-vCPU Intel Xeon (2026-12-07/08): 30, 15, 15 and 16 minutes, then 10, 12, 16 and 16; held-out agreement
-51%, 60%, 65%, then 77% and 79%. The copy task's loss stays at chance (9.0, ln 6144 = 8.7) for 450 steps, then
-falls to 0.1 within 150. What the draft gains is in docs/performance.md ("a draft model for smollm2").
+On a shared 2-vCPU Intel Xeon (2026-12-07/08): 30, 15, 15 and 16 minutes, then 10, 11, 16 and 16; held-out
+agreement 51%, 60%, 65%, then 77% and 79%. The copy task's loss stays at chance (9.0, ln 6144 = 8.7) through
+copy1's 400 steps and copy2's first 450, then falls to 0.1 within 150. What the draft gains is in
+docs/performance.md ("a draft model for smollm2").
 """
 
 from __future__ import annotations
@@ -117,6 +118,11 @@ def student_logits(student, x: torch.Tensor) -> torch.Tensor:
     return F.linear(student.hidden_states(x), w[: len(w) - 1])
 
 
+def loss_of(student, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the student's reduced-vocabulary logits against head-row labels y (-100: none)."""
+    return F.cross_entropy(student_logits(student, x).flatten(0, 1).float(), y.flatten())
+
+
 @torch.no_grad()
 def agreement(student, seqs, rows: torch.Tensor, batch: int) -> float:
     """Share of the continuations' positions (in the reduced vocabulary) where the student's argmax is the
@@ -139,8 +145,7 @@ def copy_phase(student, a, t0: float) -> None:
     opt = torch.optim.AdamW(student.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
     g = torch.Generator().manual_seed(a.seed + 1)
     for step in range(a.copy_steps):
-        x, y = repeats(a.copy_batch, a.copy_length, student.head_ids, g)
-        loss = F.cross_entropy(student_logits(student, x).flatten(0, 1).float(), y.flatten())
+        loss = loss_of(student, *repeats(a.copy_batch, a.copy_length, student.head_ids, g))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -164,11 +169,10 @@ def distill(student, train, rows: torch.Tensor, a, t0: float) -> None:
         for grp in opt.param_groups:
             grp["lr"] = lr
         x, y = batch_of([train[i] for i in order[step * a.batch : (step + 1) * a.batch].tolist()], rows)
-        loss = F.cross_entropy(student_logits(student, x).flatten(0, 1).float(), y.flatten())
+        loss = loss_of(student, x, y)
         copy_loss = torch.zeros(())
         if a.copies:
-            cx, cy = repeats(a.copies, a.copy_length, student.head_ids, g)
-            copy_loss = F.cross_entropy(student_logits(student, cx).flatten(0, 1).float(), cy.flatten())
+            copy_loss = loss_of(student, *repeats(a.copies, a.copy_length, student.head_ids, g))
         opt.zero_grad(set_to_none=True)
         (loss + copy_loss).backward()
         opt.step()
