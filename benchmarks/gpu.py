@@ -484,7 +484,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     step.add_argument("--n-gen", type=int, default=128, help="decode steps timed")
     step.add_argument("--heads", type=common.str_list, default=["bf16", "int8"], help="LM heads: bf16, int8")
     step.add_argument(
-        "--kv", type=common.str_list, default=["auto", "fp8"], help="KV caches: auto (bf16), fp8"
+        "--kv",
+        type=common.str_list,
+        default=["auto", "fp8"],
+        help="KV caches: auto (bf16), fp8, each also as NAME+paged (a paged cache, blocks scattered)",
     )
     step.add_argument("--reps", type=int, default=3, help="timings a test (median)")
     pre = ap.add_argument_group("prefill")
@@ -520,7 +523,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(
             f"--tables: unknown {sorted(set(args.tables) - set(TABLES))}; choose from {', '.join(TABLES)}"
         )
-    if set(args.heads) - {"bf16", "int8"} or set(args.kv) - {"auto", "bf16", "fp8"}:
+    if set(args.heads) - {"bf16", "int8"} or {k.removesuffix("+paged") for k in args.kv} - {
+        "auto",
+        "bf16",
+        "fp8",
+    }:
         ap.error(f"--heads takes bf16|int8, --kv auto|bf16|fp8; found {args.heads} and {args.kv}")
     return args
 

@@ -50,8 +50,8 @@ def make_runner(model, config: RuntimeConfig, rows: int, max_seq_len: int):
     dev = _device(model)
     from bitnetlm.parallel import group_of
 
-    if config.kv_tokens and (dev.type != "cpu" or group_of(model) is not None):
-        log.warning("--kv-tokens: the paged KV cache runs in one CPU process; using a static one")
+    if config.kv_tokens and group_of(model) is not None:
+        log.warning("--kv-tokens: a tensor-parallel model's KV cache is static")
     if group_of(model) is not None:  # a tensor-parallel shard: the eager forward, mirrored to the other ranks
         from bitnetlm.runtime.tp import TPRunner
 
@@ -65,6 +65,10 @@ def make_runner(model, config: RuntimeConfig, rows: int, max_seq_len: int):
         else:
             plan = gpu_plan(dev)  # (a bad tuning table is the user's error to see, not a reason to fall back)
             try:
+                if config.kv_tokens:
+                    from bitnetlm.runtime.cuda.paged_runner import PagedCudaRunner
+
+                    return PagedCudaRunner(model, config, rows, max_seq_len, plan)
                 return CudaRunner(model, config, rows, max_seq_len, plan)
             except (TypeError, ValueError) as e:
                 log.info("the CUDA-graph engine cannot run this model (%s); using the eager forward", e)
@@ -75,6 +79,8 @@ def make_runner(model, config: RuntimeConfig, rows: int, max_seq_len: int):
         if not isinstance(got, str):
             return got
         log.warning("no paged KV cache for this model (%s); using a static one", got)
+    if config.kv_tokens and dev.type != "cpu":
+        log.warning("--kv-tokens: the eager forward's KV cache is static")
     if dev.type == "cpu":
         from bitnetlm.runtime.cpu import CpuRunner
 

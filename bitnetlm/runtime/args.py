@@ -74,9 +74,9 @@ RUNTIME_FLAGS = [
         ("--kv-tokens",),
         "kv_tokens",
         int,
-        "CPU: a paged KV cache of this many positions shared by all rows, taken in blocks as tokens arrive, "
-        "prompt prefixes shared; 0: a static cache of --ctx-size positions per row (default: serve pages "
-        "--max-batch x --ctx-size positions, generate and chat use a static cache)",
+        "a paged KV cache of this many positions shared by all rows, taken in blocks as tokens arrive, prompt "
+        "prefixes shared (CPU, and the CUDA engine); 0: a static cache of --ctx-size positions per row (default: "
+        "serve on a CPU pages --max-batch x --ctx-size positions; otherwise static)",
     ),
     (("--kv-block-size",), "kv_block_size", int, "positions per block of the paged KV cache (--kv-tokens)"),
 ]

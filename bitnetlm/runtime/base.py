@@ -10,9 +10,9 @@ Sampling happens inside the runner so that a device may keep the sampled tokens 
 `carry=True` a row's sampled token is also the input of its next decode (pass None as its token), and
 `collect` brings the tokens to the host later, so the host's work on one step overlaps the device's next.
 
-A paged runner (`runtime/paged.py`) also has `pool` (its `BlockPool`), `cached_prefix(tokens)` (the leading
-positions its block cache holds) and `adopt(row, tokens)` (an empty row maps those blocks); the engine's
-scheduler then admits by blocks and reuses prefixes through them.
+A paged runner (`runtime/paged_rows.py`: the CPU's and the CUDA one) also has `pool` (its `BlockPool`),
+`cached_prefix(tokens)` (the leading positions its block cache holds) and `adopt(row, tokens)` (an empty row maps
+those blocks); the engine's scheduler then admits by blocks and reuses prefixes through them.
 """
 
 from __future__ import annotations

@@ -99,9 +99,10 @@ class RuntimeConfig:
       faster here, timed at load on the model's own matrices).
     enforce_eager: CUDA without captured graphs (the model's own forward).
     max_batch: sequences decoded together (KV rows).  max_seq_len: context (None: the model's).
-    kv_tokens: a paged KV cache (CPU, fused step) of this many positions shared by every row, allocated in blocks
-      of kv_block_size positions as tokens arrive, with prompt prefixes shared between rows (0: a static cache of
-      max_seq_len positions per row; None: the default, which is static offline and paged in the CPU server).
+    kv_tokens: a paged KV cache (the CPU's fused step, the CUDA engine) of this many positions shared by every row,
+      allocated in blocks of kv_block_size positions as tokens arrive, with prompt prefixes shared between rows (0:
+      a static cache of max_seq_len positions per row; None: the default, which is static offline and paged in the
+      CPU server).
     """
 
     device: str = "auto"

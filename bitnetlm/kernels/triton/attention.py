@@ -12,11 +12,13 @@ import triton.language as tl
 
 from bitnetlm.kernels.triton.common import (
     INTERPRET,
+    _kv_slot,
     _pdl_trigger,
     _pdl_wait,
     _prefetch_l2,
     pdl_kw,
     sm_count,
+    table_block_size,
 )
 from bitnetlm.kernels.triton.plan import DecodePlan, resolve
 
@@ -88,6 +90,9 @@ def _attn_gqa_kernel(
     PF3: tl.constexpr = False,
     PFP: tl.constexpr = 0,
     PFB: tl.constexpr = 512,
+    tbl_ptr=None,
+    TBL_STRIDE=0,
+    PBS: tl.constexpr = 0,
 ):
     """Flash-decoding over a GQA group: program (b, kv head, split) loads each K/V block of its keys once for
     all G query heads sharing it (scores and P@V on tensor cores, the G rows padded to GP >= 16). The row's live
@@ -97,7 +102,9 @@ def _attn_gqa_kernel(
     (CUDA-graph replays need no memset). When one split holds every key (batch 64 runs one split a row; a short
     context) that program normalizes and stores its output itself: no partials, counter or merge.
     PFP > 0: PFP more programs a (row, kv head), past the NSPLIT splits, pull their share of pf_bytes of a later
-    kernel's weights into L2 after the PDL wait and end; they take no part in the merge."""
+    kernel's weights into L2 after the PDL wait and end; they take no part in the merge.
+    PBS > 0: a paged cache, k / v pools [blocks, HKV, PBS, D] whose row b's key s lives in block tbl[b, s // PBS]
+    (`_kv_slot`)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -116,8 +123,9 @@ def _attn_gqa_kernel(
     # launch only after the previous step's sampler has written it, so it is read before the wait
     n = tl.load(pos_ptr + b) + 1  # keys 0..pos[b] are this row's context
     span = _span(n, NSPLIT)
-    if PDL:  # this program's first K/V block into L2 while waiting (a hint only: the rows past pos are still
-        # being written; the real loads come later)
+    # this program's first K/V block into L2 while waiting (a hint only: the rows past pos are still being written;
+    # the real loads come later). A paged cache's blocks are looked up later.
+    if PDL and PBS == 0:
         LP: tl.constexpr = D // 64 if D >= 64 else 1  # 128-byte lines of a bf16 row
         pos_early = n - 1
         span_e = _span(pos_early + 1, NSPLIT)
@@ -147,8 +155,13 @@ def _attn_gqa_kernel(
         for s0 in range(lo, hi, BS):
             offs_s = s0 + tl.arange(0, BS)
             ms = offs_s < hi
-            k = tl.load(k_ptr + base + offs_s[:, None] * D + offs_d[None, :], mask=ms[:, None], other=0.0)
-            v = tl.load(v_ptr + base + offs_s[:, None] * D + offs_d[None, :], mask=ms[:, None], other=0.0)
+            if PBS:
+                kr = _kv_slot(tbl_ptr, b, kvh, offs_s, ms, HKV, S, TBL_STRIDE, PBS) * D
+                k = tl.load(k_ptr + kr[:, None] + offs_d[None, :], mask=ms[:, None], other=0.0)
+                v = tl.load(v_ptr + kr[:, None] + offs_d[None, :], mask=ms[:, None], other=0.0)
+            else:
+                k = tl.load(k_ptr + base + offs_s[:, None] * D + offs_d[None, :], mask=ms[:, None], other=0.0)
+                v = tl.load(v_ptr + base + offs_s[:, None] * D + offs_d[None, :], mask=ms[:, None], other=0.0)
             if KV8:
                 k = k.to(q.dtype)
                 v = v.to(q.dtype)
@@ -330,15 +343,21 @@ def attn_decode(
     prefetch=None,
     pf_programs: int | None = None,
     plan: DecodePlan | None = None,
+    table: torch.Tensor | None = None,
 ) -> None:
     """One query per row: q [B, H, D] attends to cache slots 0..pos[b]; out [B, H, D]. GQA: the H // Hkv
     query heads of a KV head share one program's K/V loads. keys: `key_range`'s range (0: the default splits).
     prefetch: a later kernel's weight tensor, or a tuple of up to three, which about pf_programs more programs (None:
     this batch's tuned count, `prefetch_candidates`) pull into L2 (a hint: no result changes). plan: the step's
-    `DecodePlan` (None: the default plan)."""
+    `DecodePlan` (None: the default plan). table: int32 [B, blocks a row] of a paged cache, whose k_cache /
+    v_cache are pools [blocks, Hkv, block size, D] (row b's slot s: offset s % block size of block table[b, s //
+    block size])."""
     plan = resolve(plan)
     b, h, d = q.shape[0], q.shape[1], q.shape[-1]
     hkv, s = k_cache.shape[1], k_cache.shape[2]
+    pbs = table_block_size(table, b, k_cache, "attn_decode")
+    if pbs:
+        s = table.shape[1] * pbs  # (the splits' rule reads a row's capacity)
     g = h // hkv
     gp = max(16, triton.next_power_of_2(g))  # tl.dot needs >= 16 rows
     kv8 = k_cache.element_size() == 1
@@ -399,5 +418,8 @@ def attn_decode(
         PF3=pf3 is not None,
         PFP=pfp,
         PFB=plan.attn_pf_block,
+        tbl_ptr=table,
+        TBL_STRIDE=table.stride(0) if pbs else 0,
+        PBS=pbs,
         **pdl_kw(plan),
     )

@@ -132,6 +132,29 @@ def _add_rn(a, b, PTX: tl.constexpr):
         return a + b
 
 
+def table_block_size(table: torch.Tensor | None, b: int, k_cache: torch.Tensor, who: str) -> int:
+    """The block size of a paged cache's launch (0: a static cache), after checking its block table."""
+    if table is None:
+        return 0
+    if table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] < b or table.stride(1) != 1:
+        raise ValueError(
+            f"{who}: the block table must be int32 [>= {b}, blocks] with unit column stride, found "
+            f"{table.dtype} {tuple(table.shape)} strides {table.stride()}"
+        )
+    return k_cache.shape[2]
+
+
+@triton.jit
+def _kv_slot(tbl_ptr, m, kvh, pos, mask, HKV, S, TBL_STRIDE, PBS: tl.constexpr):
+    """The cache row (in units of D) of kv head kvh at position pos of batch row m: slot pos of row m of a static
+    cache [B, HKV, S, D]; PBS > 0: offset pos % PBS of block tbl[m, pos // PBS] of a paged pool [blocks, HKV,
+    PBS, D] (mask: the positions whose block may be looked up)."""
+    if PBS:
+        blk = tl.load(tbl_ptr + m * TBL_STRIDE + pos // PBS, mask=mask, other=0)
+        return (blk * HKV + kvh) * PBS + pos % PBS
+    return (m * HKV + kvh) * S + pos
+
+
 @triton.jit
 def _rotate(f1, f2, c, s, PTX: tl.constexpr):
     """RoPE of the halves (f1, f2) by (cos, sin): (f1*c - f2*s, f2*c + f1*s), each product and the sum rounded on

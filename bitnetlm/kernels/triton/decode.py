@@ -25,11 +25,13 @@ import triton.language as tl
 from bitnetlm.kernels.triton.common import (
     PTX,
     _epilogue,
+    _kv_slot,
     _pdl_wait,
     _prefetch_l2,
     _prefetch_scales,
     _rotate,
     pdl_kw,
+    table_block_size,
 )
 from bitnetlm.kernels.triton.gemm import _mma_loop, _prefetch_rows, _splitk_sum
 from bitnetlm.kernels.triton.gemv import _row_out, _row_words
@@ -107,10 +109,13 @@ def _rope_store(
     BN: tl.constexpr,
     KV_SAME: tl.constexpr,
     PTX: tl.constexpr,
+    tbl_ptr,
+    TBL_STRIDE,
+    PBS: tl.constexpr,
 ):
     """Outputs y [BM, BN] of tile pid's weight rows (`_pair_cols`) for activation rows offs_m: rounded to the
     activation dtype (as the unfused step stores its q|k|v rows), rotated at positions pos (`_rope_tables`),
-    q heads into qo [B, 1, H, D], k and v heads into their cache slot pos[m]."""
+    q heads into qo [B, 1, H, D], k and v heads into their cache slot pos[m] (`_kv_slot`)."""
     HALF: tl.constexpr = D // 2
     P: tl.constexpr = BN // 2
     yq = y.to(qo_ptr.dtype.element_ty).to(tl.float32)
@@ -121,7 +126,8 @@ def _rope_store(
     o2 = tl.where(rot[None, :], r2, f2)
     m2 = offs_m[:, None]
     dq = qo_ptr + (m2 * H + head[None, :]) * D + d[None, :]
-    dc = tl.where(is_k, kc_ptr, vc_ptr)[None, :] + ((m2 * HKV + kvh[None, :]) * S + pos) * D + d[None, :]
+    slot = _kv_slot(tbl_ptr, m2, kvh[None, :], pos, mask_m[:, None], HKV, S, TBL_STRIDE, PBS)
+    dc = tl.where(is_k, kc_ptr, vc_ptr)[None, :] + slot * D + d[None, :]
     mp = mask_m[:, None] & inr[None, :]
     _store_halves(o1, o2, dq, dc, is_q[None, :], mp, qo_ptr, kc_ptr, HALF, KV_SAME)
 
@@ -172,6 +178,9 @@ def _qkv_rope_kernel(
     PREQ: tl.constexpr = True,
     HAS_NORM: tl.constexpr = True,
     EARLY_NORM: tl.constexpr = False,
+    tbl_ptr=None,
+    TBL_STRIDE=0,
+    PBS: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     HALF: tl.constexpr = D // 2
@@ -232,7 +241,7 @@ def _qkv_rope_kernel(
         o1 = tl.where(rot, r1, f1)
         o2 = tl.where(rot, r2, f2)
         dq = qo_ptr + (m * H + head) * D + d
-        dc = cache + ((m * HKV + kvh) * S + pos) * D + d
+        dc = cache + _kv_slot(tbl_ptr, m, kvh, pos, pos >= 0, HKV, S, TBL_STRIDE, PBS) * D + d
         _store_halves(o1, o2, dq, dc, is_q, mp, qo_ptr, kc_ptr, HALF, KV_SAME)
 
 
@@ -269,6 +278,9 @@ def _qkv_rope_mma_kernel(
     SWAP: tl.constexpr,
     PDL: tl.constexpr = False,
     KV_SAME: tl.constexpr = True,
+    tbl_ptr=None,
+    TBL_STRIDE=0,
+    PBS: tl.constexpr = 0,
 ):
     """The split-K tensor-core GEMM (`gemm._gemm_kernel`, GROUP_M == 0) over pre-quantized rows, whose tiles are
     rotation pairs (`_pair_cols`) and whose epilogue is `_rope_store`: q|k|v + RoPE + KV write at batch 3-64."""
@@ -335,6 +347,9 @@ def _qkv_rope_mma_kernel(
             BN,
             KV_SAME,
             PTX,
+            tbl_ptr,
+            TBL_STRIDE,
+            PBS,
         )
 
 
@@ -387,14 +402,18 @@ def qkv_rope(
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-5,
     plan: DecodePlan | None = None,
+    table: torch.Tensor | None = None,
 ) -> None:
     """M activation rows through the q|k|v weights (`packed`, scale [1] or per row), then RoPE at positions
     pos[b]: q -> q_out [B, 1, H, D], k / v -> cache slot pos[b] (as ternary_linear + rope_cache).
 
     src: a `QuantBuf` of pre-quantized rows (`quantize_into`), or the rows x [M, K] themselves, which every
     program then normalizes (norm_weight) and quantizes itself: one launch instead of two, as
-    ternary_linear(path="row") does. plan: the `DecodePlan` (None: the default plan)."""
+    ternary_linear(path="row") does. plan: the `DecodePlan` (None: the default plan). table: a paged cache's block
+    table (see `attention.attn_decode`)."""
     plan = resolve(plan)
+    pbs = table_block_size(table, m, k_cache, "qkv_rope")
+    paged = {"tbl_ptr": table, "TBL_STRIDE": table.stride(0) if pbs else 0, "PBS": pbs}
     preq = isinstance(src, QuantBuf)
     k = src.k if preq else src.shape[-1]
     d, s_len = k_cache.shape[-1], k_cache.shape[2]
@@ -447,6 +466,7 @@ def qkv_rope(
             PREQ=preq,
             HAS_NORM=norm_weight is not None,
             EARLY_NORM=not preq and norm_weight is not None and k <= plan.early_norm_max_k,
+            **paged,
             **pdl_kw(plan),
         )
 
@@ -480,6 +500,7 @@ def qkv_rope(
             D=d,
             KV_SAME=k_cache.dtype == q_out.dtype,
             **{k2: v for k2, v in cfg.items() if k2 not in ("path", "CPS")},
+            **paged,
             **pdl_kw(plan),
         )
 

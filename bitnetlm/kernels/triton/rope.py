@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from bitnetlm.kernels.triton.common import INTERPRET, _pdl_wait, _rotate, pdl_kw
+from bitnetlm.kernels.triton.common import INTERPRET, _kv_slot, _pdl_wait, _rotate, pdl_kw, table_block_size
 from bitnetlm.kernels.triton.plan import DecodePlan
 
 
@@ -48,11 +48,15 @@ def _rope_cache_kernel(
     COPY: tl.constexpr = False,
     KV16: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    tbl_ptr=None,
+    TBL_STRIDE=0,
+    PBS: tl.constexpr = 0,
 ):
     """One program per token row, all heads at once ([HP, D/2] halves): q heads rotated into q, k heads rotated
     into the cache slot pos, v heads copied into theirs. COPY (one row, B = 1): k and v also into cache row
     copy_ptr[0] (k_ptr being row ROW0 of a cache [R, HKV, S, D]). KV16: k and v as the cache holds them (its
-    dtype's rounding) also into k16/v16 [B, HKV, TP, D] at slot t, in their own (attention) dtype."""
+    dtype's rounding) also into k16/v16 [B, HKV, TP, D] at slot t, in their own (attention) dtype. PBS > 0: k and
+    v into a paged cache's pools through the block table (`_kv_slot`; no COPY)."""
     row = tl.program_id(0)  # b * T + t
     _pdl_wait(PDL)
     b = row // T
@@ -74,10 +78,16 @@ def _rope_cache_kernel(
     dq = q_ptr + ((row * H + hh) * D)[:, None] + d[None, :]  # q [B, T, H, D]
     _store_halves(dq, o1, o2, mq, HALF)
     mk = ((hh >= H) & (hh < H + HKV))[:, None]
-    dk = k_ptr + (((b * HKV + (hh - H)) * S + pos) * D)[:, None] + d[None, :]
-    _store_halves(dk, o1, o2, mk, HALF)
     mv = ((hh >= H + HKV) & (hh < H + 2 * HKV))[:, None]
-    dv = v_ptr + (((b * HKV + (hh - H - HKV)) * S + pos) * D)[:, None] + d[None, :]
+    if PBS:
+        ks = _kv_slot(tbl_ptr, b, hh - H, pos, pos >= 0, HKV, S, TBL_STRIDE, PBS)
+        vs = _kv_slot(tbl_ptr, b, hh - H - HKV, pos, pos >= 0, HKV, S, TBL_STRIDE, PBS)
+        dk = k_ptr + (ks * D)[:, None] + d[None, :]
+        dv = v_ptr + (vs * D)[:, None] + d[None, :]
+    else:
+        dk = k_ptr + (((b * HKV + (hh - H)) * S + pos) * D)[:, None] + d[None, :]
+        dv = v_ptr + (((b * HKV + (hh - H - HKV)) * S + pos) * D)[:, None] + d[None, :]
+    _store_halves(dk, o1, o2, mk, HALF)
     _store_halves(dv, o1, o2, mv, HALF)
     # COPY: the captured prefill (its scratch row for the attention, the prompt's row for the decode steps)
     if COPY:
@@ -107,20 +117,27 @@ def rope_cache(
     row0: int = 0,
     kv16=None,
     plan: DecodePlan | None = None,
+    table=None,
 ) -> None:
     """Rotate q/k of `qkv` [B*T, (H+2Hkv)*D] at positions pos[b]+t; q -> q_out [B,T,H,D], k/v -> cache slots.
     copy_to: int64 [1] on the device, a second cache row for k/v (B = 1; k_cache/v_cache being row `row0` of
     contiguous caches [R, Hkv, S, D]), read at run time: a captured prefill's target row.
     kv16: (k16, v16), contiguous [B, Hkv, TP >= T, D] of q_out's dtype: slot t also gets token t's k/v as the
-    cache stores them, upcast (a float8 cache's values for the prefill attention, bit for bit)."""
+    cache stores them, upcast (a float8 cache's values for the prefill attention, bit for bit).
+    table: int32 [B, blocks a row] of a paged cache, whose k_cache / v_cache are pools [blocks, Hkv, block size, D]
+    (see `attention.attn_decode`); no copy_to then."""
     d = k_cache.shape[-1]
+    rows = qkv.shape[0] // t
+    pbs = table_block_size(table, rows, k_cache, "rope_cache")
+    if pbs and copy_to is not None:
+        raise ValueError("rope_cache: copy_to writes a static cache's second row; a paged cache has none")
     hp = triton.next_power_of_2(n_heads + 2 * n_kv)
     if copy_to is not None and k_cache.shape[0] != 1:
         raise ValueError(f"rope_cache: copy_to needs one cache row, found {k_cache.shape[0]}")
     k16 = v16 = q_out
     if kv16 is not None:
         k16, v16 = kv16
-        want = (k_cache.shape[0], n_kv, k16.shape[2], d)
+        want = (rows, n_kv, k16.shape[2], d)
         for name, x in (("k16", k16), ("v16", v16)):
             if tuple(x.shape) != want or x.shape[2] < t or not x.is_contiguous() or x.dtype != q_out.dtype:
                 raise ValueError(
@@ -152,5 +169,8 @@ def rope_cache(
         COPY=copy_to is not None,
         KV16=kv16 is not None,
         num_warps=1 if INTERPRET else max(1, min(8, hp * d // 512)),
+        tbl_ptr=table,
+        TBL_STRIDE=table.stride(0) if pbs else 0,
+        PBS=pbs,
         **pdl_kw(plan),
     )

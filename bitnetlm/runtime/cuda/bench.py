@@ -86,12 +86,32 @@ def bench_engine(
     return rows
 
 
+PAGED = "+paged"  # a KV-cache name's suffix: the paged cache, every row's blocks scattered over the pool
+
+
 def _engine_config(max_batch: int, max_seq_len: int, head: str, kv_cache_dtype: str, weights: str):
     from bitnetlm.runtime.config import kv_cache_dtype as parse_kv_cache_dtype
     from bitnetlm.runtime.cuda.engine import EngineConfig
 
-    kv = parse_kv_cache_dtype(kv_cache_dtype)
-    return EngineConfig(max_batch=max_batch, max_seq_len=max_seq_len, weights=weights, head=head, kv_dtype=kv)
+    kv = parse_kv_cache_dtype(kv_cache_dtype.removesuffix(PAGED))
+    blocks = max_batch * -(-max_seq_len // 16) if kv_cache_dtype.endswith(PAGED) else 0
+    return EngineConfig(
+        max_batch=max_batch,
+        max_seq_len=max_seq_len,
+        weights=weights,
+        head=head,
+        kv_dtype=kv,
+        kv_blocks=blocks,
+    )
+
+
+def _deal_blocks(eng, seed: int = 0) -> None:
+    """A paged engine's rows each take a whole context's blocks, in random order over the pool."""
+    if eng.table is not None:
+        rows, per_row = eng.ecfg.max_batch, eng.table.shape[1]
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randperm(eng.ecfg.kv_blocks, generator=g)[: rows * per_row].view(rows, per_row)
+        eng.table[:rows] = ids.to(eng.device, torch.int32)
 
 
 def random_engine(
@@ -104,12 +124,14 @@ def random_engine(
 ):
     """A `CudaEngine` of random weights in the real packed layout, of the 2B4T shape (`ModelConfig`'s defaults,
     or those `shape` overrides): what `bitnet bench` and the GPU scripts in benchmarks/ time. kv_cache_dtype:
-    "auto" (the activations' bf16) or "fp8"."""
+    "auto" (the activations' bf16) or "fp8", each with `PAGED` appended for a paged cache."""
     from bitnetlm.models import ModelConfig
     from bitnetlm.runtime.cuda.engine import CudaEngine
 
     ecfg = _engine_config(max_batch, max_seq_len, head, kv_cache_dtype, weights)
-    return CudaEngine.random(ModelConfig(**(shape or {})), ecfg)
+    eng = CudaEngine.random(ModelConfig(**(shape or {})), ecfg)
+    _deal_blocks(eng)
+    return eng
 
 
 def bench_cuda(
@@ -147,6 +169,7 @@ def bench_cuda(
             eng = random_engine(max(batches), seq, head, cache, weights, shape)
         else:
             eng = CudaEngine.from_model(model, _engine_config(max(batches), seq, head, cache, weights))
+            _deal_blocks(eng)
         rows += [dict(r, kv=cache) for r in bench_engine(eng, batches, n_prompt, n_gen, reps, depths)]
         del eng
         gc.collect()
@@ -196,12 +219,17 @@ def markdown(res: dict) -> str:
         ratio = f"{sp[0]['decode_speedup']:.2f}x" if r["weights"] == "ternary" and sp else "-"
         name = "ternary (Triton W2A8)" if r["weights"] == "ternary" else "bf16 (cuBLAS)"
         out.append(
-            f"| {name} | {'bf16' if r['head'] == 'fp' else r['head']} | {'fp8' if r['kv'] == 'fp8' else 'bf16'} "
+            f"| {name} | {'bf16' if r['head'] == 'fp' else r['head']} | {_kv_name(r['kv'])} "
             f"| {r['batch']} | {r['depth']} | {r['prefill_ms']:.2f} | "
             f"{r['prefill_tok_s']:,.0f} | {r['decode_ms_per_step']:.3f} | {r['decode_tok_s']:,.0f} | "
             f"{r['decode_weight_gb_s']:,.0f} | {ratio} |"
         )
     return "\n".join(out)
+
+
+def _kv_name(kv: str) -> str:
+    base = kv.removesuffix(PAGED)
+    return ("fp8" if base == "fp8" else "bf16") + (" paged" if kv.endswith(PAGED) else "")
 
 
 def run_cuda(args) -> int:
@@ -213,7 +241,7 @@ def run_cuda(args) -> int:
     kv = tuple(args.kv_cache_dtype or ("auto",))
     try:
         for c in kv:
-            parse_kv_cache_dtype(c)
+            parse_kv_cache_dtype(c.removesuffix(PAGED))
     except ValueError as exc:
         print(f"bitnet bench: {exc}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""CUDA decode engine: static KV cache, fused Triton layers, the whole decode step in one CUDA graph.
+"""CUDA decode engine: a static or paged KV cache (`paged_kv`), fused Triton layers, the whole decode step in one CUDA
+graph.
 
 Per layer and token the step is: [RMSNorm + int8 quant + q|k|v W2A8 GEMV], [RoPE + KV-cache write],
 [split-KV attention, one program per GQA group], [SubLN + quant + o_proj + residual], [RMSNorm + quant + gate|up +
@@ -16,7 +17,9 @@ synchronisation and no Python per layer.
 `weights="dense"` builds the same engine over full-precision (bf16) matrices (cuBLAS, same graph treatment):
 the baseline the ternary path is measured against. Prefill (T > 1) runs the GEMM path and PyTorch SDPA
 (flash attention) with a causal mask and always starts at position 0; queries are laid out [B, T, H, D] so the
-attention output reaches o_proj without a transpose copy.
+attention output reaches o_proj without a transpose copy. Over a paged cache the decode kernels read and write
+through the block table, a prefill from position 0 attends over its own keys (the RoPE launch's contiguous copy),
+and a later chunk over a gathered copy of the row's keys.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from bitnetlm.models.config import ModelConfig
+from bitnetlm.runtime.cuda import paged_kv
 from bitnetlm.runtime.cuda import weights as engine_weights
 
 if TYPE_CHECKING:
@@ -72,6 +76,9 @@ class EngineConfig:
     weights: str = "ternary"  # "ternary" (Triton W2A8) or "dense" (cuBLAS, the baseline)
     head: str = "fp"  # "fp" (embedding dtype) or "int8" (per-row scaled int8 embedding + LM head)
     kv_dtype: torch.dtype | None = None  # KV cache: None = dtype, or torch.float8_e4m3fn (unscaled)
+    # a paged KV cache (`paged_kv`) of this many blocks of kv_block_size positions; 0: max_seq_len a row
+    kv_blocks: int = 0
+    kv_block_size: int = 16
     # the decode step's tuning decisions; None: the GPU model's (`DecodePlan.for_gpu`)
     plan: DecodePlan | None = None
 
@@ -161,8 +168,18 @@ class CudaEngine:
             raise ValueError(
                 f"CudaEngine: KV-cache dtype {kv} not supported ({ecfg.dtype} or torch.float8_e4m3fn)"
             )
-        self.k_cache = [torch.zeros(shape, device=dev, dtype=kv) for _ in layers]
-        self.v_cache = [torch.zeros(shape, device=dev, dtype=kv) for _ in layers]
+        self.table = None  # a paged cache's block table [rows + 1, blocks a row] (paged_kv)
+        if ecfg.kv_blocks:
+            bs = ecfg.kv_block_size
+            self.k_cache, self.v_cache = paged_kv.pools(
+                ecfg.kv_blocks, bs, self.nkv, self.hd, len(layers), kv, dev
+            )
+            self.trash = ecfg.kv_blocks  # (the pools' last block)
+            per_row = -(-ecfg.max_seq_len // bs)
+            self.table = torch.full((ecfg.max_batch + 1, per_row), self.trash, device=dev, dtype=torch.int32)
+        else:
+            self.k_cache = [torch.zeros(shape, device=dev, dtype=kv) for _ in layers]
+            self.v_cache = [torch.zeros(shape, device=dev, dtype=kv) for _ in layers]
         self._graphs: dict[tuple, _DecodeState] = {}
         self._bufs: dict = {}  # decode.QuantBuf per batch size (fused q|k|v + RoPE input); verify inputs
         self._prefill_pool = None  # the memory pool the prefill graphs share (prefill_state)
@@ -306,7 +323,7 @@ class CudaEngine:
         returns None. copy_to (T > 1, B = 1): int64 [1], a cache row that also receives the keys and values."""
         b, t = tok.shape
         self._check_batch(b, max(start + t, keys if t > 1 else 0))
-        if row0 + b > self.k_cache[0].shape[0]:
+        if row0 + b > self.ecfg.max_batch + 1:
             raise ValueError(f"CudaEngine.forward: rows {row0}..{row0 + b - 1} exceed the cache's rows")
         h = self._embed(tok.reshape(-1))  # [B*T, hidden]
         if t == 1:
@@ -343,18 +360,34 @@ class CudaEngine:
                 self._bufs[b] = QuantBuf(b, self.cfg.hidden_size, self.device)
             xq = self._bufs.get(b)
         for li, L in enumerate(self.layers):
-            kc, vc = self.k_cache[li][row0 : row0 + b], self.v_cache[li][row0 : row0 + b]  # contiguous views
+            kc, vc, tab = self._kv(li, row0, b)
             q = torch.empty((b, 1, nh, hd), device=self.device, dtype=self.ecfg.dtype)
             if in_row:  # every program normalizes + quantizes h itself
                 qkv_rope(
-                    h, b, L.qkv, L.qkv_scale, q, self.cos, self.sin, pos, kc, vc, nh, nkv, L.in_norm, self.eps, plan
+                    h, b, L.qkv, L.qkv_scale, q, self.cos, self.sin, pos, kc, vc, nh, nkv, L.in_norm, self.eps, plan,
+                    table=tab,
                 )  # fmt: skip
             elif fused:  # quantize, then q|k|v GEMV + RoPE + KV write in one launch
                 quantize_into(h, L.in_norm, xq, self.eps, plan)
-                qkv_rope(xq, b, L.qkv, L.qkv_scale, q, self.cos, self.sin, pos, kc, vc, nh, nkv, plan=plan)
+                qkv_rope(
+                    xq,
+                    b,
+                    L.qkv,
+                    L.qkv_scale,
+                    q,
+                    self.cos,
+                    self.sin,
+                    pos,
+                    kc,
+                    vc,
+                    nh,
+                    nkv,
+                    plan=plan,
+                    table=tab,
+                )
             else:
                 qkv = self._lin(h, L.qkv, L.qkv_scale, (nh + 2 * nkv) * hd, norm=L.in_norm)  # [B, (H+2Hkv)*D]
-                rope_cache(qkv, self.cos, self.sin, pos, q, kc, vc, nh, nkv, 1, None, row0, None, plan)
+                rope_cache(qkv, self.cos, self.sin, pos, q, kc, vc, nh, nkv, 1, None, row0, None, plan, tab)
             h = _rows(h)  # the residual rows (a deferred down's: finished by the quantization above)
             o = torch.empty((b, nh, hd), device=h.device, dtype=h.dtype)
             # the attention pulls gate|up's weights into L2 (plan.attn_pf_table), at batches in
@@ -365,7 +398,9 @@ class CudaEngine:
                 pf = (L.gate_up,) + ((L.down,) if b in plan.attn_pf_down_batches else ())
                 if b <= plan.attn_pf_qkv_max_b:
                     pf += (self.layers[(li + 1) % len(self.layers)].qkv,)
-            attn_decode(q.view(b, nh, hd), kc, vc, pos, o, 1.0 / math.sqrt(hd), keys, pf, plan=plan)
+            attn_decode(
+                q.view(b, nh, hd), kc, vc, pos, o, 1.0 / math.sqrt(hd), keys, pf, plan=plan, table=tab
+            )
             last = li + 1 == len(self.layers)  # the head's quantization takes rows
             h = self._layer_tail(
                 h, o.view(b, nh * hd), L, "row" if in_row else None, b, dfr, dfr and not last
@@ -388,16 +423,16 @@ class CudaEngine:
             slots = torch.arange(keys, device=self.device)
             at = pos[:1].long() + torch.arange(t, device=self.device)
             mask = slots[None, :] <= at[:, None]  # [T, keys]
-        elif not start and self.k_cache[0].dtype != self.ecfg.dtype:
-            new = torch.empty if tp == t else torch.zeros
+        elif not start and (self.k_cache[0].dtype != self.ecfg.dtype or self.table is not None):
+            new = torch.empty if tp == t else torch.zeros  # (a paged cache: the chunk's own operands)
             kv16 = new((2, b, nkv, tp, hd), device=self.device, dtype=self.ecfg.dtype).unbind(0)
         for li, L in enumerate(self.layers):
-            kc, vc = self.k_cache[li][row0 : row0 + b], self.v_cache[li][row0 : row0 + b]  # contiguous views
+            kc, vc, tab = self._kv(li, row0, b)
             q = torch.empty((b, t, nh, hd), device=self.device, dtype=self.ecfg.dtype)
             qkv = self._lin(h, L.qkv, L.qkv_scale, (nh + 2 * nkv) * hd, norm=L.in_norm)  # [B*T, (H+2Hkv)*D]
-            rope_cache(qkv, self.cos, self.sin, pos, q, kc, vc, nh, nkv, t, copy_to, row0, kv16, plan)
+            rope_cache(qkv, self.cos, self.sin, pos, q, kc, vc, nh, nkv, t, copy_to, row0, kv16, plan, tab)
             if keys:
-                kp, vp = kc[:, :, :keys].to(q.dtype), vc[:, :, :keys].to(q.dtype)
+                kp, vp = self._keys(kc, vc, tab, keys, q.dtype)
                 o = F.scaled_dot_product_attention(
                     q.transpose(1, 2), kp, vp, attn_mask=mask, enable_gqa=nh != nkv
                 )  # [B, H, T, D]
@@ -411,11 +446,25 @@ class CudaEngine:
                 o = prefill_attention(qp.transpose(1, 2), kp, vp, gqa=nh != nkv)
                 o = o.transpose(1, 2)[:, :t].reshape(b * t, nh * hd)  # [B*T, H*D]; no copy when tp == t
             else:
-                kp, vp = kc[:, :, : start + t].to(q.dtype), vc[:, :, : start + t].to(q.dtype)
+                kp, vp = self._keys(kc, vc, tab, start + t, q.dtype)
                 o = prefill_attention(q.transpose(1, 2), kp, vp, start, nh != nkv)  # [B, H, T, D]
                 o = o.transpose(1, 2).reshape(b * t, nh * hd)
             h = self._layer_tail(h, o, L, None, b, False, False, prefill=True)
         return h
+
+    def _kv(self, li: int, row0: int, b: int):
+        """Layer li's (k, v, block table) for rows row0..row0+b-1: contiguous row views and None, or a paged
+        cache's pools and the rows' block table."""
+        if self.table is None:
+            return self.k_cache[li][row0 : row0 + b], self.v_cache[li][row0 : row0 + b], None
+        return self.k_cache[li], self.v_cache[li], self.table[row0 : row0 + b]
+
+    @staticmethod
+    def _keys(kc, vc, tab, n: int, dtype):
+        """K and V of positions 0..n-1 of the rows (`_kv`) in the attention's dtype."""
+        if tab is None:
+            return kc[:, :, :n].to(dtype), vc[:, :, :n].to(dtype)
+        return paged_kv.gather(kc, tab, n).to(dtype), paged_kv.gather(vc, tab, n).to(dtype)
 
     def _layer_tail(self, h, o, L, rp, b: int, defer_o: bool, defer_down: bool, prefill: bool = False):
         """A layer after its attention: o (+ the residual), then gate|up and down (+ the residual). rp: the row
@@ -524,12 +573,16 @@ class CudaEngine:
         step's capture (3 runs from position 0) write there. They are restored on exit, so that a step can be
         captured while rows hold sequences."""
         n = min(3, self.ecfg.max_seq_len)
-        kept = [c[:batch, :, :n].clone() for c in self.k_cache + self.v_cache]
+        rows = slice(0, batch)  # (a paged cache: the blocks those rows' tables name for positions 0..n-1)
+        if self.table is not None:
+            rows = self.table[:batch, : -(-n // self.ecfg.kv_block_size)].flatten().long()
+            n = self.ecfg.kv_block_size
+        kept = [c[rows, :, :n].clone() for c in self.k_cache + self.v_cache]
         try:
             yield
         finally:
             for c, k in zip(self.k_cache + self.v_cache, kept, strict=True):
-                c[:batch, :, :n] = k
+                c[rows, :, :n] = k
 
     def prefill(self, ids: list[int], row: int) -> torch.Tensor:
         """Prefill one prompt from position 0 into cache row `row` -> float32 logits [V] after its last token.
@@ -573,6 +626,9 @@ class CudaEngine:
         sc = self.scratch
 
         def body():  # (the second store replaces 60 index_copy_ launches, 0.21 ms at 128 tokens on an H200)
+            if self.table is not None:  # paged: the prompt row's block table into the scratch row's
+                self.table[sc : sc + 1].copy_(self.table.index_select(0, row))
+                return self.forward(tok, pos, row0=sc, last_at=last)
             return self.forward(tok, pos, row0=sc, last_at=last, copy_to=row)
 
         if self._prefill_pool is None:

@@ -80,8 +80,8 @@ def engine_config(
     model, config: RuntimeConfig, rows: int, max_seq_len: int, weights: str | None = None, plan=None
 ) -> EngineConfig:
     """The CudaEngine's options for `model` run as `config` says: its activation dtype, the int8 head for
-    head_dtype="int8" (any other value keeps the float head), the KV-cache dtype; weights: "ternary" or "dense"
-    (default: what the model's projections are)."""
+    head_dtype="int8" (any other value keeps the float head), the KV-cache dtype, a paged cache of kv_tokens
+    positions; weights: "ternary" or "dense" (default: what the model's projections are)."""
     kind = weights or weights_kind(model)
     if kind is None:
         raise TypeError("the projections mix BitLinear and full-precision layers")
@@ -92,6 +92,8 @@ def engine_config(
         weights=kind,
         head="int8" if config.head_dtype == "int8" else "fp",
         kv_dtype=KV_CACHE_DTYPES[config.kv_cache_dtype],
+        kv_blocks=max(1, config.kv_tokens // config.kv_block_size) if config.kv_tokens else 0,
+        kv_block_size=config.kv_block_size,
         plan=plan,
     )
 

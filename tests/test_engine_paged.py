@@ -1,0 +1,101 @@
+"""The CUDA engine over a paged KV cache (EngineConfig.kv_blocks) computes what it computes over a static cache:
+prefills from position 0 and continuing a cached prompt, decode steps (each q|k|v path), a captured verify's
+chunk (keys > 0), and the keys land in the blocks the table names. Without a GPU the engine's forward runs its
+Triton kernels under the interpreter (the captured graphs are the `gpu` tests').
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from triton_interp import DEV, triton_modules
+
+triton_modules("attention")  # (the interpreter, before the engine imports its kernels)
+
+S, BS = 32, 8
+
+
+def _engines(model, blocks: int = 40, **kw):
+    from bitnetlm.runtime.cuda.engine import CudaEngine, EngineConfig
+
+    ecfg = EngineConfig(max_batch=3, max_seq_len=S, dtype=torch.float32, **kw)
+    static = CudaEngine.from_model(model, ecfg, device=DEV)
+    paged = CudaEngine.from_model(
+        model, dataclasses.replace(ecfg, kv_blocks=blocks, kv_block_size=BS), device=DEV
+    )
+    g = torch.Generator().manual_seed(1)  # every row's blocks, scattered over the pool
+    ids = torch.randperm(blocks, generator=g)[: 3 * (S // BS)].view(3, S // BS)
+    paged.table[:3] = ids.to(torch.int32).to(DEV)
+    return static, paged
+
+
+def _rows_of(eng, li: int, rows: int, n: int):
+    """Layer li's keys and values of positions 0..n-1 of rows 0..rows-1, as [rows, Hkv, n, D]."""
+    from bitnetlm.runtime.cuda import paged_kv
+
+    if eng.table is None:
+        return eng.k_cache[li][:rows, :, :n], eng.v_cache[li][:rows, :, :n]
+    tab = eng.table[:rows]
+    return paged_kv.gather(eng.k_cache[li], tab, n), paged_kv.gather(eng.v_cache[li], tab, n)
+
+
+def _same(static, paged, rows: int, n: int):
+    for li in range(len(static.layers)):
+        for a, b in zip(_rows_of(static, li, rows, n), _rows_of(paged, li, rows, n), strict=True):
+            assert torch.equal(a, b), li
+
+
+def _pos(b: int, p: int):
+    return torch.full((b,), p, dtype=torch.int32, device=DEV)
+
+
+@pytest.mark.parametrize("fused_max_b", [None, 0])
+def test_paged_engine_equals_static(tiny_model, fused_max_b):
+    """Two rows: a prefill of 11 tokens (crossing a block), decode steps (batch 2 and 1), a chunk continuing a
+    prompt (start 3), and a verify chunk over a key span (keys 32): the same logits and keys. fused_max_b 0:
+    the unfused q|k|v (GEMV, then rope_cache) at every batch."""
+    static, paged = _engines(tiny_model)
+    if fused_max_b is not None:
+        for e in (static, paged):
+            e.plan = dataclasses.replace(e.plan, fused_max_b=fused_max_b)
+    tok = torch.randint(0, 512, (2, 11), generator=torch.Generator().manual_seed(0)).to(DEV)
+    with torch.no_grad():
+        for e in (static, paged):
+            e.out = [e.forward(tok, _pos(2, 0), last_only=False)]
+            for p in range(11, 14):  # batch-2 decode steps
+                e.out.append(e.forward(tok[:, p - 11 : p - 10], _pos(2, p)))
+            e.out.append(e.forward(tok[:1, :1], _pos(1, 14)))  # batch 1
+            e.forward(tok[:, :3], _pos(2, 0), row0=1)  # rows 1-2: a prompt's first 3 tokens, then the rest
+            e.out.append(e.forward(tok[:, 3:], _pos(2, 3), row0=1, start=3))
+            vt = tok[:1, :4]  # row 0, positions 15..18 over keys 0..31 (a captured verify's form)
+            e.out.append(e.forward(vt, _pos(1, 15), last_only=False, row0=0, keys=S))
+    for a, b in zip(static.out, paged.out, strict=True):
+        assert torch.equal(a, b)
+    _same(static, paged, 3, 19)
+
+
+def test_paged_engine_prefill_pads_write_no_other_block(tiny_model):
+    """A prefill's positions past the row's blocks (a padded prompt's tail) land in the trash block, and no block
+    of another row changes."""
+    static, paged = _engines(tiny_model)
+    paged.table[0, 1:] = paged.trash  # row 0 holds one block: positions 0..7
+    before = [c.clone() for c in paged.k_cache]
+    tok = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(2)).to(DEV)
+    with torch.no_grad():
+        paged.forward(tok, _pos(1, 0))
+    mine = {int(paged.table[0, 0]), paged.trash}
+    for c, c0 in zip(paged.k_cache, before, strict=True):
+        for blk in range(c.shape[0]):
+            if blk not in mine:
+                assert torch.equal(c[blk], c0[blk]), blk
+        assert not torch.equal(c[paged.trash], c0[paged.trash])
+
+
+def test_paged_engine_refuses_a_copy_row(tiny_model):
+    """copy_to (a static cache's second row for a prefill) has no meaning over blocks: a clear error."""
+    _, paged = _engines(tiny_model)
+    tok = torch.zeros((1, 2), dtype=torch.long, device=DEV)
+    with pytest.raises(ValueError, match="copy_to"):
+        paged.forward(tok, _pos(1, 0), copy_to=torch.zeros((1,), dtype=torch.long, device=DEV))
