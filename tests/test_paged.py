@@ -16,6 +16,7 @@ from bitnetlm.runtime.blocks import BlockPool, OutOfBlocks
 from bitnetlm.runtime.config import RuntimeConfig
 from bitnetlm.runtime.cpu import CpuRunner
 from bitnetlm.runtime.paged import PagedCpuRunner
+from bitnetlm.runtime.paged_rows import PagedRows
 from bitnetlm.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -374,3 +375,65 @@ def test_server_paged_outputs_equal_static_without_reuse(engine_model):
     lab = '{model_name="bitnet"}'
     assert m[f"vllm:prefix_cache_hits_total{lab}"] >= 8 * 144 and m[f"vllm:kv_cache_usage_perc{lab}"] == 0
     assert big.status_code == 400 and "--kv-tokens" in big.text
+
+
+# ---- the rows' bookkeeping with a trash block (as the CUDA runner keeps it) ------------------------------------
+class _Rows(PagedRows):
+    """PagedRows over real CPU pools, with the CUDA runner's conventions: a trash block past the pool's blocks,
+    which every table entry that names none of a row's blocks holds, and new blocks not zeroed."""
+
+    zero_new_blocks = False
+
+    def __init__(self, rows=3, ctx=32, blocks=12, bs=4):
+        self.k = [torch.zeros(blocks + 1, 2, bs, 8)]
+        self.v = [torch.zeros(blocks + 1, 2, bs, 8)]
+        self._init_rows(rows, ctx, blocks, bs, no_block=blocks)
+
+    def write(self, row, start, tokens, prefill=True):
+        self._reserve([(row, start, start + len(tokens))])
+        self._written(row, start, tokens, prefill)
+        for p, t in zip(range(start, start + len(tokens)), tokens, strict=True):
+            b = self.blocks[row][p // self.pool.block_size]
+            self.k[0][b, :, p % self.pool.block_size] = t
+        if prefill:
+            self._cache_blocks(row)
+
+    def check(self):
+        """Each row's table names its blocks, then the trash; the trash is in no row's keeping."""
+        for r, have in enumerate(self.blocks):
+            assert self.table[r, : len(have)].tolist() == have
+            assert (self.table[r, len(have) :] == self.no_block).all()
+            assert self.no_block not in have
+
+
+def test_rows_tables_point_past_their_blocks_at_the_trash():
+    """Appends, copy on write of a shared partial block, a rollback, a shared prefix, adoption from the prefix
+    cache, a reset: every table names the row's blocks and then the trash; a shared block is never written; the
+    step's tables put rows that hold no sequence wholly at the trash."""
+    r = _Rows()
+    r.write(0, 0, [5, 6, 7, 8, 9, 10])  # 2 blocks, the second half full
+    r.check()
+    r._share_prefix(0, 1, 6)  # row 1 shares both (the partial one too)
+    assert r.blocks[1] == r.blocks[0] and r.pool.refs[r.blocks[0][1]] == 2
+    kept = r.k[0][r.blocks[0][1]].clone()
+    r.write(1, 6, [11], prefill=False)  # copy on write: row 1 gets its own second block
+    assert r.blocks[1][1] != r.blocks[0][1] and torch.equal(r.k[0][r.blocks[0][1]], kept)
+    assert (
+        r.k[0][r.blocks[1][1], 0, 2, 0] == 11 and r.k[0][r.blocks[1][1], 0, 1, 0] == 10
+    )  # copied, then written
+    r.check()
+    r._drop_from(1, 3)  # a rollback into the first (shared) block frees the second
+    assert len(r.blocks[1]) == 1
+    r.check()
+    assert r.adopt(2, [5, 6, 7, 8, 1, 2]) == 4  # the cached full first block
+    assert r.blocks[2] == r.blocks[0][:1]
+    r.check()
+    r._drop_from(0, 0)
+    r._drop_from(1, 0)
+    r._drop_from(2, 0)
+    r.check()
+    assert r.pool.in_use() == 0
+    r.write(0, 0, [1, 2, 3, 4, 5])
+    step = r.step_table(idle=[1, 2])
+    assert (step[1:] == r.no_block).all() and step[0].tolist() == r.table[0].tolist()
+    assert r.step_table() is r.table

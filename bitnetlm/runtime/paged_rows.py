@@ -58,6 +58,14 @@ class PagedRows:
         if have:
             self.table[row, : len(have)] = torch.tensor(have, dtype=torch.int32)
 
+    def step_table(self, idle=()) -> torch.Tensor:
+        """The block tables a forward reads, with rows `idle` (holding no sequence in it) all `no_block`."""
+        if not idle:
+            return self.table
+        out = self.table.clone()
+        out[list(idle)] = self.no_block
+        return out
+
     def _need(self, row: int, start: int, end: int) -> int:
         """New blocks a write of positions [start, end) into `row` takes (appended, or copies of shared ones)."""
         have, bs = self.blocks[row], self.pool.block_size

@@ -34,10 +34,7 @@ class PagedCudaRunner(PagedRows, CudaRunner):
 
     def _upload(self, idle: Sequence[int] = ()) -> None:
         """The host's block tables into the engine's device table where they changed, rows `idle` at the trash."""
-        want = self.table
-        if idle:
-            want = want.clone()
-            want[list(idle)] = self.no_block
+        want = self.step_table(idle)
         if self._uploaded is not None and torch.equal(want, self._uploaded):
             return
         self.eng.table[: self.rows].copy_(want.pin_memory(), non_blocking=True)
