@@ -99,3 +99,25 @@ def test_paged_engine_refuses_a_copy_row(tiny_model):
     tok = torch.zeros((1, 2), dtype=torch.long, device=DEV)
     with pytest.raises(ValueError, match="copy_to"):
         paged.forward(tok, _pos(1, 0), copy_to=torch.zeros((1,), dtype=torch.long, device=DEV))
+
+
+def test_paged_engine_captured_prefill_body_and_kept_slots(tiny_model):
+    """What a captured prefill runs (`scratch_prefill`: through the scratch row, into row 1's blocks) and what a
+    decode capture's warm-up overwrites and `kept_slots` restores, eagerly: the static engine's logits and keys,
+    and row 0's blocks as they were."""
+    static, paged = _engines(tiny_model)
+    tok = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(3)).to(DEV)
+    last = torch.tensor([8], device=DEV)
+    row = torch.tensor([1], device=DEV)
+    with torch.no_grad():
+        got = [e.scratch_prefill(tok, _pos(1, 0), last, row) for e in (static, paged)]
+        assert torch.equal(got[0], got[1])
+        for li in range(len(static.layers)):
+            for a, b in zip(_rows_of(static, li, 2, 9), _rows_of(paged, li, 2, 9), strict=True):
+                assert torch.equal(a[1], b[1])
+        before = [c.clone() for c in paged.k_cache + paged.v_cache]
+        with paged.kept_slots(2):
+            for p in range(3):  # the warm-up runs of a capture from position 0
+                paged.forward(tok[:1, :1].expand(2, 1), _pos(2, p))
+            assert not all(torch.equal(a, b) for a, b in zip(before, paged.k_cache + paged.v_cache))
+    assert all(torch.equal(a, b) for a, b in zip(before, paged.k_cache + paged.v_cache, strict=True))
