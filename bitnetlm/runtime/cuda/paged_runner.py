@@ -61,6 +61,8 @@ class PagedCudaRunner(PagedRows, CudaRunner):
 
     @torch.no_grad()
     def verify(self, row: int, tokens: Sequence[int], start: int) -> torch.Tensor:
+        if start == 0:
+            raise ValueError("verify continues a cached prompt (start > 0)")
         self._unsteady()
         self._write(row, tokens, start, prefill=False)
         return CudaRunner.verify(self, row, tokens, start)
