@@ -121,3 +121,24 @@ def test_paged_engine_captured_prefill_body_and_kept_slots(tiny_model):
                 paged.forward(tok[:1, :1].expand(2, 1), _pos(2, p))
             assert not all(torch.equal(a, b) for a, b in zip(before, paged.k_cache + paged.v_cache))
     assert all(torch.equal(a, b) for a, b in zip(before, paged.k_cache + paged.v_cache, strict=True))
+
+
+def test_paged_engine_rows_sharing_a_prompt_block(tiny_model):
+    """Row 1 maps row 0's first block (a shared prompt prefix) and prefills only its own tail; both then decode
+    together, reading the shared block: the logits of a static cache where each row computed its whole prompt
+    (close, not bitwise: the shared keys came from a prefill of another length)."""
+    static, paged = _engines(tiny_model)
+    paged.table[1, 0] = paged.table[0, 0]
+    g = torch.Generator().manual_seed(4)
+    shared = torch.randint(0, 512, (1, BS), generator=g)
+    prompts = torch.cat([shared.expand(2, BS), torch.randint(0, 512, (2, 3), generator=g)], 1).to(DEV)
+    with torch.no_grad():
+        want = [static.forward(prompts, _pos(2, 0))]
+        row0 = paged.forward(prompts[:1], _pos(1, 0), row0=0)  # writes the shared block
+        tail = paged.forward(prompts[1:, BS:], _pos(1, BS), row0=1, start=BS)  # row 1: its own tokens only
+        got = [torch.cat([row0, tail])]
+        nxt = want[0].argmax(-1, keepdim=True)
+        want.append(static.forward(nxt, _pos(2, 11)))
+        got.append(paged.forward(nxt, _pos(2, 11)))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
