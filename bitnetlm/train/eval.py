@@ -37,6 +37,57 @@ def context_length(model: nn.Module, default: int = 2048) -> int:
     return int(n) if n else default
 
 
+def _windows(n: int, ctx: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, end, first scored target position) of each window of a sequence of n tokens."""
+    windows = []
+    prev_end = 0
+    for begin in range(0, n, stride):
+        end = min(begin + ctx, n)
+        first = max(prev_end, begin + 1)  # position 0 of the text has no prediction
+        if end > first:
+            windows.append((begin, end, first))
+        prev_end = end
+        if end == n:
+            break
+    return windows
+
+
+def _batch_bound(model: nn.Module, ctx: int, batch_size: int) -> int:
+    """batch_size, lowered so that a batch's fp32 logits stay under about 2 GiB."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 32000
+    # fp32 logits of a batch are G x ctx x vocab x 4 bytes: keep them under ~2 GiB (128k vocab, 4k ctx -> 1)
+    return max(1, min(batch_size, (2 << 30) // (ctx * vocab * 4)))
+
+
+def _next_group(windows: list[tuple[int, int, int]], i: int, batch_size: int) -> list[tuple[int, int, int]]:
+    """The windows from i on that run as one batch: consecutive, of window i's length, at most batch_size."""
+    length = windows[i][1] - windows[i][0]
+    group = [windows[i]]
+    while (
+        len(group) < batch_size
+        and i + len(group) < len(windows)
+        and windows[i + len(group)][1] - windows[i + len(group)][0] == length
+    ):
+        group.append(windows[i + len(group)])
+    return group
+
+
+def _score_group(
+    model: nn.Module, ids: torch.Tensor, group, dev, nll: float, count: int
+) -> tuple[float, int]:
+    """The running (nll, count) after one batch of windows: each window's scored tokens' negative log-likelihoods
+    subtracted in order, and their number added."""
+    x = torch.stack([ids[b:e] for b, e, _ in group]).to(dev)  # [G, L]
+    logits = logits_of(model(x)).float()  # [G, L, V]
+    for g, (b, e, first) in enumerate(group):
+        # logits at position p predict token p + 1
+        lp = F.log_softmax(logits[g, first - b - 1 : e - b - 1], dim=-1)  # [k, V]
+        tgt = ids[first:e].to(dev)
+        nll -= lp.gather(-1, tgt[:, None]).sum().item()
+        count += e - first
+    return nll, count
+
+
 @torch.no_grad()
 def perplexity(
     model: nn.Module,
@@ -63,44 +114,17 @@ def perplexity(
     stride = min(stride or max(ctx // 2, 1), ctx)
     if not 0 < stride <= ctx:
         raise ValueError(f"stride must be in (0, ctx={ctx}], got {stride}")
-    # (begin, end, first scored target position) of each window
-    windows = []
-    prev_end = 0
-    for begin in range(0, n, stride):
-        end = min(begin + ctx, n)
-        first = max(prev_end, begin + 1)  # position 0 of the text has no prediction
-        if end > first:
-            windows.append((begin, end, first))
-        prev_end = end
-        if end == n:
-            break
+    windows = _windows(n, ctx, stride)
     dev = _device_of(model)
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 32000
-    # fp32 logits of a batch are G x ctx x vocab x 4 bytes: keep them under ~2 GiB (128k vocab, 4k ctx -> 1)
-    batch_size = max(1, min(batch_size, (2 << 30) // (ctx * vocab * 4)))
+    batch_size = _batch_bound(model, ctx, batch_size)
     was = model.training
     model.eval()
     nll, count = 0.0, 0
     bar = bar_of(total=len(windows), desc="perplexity", unit="window", show=progress)
     i = 0
     while i < len(windows):
-        # batch consecutive windows of the same length
-        length = windows[i][1] - windows[i][0]
-        group = [windows[i]]
-        while (
-            len(group) < batch_size
-            and i + len(group) < len(windows)
-            and windows[i + len(group)][1] - windows[i + len(group)][0] == length
-        ):
-            group.append(windows[i + len(group)])
-        x = torch.stack([ids[b:e] for b, e, _ in group]).to(dev)  # [G, L]
-        logits = logits_of(model(x)).float()  # [G, L, V]
-        for g, (b, e, first) in enumerate(group):
-            # logits at position p predict token p + 1
-            lp = F.log_softmax(logits[g, first - b - 1 : e - b - 1], dim=-1)  # [k, V]
-            tgt = ids[first:e].to(dev)
-            nll -= lp.gather(-1, tgt[:, None]).sum().item()
-            count += e - first
+        group = _next_group(windows, i, batch_size)
+        nll, count = _score_group(model, ids, group, dev, nll, count)
         i += len(group)
         bar.update(len(group))
     bar.close()
