@@ -205,31 +205,10 @@ def load_native(
         return load_hf(td, mode=mode, dtype=dtype)
 
 
-def load_mmap(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
-    """Zero-copy inference load of an offline-packed `autobitlinear` directory; None for other variants.
+def _mmap_files(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str], list[tuple[int, int]]]:
+    """Every safetensors file of the directory memory-mapped: (tensors, metadata, (address, bytes) of each map)."""
+    from bitnetlm.formats.hf import safetensors_files
 
-    Packed projections and their scales (and float tensors already in `dtype`) are views of copy-on-write
-    memory maps of the safetensors files: nothing is read until used, and the page cache is shared between
-    processes serving the same model. Tensors that need a dtype conversion are converted (copied).
-    """
-    from bitnetlm.formats.hf import (
-        IGNORED_SUFFIXES,
-        _expect,
-        check_layer_count,
-        read_config,
-        safetensors_files,
-    )
-    from bitnetlm.formats.names import hf_name, layer_modules
-    from bitnetlm.models import build_empty_model
-    from bitnetlm.models.transformer import rope_inv_freq
-    from bitnetlm.quant.bitlinear import BitLinear
-
-    path = Path(path)
-    cfg = read_config(path)
-    if cfg.quant != "ternary" or cfg.linear_class != "autobitlinear" or cfg.quantization_mode != "offline":
-        return None
-    if cfg.family != "llama":  # biases, transposed weights: load_hf reads these
-        return None
     tensors: dict[str, torch.Tensor] = {}
     meta: dict[str, str] = {}
     regions = []
@@ -239,9 +218,15 @@ def load_mmap(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
         regions.append((int(start), int(size)))
         tensors.update(t)
         meta.update(m)
-    src = str(path)
-    check_layer_count(cfg, tensors, src)
-    model = build_empty_model(cfg, "infer")
+    return tensors, meta, regions
+
+
+def _mmap_state_dict(cfg, model, tensors: dict[str, torch.Tensor], src: str, dtype: torch.dtype):
+    """The model's state dict over the mapped tensors (checked: shapes, scales, lm_head); None where the
+    projections hold float master weights."""
+    from bitnetlm.formats.hf import _expect
+    from bitnetlm.formats.names import hf_name, layer_modules
+
     sd: dict[str, torch.Tensor] = {}
     floats = (torch.float32, torch.float16, torch.bfloat16)
     for name, kind in layer_modules(cfg.num_hidden_layers, cfg.has_sub_norms):
@@ -268,10 +253,46 @@ def load_mmap(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
             raise ValueError(f"{src}: tensor 'lm_head.weight' is missing (tie_word_embeddings is false)")
         _expect("lm_head.weight", w, (cfg.head_rows, cfg.hidden_size), src, floats)
         sd["lm_head.weight"] = w.to(dtype)
+    return sd
+
+
+def _check_unknown(cfg, sd: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], src: str) -> None:
+    """Raises where the files hold tensors the model has no place for."""
+    from bitnetlm.formats.hf import IGNORED_SUFFIXES
+    from bitnetlm.formats.names import hf_name
+
     known = {hf_name(k.rsplit(".", 1)[0], cfg.arch) for k in sd} | {"lm_head"}
     unknown = [k for k in tensors if k.rsplit(".", 1)[0] not in known and not k.endswith(IGNORED_SUFFIXES)]
     if unknown:
         raise ValueError(f"{src}: unexpected tensors for a {cfg.arch} model: {unknown[:5]}")
+
+
+def load_mmap(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
+    """Zero-copy inference load of an offline-packed `autobitlinear` directory; None for other variants.
+
+    Packed projections and their scales (and float tensors already in `dtype`) are views of copy-on-write
+    memory maps of the safetensors files: nothing is read until used, and the page cache is shared between
+    processes serving the same model. Tensors that need a dtype conversion are converted (copied).
+    """
+    from bitnetlm.formats.hf import check_layer_count, read_config
+    from bitnetlm.models import build_empty_model
+    from bitnetlm.models.transformer import rope_inv_freq
+    from bitnetlm.quant.bitlinear import BitLinear
+
+    path = Path(path)
+    cfg = read_config(path)
+    if cfg.quant != "ternary" or cfg.linear_class != "autobitlinear" or cfg.quantization_mode != "offline":
+        return None
+    if cfg.family != "llama":  # biases, transposed weights: load_hf reads these
+        return None
+    tensors, meta, regions = _mmap_files(path)
+    src = str(path)
+    check_layer_count(cfg, tensors, src)
+    model = build_empty_model(cfg, "infer")
+    sd = _mmap_state_dict(cfg, model, tensors, src, dtype)
+    if sd is None:
+        return None
+    _check_unknown(cfg, sd, tensors, src)
     model.load_state_dict(sd, strict=True, assign=True)
     model.inv_freq = rope_inv_freq(cfg)
     for m in model.modules():
