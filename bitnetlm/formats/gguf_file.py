@@ -262,14 +262,8 @@ class _Cursor:
         return [self.value(etype, f"{what}[{i}]", depth + 1)[0] for i in range(count)], etype
 
 
-def read_gguf(path: str | os.PathLike) -> GGUFFile:
-    """Open and validate a GGUF file (header, metadata, tensor table, data bounds); data stays memory-mapped."""
-    path = Path(path)
-    size = path.stat().st_size
-    if size < 24:
-        raise GGUFError(f"{path}: not a GGUF file (only {size} bytes; the header alone is 24)")
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
-    cur = _Cursor(memoryview(mm), path)
+def _read_header(cur: _Cursor, mm: np.memmap, path: Path) -> tuple[int, int, int]:
+    """The magic and version checked; (version, tensor count, metadata count)."""
     magic = bytes(mm[:4])
     if magic != MAGIC:
         raise GGUFError(f"{path}: wrong magic {magic!r}, expected {MAGIC!r} (not a GGUF file)")
@@ -283,6 +277,11 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
     n_kv = cur.scalar(UINT64, "metadata count")
     # each kv takes >= 12 bytes (8 key length + 4 type), each tensor info >= 24 bytes
     cur.need(n_kv * 12 + n_tensors * 24, f"{n_kv} metadata entries and {n_tensors} tensor infos")
+    return version, n_tensors, n_kv
+
+
+def _read_metadata(cur: _Cursor, n_kv: int) -> tuple[dict[str, Any], dict[str, tuple[int, int | None]]]:
+    """The n_kv metadata entries: (values, (value type, array element type) of each key)."""
     metadata: dict[str, Any] = {}
     vtypes: dict[str, tuple[int, int | None]] = {}
     for i in range(n_kv):
@@ -291,32 +290,43 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
         val, etype = cur.value(vtype, f"metadata {key!r}")
         metadata[key] = val
         vtypes[key] = (vtype, etype)
+    return metadata, vtypes
+
+
+def _checked_alignment(metadata: dict[str, Any], path: Path) -> int:
+    """general.alignment (default 32), checked to be a power of two of at most 1 MiB."""
     alignment = metadata.get("general.alignment", 32)
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1) or alignment > 1 << 20:
         raise GGUFError(f"{path}: general.alignment must be a power of two, found {alignment!r}")
-    infos = []
-    for i in range(n_tensors):
-        name = cur.string(f"name of tensor #{i}")
-        nd = cur.scalar(UINT32, f"n_dims of tensor {name!r}")
-        if nd > MAX_DIMS:
-            raise GGUFError(f"{path}: tensor {name!r} has {nd} dims, at most {MAX_DIMS} allowed")
-        dims = [cur.scalar(UINT64, f"dim {j} of tensor {name!r}") for j in range(nd)]
-        n = 1
-        for d in dims:
-            n *= d
-        if n > MAX_ELEMENTS:
-            raise GGUFError(f"{path}: tensor {name!r} has absurd dimensions {dims} ({n} elements)")
-        type_id = cur.scalar(UINT32, f"type of tensor {name!r}")
-        offset = cur.scalar(UINT64, f"offset of tensor {name!r}")
-        shape = tuple(reversed(dims))
-        if type_id not in TYPE_SIZES:
-            raise GGUFError(f"{path}: tensor {name!r} has unknown type id {type_id}")
-        try:
-            nbytes = tensor_nbytes(type_id, shape)
-        except GGUFError as e:
-            raise GGUFError(f"{path}: tensor {name!r}: {e}") from None
-        infos.append((name, shape, type_id, offset, nbytes))
-    data_offset = -(-cur.pos // alignment) * alignment
+    return alignment
+
+
+def _read_tensor_info(cur: _Cursor, i: int, path: Path) -> tuple[str, tuple[int, ...], int, int, int]:
+    """Tensor #i's table entry, checked: (name, shape, type id, data offset, bytes)."""
+    name = cur.string(f"name of tensor #{i}")
+    nd = cur.scalar(UINT32, f"n_dims of tensor {name!r}")
+    if nd > MAX_DIMS:
+        raise GGUFError(f"{path}: tensor {name!r} has {nd} dims, at most {MAX_DIMS} allowed")
+    dims = [cur.scalar(UINT64, f"dim {j} of tensor {name!r}") for j in range(nd)]
+    n = 1
+    for d in dims:
+        n *= d
+    if n > MAX_ELEMENTS:
+        raise GGUFError(f"{path}: tensor {name!r} has absurd dimensions {dims} ({n} elements)")
+    type_id = cur.scalar(UINT32, f"type of tensor {name!r}")
+    offset = cur.scalar(UINT64, f"offset of tensor {name!r}")
+    shape = tuple(reversed(dims))
+    if type_id not in TYPE_SIZES:
+        raise GGUFError(f"{path}: tensor {name!r} has unknown type id {type_id}")
+    try:
+        nbytes = tensor_nbytes(type_id, shape)
+    except GGUFError as e:
+        raise GGUFError(f"{path}: tensor {name!r}: {e}") from None
+    return name, shape, type_id, offset, nbytes
+
+
+def _place_tensors(infos: list[tuple], data_offset: int, alignment: int, size: int, path: Path) -> dict:
+    """The tensors' `TensorInfo`s by name, their data checked to lie in the file, in table order, aligned."""
     tensors: dict[str, TensorInfo] = {}
     expected = 0
     for name, shape, type_id, offset, nbytes in infos:
@@ -335,6 +345,23 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
             )
         expected += -(-nbytes // alignment) * alignment
         tensors[name] = TensorInfo(name, shape, type_id, start, nbytes)
+    return tensors
+
+
+def read_gguf(path: str | os.PathLike) -> GGUFFile:
+    """Open and validate a GGUF file (header, metadata, tensor table, data bounds); data stays memory-mapped."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size < 24:
+        raise GGUFError(f"{path}: not a GGUF file (only {size} bytes; the header alone is 24)")
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    cur = _Cursor(memoryview(mm), path)
+    version, n_tensors, n_kv = _read_header(cur, mm, path)
+    metadata, vtypes = _read_metadata(cur, n_kv)
+    alignment = _checked_alignment(metadata, path)
+    infos = [_read_tensor_info(cur, i, path) for i in range(n_tensors)]
+    data_offset = -(-cur.pos // alignment) * alignment
+    tensors = _place_tensors(infos, data_offset, alignment, size, path)
     return GGUFFile(path, version, metadata, vtypes, tensors, alignment, data_offset, mm)
 
 
