@@ -149,19 +149,8 @@ def _lowercases(normalizer) -> bool:
     return '"lowercase": true' in text or '"Lowercase"' in text
 
 
-def wordpiece_metadata(tok, cfg: EncoderConfig | None = None) -> tuple[dict[str, Any], dict[str, tuple]]:
-    """GGUF tokenizer metadata (and value types) of a WordPiece tokenizer, as llama.cpp's converter writes it."""
-    from bitnetlm.formats.gguf_file import ARRAY, INT32, STRING
-    from bitnetlm.formats.gguf_tokenizer import (
-        CONTROL,
-        NORMAL,
-        UNUSED,
-        USER_DEFINED,
-        _token_str,
-        _tokenizer_dir_files,
-    )
-
-    tj, tc = _tokenizer_dir_files(tok)
+def _wordpiece_vocab(tj: dict) -> tuple[dict[str, int], dict[str, dict]]:
+    """A lower-casing WordPiece tokenizer.json's (token -> id with the added tokens, added tokens by content)."""
     model = tj.get("model") or {}
     if model.get("type") != "WordPiece":
         raise ValueError(f"tokenizer: a bert GGUF holds a WordPiece tokenizer, found {model.get('type')!r}")
@@ -173,24 +162,29 @@ def wordpiece_metadata(tok, cfg: EncoderConfig | None = None) -> tuple[dict[str,
     added = {a["content"]: a for a in tj.get("added_tokens") or []}
     for a in added.values():
         vocab.setdefault(a["content"], a["id"])
+    return vocab, added
+
+
+def _token_table(
+    vocab: dict[str, int], added: dict[str, dict], cfg: EncoderConfig | None
+) -> tuple[list, list]:
+    """(tokens in phantom-space form, token types) by id; ids no token holds are unused [PADi] tokens."""
+    from bitnetlm.formats.gguf_tokenizer import CONTROL, NORMAL, UNUSED, USER_DEFINED
+
     n = max(max(vocab.values()) + 1, cfg.vocab_size if cfg else 0)
     tokens, types = [f"[PAD{i}]" for i in range(n)], [UNUSED] * n
     for t, i in vocab.items():
         a = added.get(t)
         tokens[i] = _phantom(t)
         types[i] = NORMAL if a is None else CONTROL if a.get("special") else USER_DEFINED
-    meta: dict[str, Any] = {
-        "tokenizer.ggml.model": "bert",
-        "tokenizer.ggml.pre": "default",
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.token_type_count": cfg.type_vocab_size if cfg else 2,
-    }
-    vtypes: dict[str, tuple] = {
-        "tokenizer.ggml.tokens": (ARRAY, STRING),
-        "tokenizer.ggml.token_type": (ARRAY, INT32),
-        "tokenizer.ggml.token_type_count": (_UINT32, None),
-    }
+    return tokens, types
+
+
+def _special_ids(tc: dict, vocab: dict[str, int], meta: dict[str, Any], vtypes: dict[str, tuple]) -> dict:
+    """Adds the special tokens' ids that the vocabulary holds to meta and vtypes; returns the special tokens by
+    name (bos / eos: cls / sep where the config names none)."""
+    from bitnetlm.formats.gguf_tokenizer import _token_str
+
     named = {k: _token_str(tc.get(f"{k}_token")) for k in ("cls", "sep", "unk", "pad", "mask", "bos", "eos")}
     named["bos"], named["eos"] = (
         named["bos"] or named["cls"],
@@ -208,12 +202,42 @@ def wordpiece_metadata(tok, cfg: EncoderConfig | None = None) -> tuple[dict[str,
         if named[k] in vocab:
             meta[f"tokenizer.ggml.{key}_token_id"] = vocab[named[k]]
             vtypes[f"tokenizer.ggml.{key}_token_id"] = (_UINT32, None)
+    return named
+
+
+def _add_edge_flags(tj: dict, named: dict, meta: dict[str, Any], vtypes: dict[str, tuple]) -> None:
+    """Adds add_bos_token / add_eos_token to meta and vtypes: whether the single-text template starts (ends)
+    with the bos (eos) or cls (sep) token."""
     single = (tj.get("post_processor") or {}).get("single") or []
     edges = {"bos": single[0] if single else {}, "eos": single[-1] if single else {}}
     for k, alias in (("bos", "cls"), ("eos", "sep")):  # the template's first / last special token
         first = edges[k].get("SpecialToken", {}).get("id")
         meta[f"tokenizer.ggml.add_{k}_token"] = first is not None and first in (named[k], named[alias])
         vtypes[f"tokenizer.ggml.add_{k}_token"] = (_BOOL, None)
+
+
+def wordpiece_metadata(tok, cfg: EncoderConfig | None = None) -> tuple[dict[str, Any], dict[str, tuple]]:
+    """GGUF tokenizer metadata (and value types) of a WordPiece tokenizer, as llama.cpp's converter writes it."""
+    from bitnetlm.formats.gguf_file import ARRAY, INT32, STRING
+    from bitnetlm.formats.gguf_tokenizer import _tokenizer_dir_files
+
+    tj, tc = _tokenizer_dir_files(tok)
+    vocab, added = _wordpiece_vocab(tj)
+    tokens, types = _token_table(vocab, added, cfg)
+    meta: dict[str, Any] = {
+        "tokenizer.ggml.model": "bert",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.token_type_count": cfg.type_vocab_size if cfg else 2,
+    }
+    vtypes: dict[str, tuple] = {
+        "tokenizer.ggml.tokens": (ARRAY, STRING),
+        "tokenizer.ggml.token_type": (ARRAY, INT32),
+        "tokenizer.ggml.token_type_count": (_UINT32, None),
+    }
+    named = _special_ids(tc, vocab, meta, vtypes)
+    _add_edge_flags(tj, named, meta, vtypes)
     return meta, vtypes
 
 
