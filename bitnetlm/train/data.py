@@ -198,48 +198,53 @@ def prepare_data(
         return _prepare_into(files, tok, tokenizer, out, stage, cfg, n_docs, dtype, vocab, eos, progress)
 
 
-def _prepare_into(
-    files, tok, tokenizer, out: Path, stage: Path, cfg, n_docs, dtype, vocab, eos, progress
-) -> dict:
+def _write_batch(batch: list[str], tok, writers: dict, cfg, by_doc: bool, eos) -> None:
+    """Tokenizes a batch of documents into the train and val writers (by document hash, or each document's
+    tail to val), then empties the batch."""
     import zlib
 
+    for text, enc in zip(batch, tok.encode_batch(batch, add_special_tokens=False), strict=True):
+        ids = np.asarray(enc.ids, dtype=np.int64)
+        if cfg.append_eos and eos is not None:
+            ids = np.append(ids, eos)
+        if by_doc:
+            bucket = zlib.crc32(text.encode("utf-8", "replace")) / 2**32
+            writers["val" if bucket < cfg.val_fraction else "train"].add(ids)
+        else:
+            n_val = int(round(len(ids) * cfg.val_fraction))
+            writers["train"].add(ids[: len(ids) - n_val])
+            writers["val"].add(ids[len(ids) - n_val :])
+    batch.clear()
+
+
+def _tokenize_files(files, tok, writers: dict, cfg, by_doc: bool, eos, progress: bool) -> None:
+    """Every document of the files into the writers, in batches of 256, with a progress bar over their bytes."""
     from bitnetlm.progress import bar as progress_bar
 
-    by_doc = n_docs >= cfg.doc_split_min_docs
-    writers = {s: _ShardWriter(stage, s, dtype, cfg.shard_tokens) for s in ("train", "val")}
     total_bytes = sum(f.stat().st_size for f in files)
     bar = progress_bar(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", show=progress)
     batch: list[str] = []
-
-    def flush_batch():
-        for text, enc in zip(batch, tok.encode_batch(batch, add_special_tokens=False), strict=True):
-            ids = np.asarray(enc.ids, dtype=np.int64)
-            if cfg.append_eos and eos is not None:
-                ids = np.append(ids, eos)
-            if by_doc:
-                bucket = zlib.crc32(text.encode("utf-8", "replace")) / 2**32
-                writers["val" if bucket < cfg.val_fraction else "train"].add(ids)
-            else:
-                n_val = int(round(len(ids) * cfg.val_fraction))
-                writers["train"].add(ids[: len(ids) - n_val])
-                writers["val"].add(ids[len(ids) - n_val :])
-        batch.clear()
-
     for f in files:
         for doc in iter_documents(f, cfg.text_field):
             batch.append(doc)
             bar.update(len(doc.encode("utf-8", "replace")))
             if len(batch) >= 256:
-                flush_batch()
-    flush_batch()
+                _write_batch(batch, tok, writers, cfg, by_doc, eos)
+    _write_batch(batch, tok, writers, cfg, by_doc, eos)
     bar.close()
-    for w in writers.values():
-        w.flush()
+
+
+def _swap_in_shards(out: Path, stage: Path) -> None:
+    """Replaces out's shards with the staged ones (meta.json removed first, so no half-swapped data set reads)."""
     (out / "meta.json").unlink(missing_ok=True)  # no meta.json = no data set while the shards are swapped
     for old in list(out.glob("train_*.bin")) + list(out.glob("val_*.bin")):
         old.unlink()
     for f in stage.glob("*.bin"):
         os.replace(f, out / f.name)
+
+
+def _copy_tokenizer(tokenizer, out: Path) -> None:
+    """Copies tokenizer.json (and a tokenizer_config.json beside it) into out, unless it is already there."""
     tok_src = Path(tokenizer)
     tok_src = tok_src / "tokenizer.json" if tok_src.is_dir() else tok_src
     if tok_src.resolve() != (out / "tokenizer.json").resolve():
@@ -247,6 +252,20 @@ def _prepare_into(
         cfg_src = tok_src.parent / "tokenizer_config.json"
         if cfg_src.is_file():
             shutil.copy(cfg_src, out / "tokenizer_config.json")
+
+
+def _prepare_into(
+    files, tok, tokenizer, out: Path, stage: Path, cfg, n_docs, dtype, vocab, eos, progress
+) -> dict:
+    """Tokenizes the files into shards in stage, swaps them into out with the tokenizer; writes and returns the
+    meta dict."""
+    by_doc = n_docs >= cfg.doc_split_min_docs
+    writers = {s: _ShardWriter(stage, s, dtype, cfg.shard_tokens) for s in ("train", "val")}
+    _tokenize_files(files, tok, writers, cfg, by_doc, eos, progress)
+    for w in writers.values():
+        w.flush()
+    _swap_in_shards(out, stage)
+    _copy_tokenizer(tokenizer, out)
     meta = {
         "format": FORMAT,
         "version": 1,
