@@ -6,6 +6,9 @@ Call the ops once outside CUDA-graph capture (a warm-up) so no tuning happens wh
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import partial
+
 import torch
 import triton
 
@@ -119,6 +122,247 @@ def _row_tiles(n: int, bn: int, sms: int) -> tuple[int, int]:
     return (first, second) if second < first else (bn, 0)
 
 
+@dataclass
+class _Linear:
+    """One `ternary_linear` call's operands and options, as each of its launches reads them."""
+
+    x: torch.Tensor  # the input (a deferred input's output rows)
+    x2: torch.Tensor  # x as [M, K] rows of unit stride
+    src: SplitKSums | None  # a deferred input: the final launch consumes it
+    packed: torch.Tensor
+    scale: torch.Tensor  # float32 [1] or [R]
+    per_row: bool
+    out_features: int
+    out: torch.Tensor  # the output (`out`, or a new tensor)
+    y: torch.Tensor  # out as rows [M, N]
+    r: torch.Tensor  # the residual rows (y without a residual)
+    nw: torch.Tensor  # the norm weights (scale without a norm)
+    norm_weight: torch.Tensor | None
+    residual: torch.Tensor | None
+    gated: bool
+    actc: int
+    eps: float
+    quant_late: bool
+    defer: bool
+    plan: DecodePlan
+    final: bool = False  # the launch after tuning: it consumes src, and it may defer
+
+    @property
+    def m(self) -> int:
+        return self.x2.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.x.shape[-1]
+
+    @property
+    def lead(self) -> torch.Size:
+        return self.x.shape[:-1]
+
+    @property
+    def kp(self) -> int:
+        return self.packed.shape[1]
+
+    @property
+    def bm(self) -> int:
+        return _next_pow2(self.m)
+
+    @property
+    def rows(self) -> int:
+        return self.out_features * (2 if self.gated else 1)
+
+
+def _unit_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x as [M, K] rows whose last dimension has unit stride (a copy only where it has not)."""
+    x2 = x.reshape(-1, k)  # [M, K]
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x2
+
+
+def _checked_scale(scale: torch.Tensor, rows: int) -> tuple[torch.Tensor, bool]:
+    """The weight scales as float32 [1] or [rows], and whether there is one per row."""
+    scale = scale.reshape(-1)
+    per_row = scale.numel() != 1
+    if per_row and scale.numel() != rows:
+        raise ValueError(f"ternary_linear: scale has {scale.numel()} values, expected 1 or {rows}")
+    if scale.dtype != torch.float32:
+        scale = scale.float()
+    return scale, per_row
+
+
+def _prepare(
+    x, packed, scale, out_features, norm_weight, residual, gated, act, eps, out, quant_late, defer, plan
+) -> _Linear:
+    """A call's checked operands: the input as unit-stride rows, float32 scales, the output and residual rows."""
+    src = x if isinstance(x, SplitKSums) else None  # consumed by the final launch (the tuner's read src.out)
+    if src is not None:
+        x = src.out
+    k = x.shape[-1]
+    rows = out_features * (2 if gated else 1)
+    check_packed(packed, rows, k, "ternary_linear")
+    x2 = _unit_rows(x, k)
+    m = x2.shape[0]
+    scale, per_row = _checked_scale(scale, rows)
+    if out is None:
+        out = torch.empty((m, out_features), dtype=x.dtype, device=x.device)
+    y = out.reshape(m, out_features)
+    r = residual.reshape(m, out_features) if residual is not None else y
+    return _Linear(
+        x=x,
+        x2=x2,
+        src=src,
+        packed=packed,
+        scale=scale,
+        per_row=per_row,
+        out_features=out_features,
+        out=out,
+        y=y,
+        r=r,
+        nw=norm_weight if norm_weight is not None else scale,
+        norm_weight=norm_weight,
+        residual=residual,
+        gated=gated,
+        actc=ACT_CODES[act],
+        eps=eps,
+        quant_late=quant_late,
+        defer=defer,
+        plan=plan,
+    )
+
+
+def _quant(c: _Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The quantization launch over the input rows (in the final launch, a deferred input's): (q, a, rowsum)."""
+    q = torch.empty((c.m, 4 * c.kp), dtype=torch.int8, device=c.x.device)
+    a = torch.empty((c.m,), dtype=torch.float32, device=c.x.device)
+    rs = torch.empty((c.m,), dtype=torch.int32, device=c.x.device)
+    xs = c.src if c.final and c.src is not None else c.x2
+    launch_quant(xs, c.norm_weight, q, a, rs, c.eps, late=c.quant_late, plan=c.plan)
+    return q, a, rs
+
+
+def _launch_dp4a(c: _Linear, kernel, cfg: dict, w: torch.Tensor, **kw) -> None:
+    """The dp4a GEMVs: quantization fused into each program, or a `_quant_kernel` launch first (PREQ)."""
+    if cfg["path"] in ("gemv8", "rowq"):
+        q, a, rs = _quant(c)
+        qw, sq = q.view(torch.int32), q.stride(0) // 4
+    else:
+        if c.final and c.src is not None:  # these programs read x itself
+            c.src.finish(c.plan)
+        qw = a = rs = c.scale  # unused pointers
+        sq = 0
+    rows = cfg["BN"] + kw.get("BN2", 0)  # a program's output rows
+    kernel[(triton.cdiv(c.out_features, rows),)](
+        c.x2,
+        c.nw,
+        qw,
+        a,
+        rs,
+        w.view(torch.int32),
+        c.scale,
+        c.r,
+        c.y,
+        c.m,
+        c.out_features,
+        c.k,
+        c.kp // 4,
+        c.x2.stride(0),
+        sq,
+        c.r.stride(0),
+        c.y.stride(0),
+        c.eps,
+        PREQ=cfg["path"] in ("gemv8", "rowq"),
+        HAS_NORM=c.norm_weight is not None,
+        HAS_RES=c.residual is not None,
+        GATED=c.gated,
+        ACT=c.actc,
+        PER_ROW=c.per_row,
+        PTX=PTX,
+        **{k2: v for k2, v in cfg.items() if k2 != "path"},
+        **kw,
+    )
+
+
+def _launch_row(c: _Linear, cfg: dict, w: torch.Tensor) -> None:
+    """The row GEMVs (fused quantization, or pre-quantized rows: rowq), a row in one or two parts and a program's
+    rows in one or two tiles (`_row_parts`, `_row_tiles`)."""
+    early = cfg["path"] == "row" and c.norm_weight is not None and c.k <= c.plan.early_norm_max_k
+    kwa, kwb = _row_parts(c.kp // 4) if cfg["path"] == "rowq" else (_next_pow2(c.kp // 4), 0)
+    plain = not c.gated and not kwb and c.k > c.plan.row_tiles_min_k
+    bn, bn2 = _row_tiles(c.out_features, cfg["BN"], sm_count(c.x.device, c.plan)) if plain else (cfg["BN"], 0)
+    rc = dict(cfg, BN=bn)
+    kwr = dict(KWP=kwa, KWB=kwb, BN2=bn2, EARLY_NORM=early)
+    _launch_dp4a(c, _gemv_row_kernel, rc, w, **kwr, **pdl_kw(c.plan))
+
+
+def _launch_mma(c: _Linear, grid: tuple, ws, cnt, cps: int, w: torch.Tensor, **kw):
+    """The quantization launch, then the tensor-core GEMM; returns the GEMM's input scales and row sums."""
+    q, a, rs = _quant(c)
+    _gemm_kernel[grid](
+        q,
+        a,
+        rs,
+        w,
+        c.scale,
+        c.r,
+        c.y,
+        ws,
+        cnt,
+        c.m,
+        c.out_features,
+        c.kp,
+        cps,
+        q.stride(0),
+        c.r.stride(0),
+        c.y.stride(0),
+        HAS_RES=c.residual is not None,
+        GATED=c.gated,
+        ACT=c.actc,
+        PER_ROW=c.per_row,
+        PTX=PTX,
+        **kw,
+    )
+    return a, rs
+
+
+def _launch_splitk(c: _Linear, cfg: dict, w: torch.Tensor) -> SplitKSums | None:
+    """The split-K GEMM; the unfinished `SplitKSums` where the final launch defers (several splits), else None."""
+    dfr = c.defer and c.final and cfg["SPLIT"] > 1
+    if dfr:
+        ws = cnt = sums_buffer(c.x.device, c.m, c.rows)  # no counters: no program waits for the others
+    else:
+        ws, cnt = _workspace(c.x.device, c.m, c.rows, cfg["SPLIT"])
+    out_n = cfg["BN"] // 2 if cfg.get("PAIR") else cfg["BN"]
+    grid = (triton.cdiv(c.out_features, out_n), cfg["SPLIT"], triton.cdiv(c.m, cfg["BM"]))
+    kw = {k2: v for k2, v in cfg.items() if k2 not in ("path", "CPS")}
+    kw.update(LATE=c.m >= c.plan.gemm_late_min_m, DEFER=dfr, **pdl_kw(c.plan))
+    a, rs = _launch_mma(c, grid, ws, cnt, cfg["CPS"], w, **kw)
+    if not dfr:
+        return None
+    return SplitKSums(ws, a, rs, c.scale, c.y, c.r if c.residual is not None else None, c.gated, c.actc)
+
+
+def _launch_gemm(c: _Linear, cfg: dict, w: torch.Tensor) -> None:
+    """The tiled tensor-core GEMM (no workspace: the weights stand in for its pointers)."""
+    kw = {k2: v for k2, v in cfg.items() if k2 != "path"}
+    out_n = cfg["BN"] // 2 if cfg.get("PAIR") else cfg["BN"]
+    grid = (triton.cdiv(c.m, cfg["BM"]) * triton.cdiv(c.out_features, out_n),)
+    _launch_mma(c, grid, w, w, 0, w, **kw)
+
+
+def _launch(c: _Linear, cfg: dict, w: torch.Tensor) -> SplitKSums | None:
+    """One launch (two with a quantization launch first) of candidate cfg over weights w (packed, or the tuner's
+    copy of it); a deferred split-K projection's SplitKSums, else None."""
+    if cfg["path"] in ("gemv", "gemv8"):
+        _launch_dp4a(c, _gemv_kernel, cfg, w, BM=c.bm)
+    elif cfg["path"] in ("row", "rowq"):
+        _launch_row(c, cfg, w)
+    elif cfg["path"] == "splitk":
+        return _launch_splitk(c, cfg, w)
+    else:
+        _launch_gemm(c, cfg, w)
+
+
 def ternary_linear(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -146,161 +390,20 @@ def ternary_linear(
     plan: the `DecodePlan` whose rules pick the paths and launch options (None: the default plan).
     """
     plan = resolve(plan)
-    src = x if isinstance(x, SplitKSums) else None  # consumed by the final launch (the tuner's read src.out)
-    if src is not None:
-        x = src.out
-    k = x.shape[-1]
-    lead = x.shape[:-1]
-    rows = out_features * (2 if gated else 1)
-    check_packed(packed, rows, k, "ternary_linear")
-    x2 = x.reshape(-1, k)  # [M, K]
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m = x2.shape[0]
-    scale = scale.reshape(-1)
-    per_row = scale.numel() != 1
-    if per_row and scale.numel() != rows:
-        raise ValueError(f"ternary_linear: scale has {scale.numel()} values, expected 1 or {rows}")
-    if scale.dtype != torch.float32:
-        scale = scale.float()
-    if out is None:
-        out = torch.empty((m, out_features), dtype=x.dtype, device=x.device)
-    y = out.reshape(m, out_features)
-    r = residual.reshape(m, out_features) if residual is not None else y
-    nw = norm_weight if norm_weight is not None else scale
-    actc = ACT_CODES[act]
-    if m == 0:
-        return out.reshape(*lead, out_features)
-    flags = (gated, norm_weight is not None, residual is not None, per_row)
-    kp = packed.shape[1]
-    bm = _next_pow2(m)
-    final = [False]  # the launch after tuning: it consumes src, and it may defer
-
-    def quant():
-        q = torch.empty((m, 4 * kp), dtype=torch.int8, device=x.device)
-        a = torch.empty((m,), dtype=torch.float32, device=x.device)
-        rs = torch.empty((m,), dtype=torch.int32, device=x.device)
-        xs = src if final[0] and src is not None else x2
-        launch_quant(xs, norm_weight, q, a, rs, eps, late=quant_late, plan=plan)
-        return q, a, rs
-
-    def launch_dp4a(kernel, cfg, w, **kw):
-        """The dp4a GEMVs: quantization fused into each program, or a `_quant_kernel` launch first (PREQ)."""
-        if cfg["path"] in ("gemv8", "rowq"):
-            q, a, rs = quant()
-            qw, sq = q.view(torch.int32), q.stride(0) // 4
-        else:
-            if final[0] and src is not None:  # these programs read x itself
-                src.finish(plan)
-            qw = a = rs = scale  # unused pointers
-            sq = 0
-        rows = cfg["BN"] + kw.get("BN2", 0)  # a program's output rows
-        kernel[(triton.cdiv(out_features, rows),)](
-            x2,
-            nw,
-            qw,
-            a,
-            rs,
-            w.view(torch.int32),
-            scale,
-            r,
-            y,
-            m,
-            out_features,
-            k,
-            kp // 4,
-            x2.stride(0),
-            sq,
-            r.stride(0),
-            y.stride(0),
-            eps,
-            PREQ=cfg["path"] in ("gemv8", "rowq"),
-            HAS_NORM=norm_weight is not None,
-            HAS_RES=residual is not None,
-            GATED=gated,
-            ACT=actc,
-            PER_ROW=per_row,
-            PTX=PTX,
-            **{k2: v for k2, v in cfg.items() if k2 != "path"},
-            **kw,
-        )
-
-    def launch_mma(grid, ws, cnt, cps, w, **kw):
-        """The quantization launch, then the tensor-core GEMM; returns the GEMM's input scales and row sums."""
-        q, a, rs = quant()
-        _gemm_kernel[grid](
-            q,
-            a,
-            rs,
-            w,
-            scale,
-            r,
-            y,
-            ws,
-            cnt,
-            m,
-            out_features,
-            kp,
-            cps,
-            q.stride(0),
-            r.stride(0),
-            y.stride(0),
-            HAS_RES=residual is not None,
-            GATED=gated,
-            ACT=actc,
-            PER_ROW=per_row,
-            PTX=PTX,
-            **kw,
-        )
-        return a, rs
-
-    def launch_splitk(cfg, w):
-        dfr = defer and final[0] and cfg["SPLIT"] > 1
-        if dfr:
-            ws = cnt = sums_buffer(x.device, m, rows)  # no counters: no program waits for the others
-        else:
-            ws, cnt = _workspace(x.device, m, rows, cfg["SPLIT"])
-        out_n = cfg["BN"] // 2 if cfg.get("PAIR") else cfg["BN"]
-        grid = (triton.cdiv(out_features, out_n), cfg["SPLIT"], triton.cdiv(m, cfg["BM"]))
-        kw = {k2: v for k2, v in cfg.items() if k2 not in ("path", "CPS")}
-        kw.update(LATE=m >= plan.gemm_late_min_m, DEFER=dfr, **pdl_kw(plan))
-        a, rs = launch_mma(grid, ws, cnt, cfg["CPS"], w, **kw)
-        return (
-            SplitKSums(ws, a, rs, scale, y, r if residual is not None else None, gated, actc) if dfr else None
-        )
-
-    def launch_gemm(cfg, w):
-        kw = {k2: v for k2, v in cfg.items() if k2 != "path"}
-        out_n = cfg["BN"] // 2 if cfg.get("PAIR") else cfg["BN"]
-        grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(out_features, out_n),)
-        launch_mma(grid, w, w, 0, w, **kw)  # no workspace: the weights stand in for its pointers
-
-    def launch(cfg, w=packed):
-        """One launch (two with a quantization launch first) of candidate cfg over weights w (packed, or the
-        tuner's copy of it); a deferred split-K projection's SplitKSums, else None."""
-        if cfg["path"] in ("gemv", "gemv8"):
-            launch_dp4a(_gemv_kernel, cfg, w, BM=bm)
-        elif cfg["path"] in ("row", "rowq"):
-            early = cfg["path"] == "row" and norm_weight is not None and k <= plan.early_norm_max_k
-            kwa, kwb = _row_parts(kp // 4) if cfg["path"] == "rowq" else (_next_pow2(kp // 4), 0)
-            plain = not gated and not kwb and k > plan.row_tiles_min_k
-            bn, bn2 = (
-                _row_tiles(out_features, cfg["BN"], sm_count(x.device, plan)) if plain else (cfg["BN"], 0)
-            )
-            c = dict(cfg, BN=bn)
-            kwr = dict(KWP=kwa, KWB=kwb, BN2=bn2, EARLY_NORM=early)
-            launch_dp4a(_gemv_row_kernel, c, w, **kwr, **pdl_kw(plan))
-        elif cfg["path"] == "splitk":
-            return launch_splitk(cfg, w)
-        else:
-            launch_gemm(cfg, w)
-
-    mb = min(bm, 1024)  # tune per power-of-two bucket of M
-    key = (path or "auto", out_features, k, mb, *flags)
-    cfg = _tune(key, lambda: linear_candidates(m, out_features, k, gated, path, plan), launch, packed)
-    final[0] = True
-    deferred = launch(cfg)
-    return deferred if deferred is not None else out.reshape(*lead, out_features)
+    c = _prepare(
+        x, packed, scale, out_features, norm_weight, residual, gated, act, eps, out, quant_late, defer, plan
+    )
+    if c.m == 0:
+        return c.out.reshape(*c.lead, out_features)
+    mb = min(c.bm, 1024)  # tune per power-of-two bucket of M
+    flags = (gated, norm_weight is not None, residual is not None, c.per_row)
+    key = (path or "auto", out_features, c.k, mb, *flags)
+    cfg = _tune(
+        key, lambda: linear_candidates(c.m, out_features, c.k, gated, path, plan), partial(_launch, c), packed
+    )
+    c.final = True
+    deferred = _launch(c, cfg, packed)
+    return deferred if deferred is not None else c.out.reshape(*c.lead, out_features)
 
 
 def launch_quant(
