@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def cuda_model():
-    model, tok = tiny_model_and_tokenizer(max_len=256, backend=None)
+    model, tok = tiny_model_and_tokenizer(max_len=256, backend="reference")
     return prepare(model, "cuda").eval(), tok
 
 
