@@ -332,6 +332,34 @@ def attn_launch(
     return nsplit, bs, warps, stages, maxnreg
 
 
+def _split_workspace(device, b: int, hkv: int, nsplit: int, gp: int, d: int) -> tuple:
+    """(partial accumulators, partial (max, sum), zeroed merge counters) of a launch's shape, kept: allocated before
+    any graph capture (at the warm-up call)."""
+    key = (str(device), b, hkv, nsplit, gp, d)
+    if key not in _attn_ws:
+        _attn_ws[key] = (
+            torch.empty((b * hkv * nsplit * gp, d), dtype=torch.float32, device=device),
+            torch.empty((b * hkv * nsplit * gp, 2), dtype=torch.float32, device=device),
+            torch.zeros((b * hkv,), dtype=torch.int32, device=device),
+        )
+    return _attn_ws[key]
+
+
+def _prefetch_args(prefetch, pf_programs: int | None, b: int, hkv: int, kv8: bool, plan: DecodePlan) -> tuple:
+    """(prefetch programs a (row, kv head), up to three byte views of the tensors to prefetch or None) of a launch
+    (see `attn_decode`)."""
+    pfs = () if prefetch is None else prefetch if isinstance(prefetch, tuple) else (prefetch,)
+    if len(pfs) > 3:
+        raise ValueError(f"attn_decode: prefetch takes up to 3 tensors, got {len(pfs)}")
+    if pf_programs is None:
+        pf_programs = _prefetch_count(b, hkv, kv8, pfs, plan) if pfs else 0
+    if INTERPRET:  # the prefetch is a no-op there: a few programs run its code path
+        pf_programs = min(pf_programs, 2 * b * hkv)
+    pfp = triton.cdiv(pf_programs, b * hkv) if pfs else 0
+    pfs = [t.view(torch.uint8) for t in pfs] if pfp else []  # [N, K/4] bytes (views: no copy)
+    return (pfp, *(pfs + [None, None, None])[:3])
+
+
 def attn_decode(
     q,
     k_cache,
@@ -363,24 +391,8 @@ def attn_decode(
     kv8 = k_cache.element_size() == 1
     sms = 0 if INTERPRET else sm_count(q.device, plan)
     nsplit, bs, warps, stages, maxnreg = attn_launch(b, hkv, s, d, q.element_size(), kv8, keys, sms, plan)
-    key = (str(q.device), b, hkv, nsplit, gp, d)
-    if key not in _attn_ws:  # partials + zeroed counters, allocated before any graph capture (warm-up call)
-        _attn_ws[key] = (
-            torch.empty((b * hkv * nsplit * gp, d), dtype=torch.float32, device=q.device),
-            torch.empty((b * hkv * nsplit * gp, 2), dtype=torch.float32, device=q.device),
-            torch.zeros((b * hkv,), dtype=torch.int32, device=q.device),
-        )
-    pacc, pml, cnt = _attn_ws[key]
-    pfs = () if prefetch is None else prefetch if isinstance(prefetch, tuple) else (prefetch,)
-    if len(pfs) > 3:
-        raise ValueError(f"attn_decode: prefetch takes up to 3 tensors, got {len(pfs)}")
-    if pf_programs is None:
-        pf_programs = _prefetch_count(b, hkv, kv8, pfs, plan) if pfs else 0
-    if INTERPRET:  # the prefetch is a no-op there: a few programs run its code path
-        pf_programs = min(pf_programs, 2 * b * hkv)
-    pfp = triton.cdiv(pf_programs, b * hkv) if pfs else 0
-    pfs = [t.view(torch.uint8) for t in pfs] if pfp else []  # [N, K/4] bytes (views: no copy)
-    pf, pf2, pf3 = (pfs + [None, None, None])[:3]
+    pacc, pml, cnt = _split_workspace(q.device, b, hkv, nsplit, gp, d)
+    pfp, pf, pf2, pf3 = _prefetch_args(prefetch, pf_programs, b, hkv, kv8, plan)
     _attn_gqa_kernel[(b, hkv, nsplit + pfp)](
         q,
         k_cache,

@@ -18,6 +18,9 @@ H100, 1-2 us a projection, and for o -> gate|up at batch 1 on an H200: docs/PERF
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -386,6 +389,119 @@ def qkv_rope_candidates(m: int, n: int, k: int, preq: bool, plan: DecodePlan | N
     return mma + (row[:2] if m <= plan.gemv_max_m else [])
 
 
+@dataclass
+class _QkvRope:
+    """One `qkv_rope` call's operands; the pointers a kernel variant does not read hold `scale` as a stand-in."""
+
+    src: QuantBuf | torch.Tensor
+    m: int
+    packed: torch.Tensor
+    scale: torch.Tensor
+    q_out: torch.Tensor
+    rope: tuple  # (cos, sin, pos)
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    heads: tuple  # (n_heads, n_kv)
+    norm_weight: torch.Tensor | None
+    eps: float
+    plan: DecodePlan
+    paged: dict  # the kernels' block-table arguments
+    preq: bool
+    k: int
+    rows: tuple = ()  # (q words, a, rowsum, q row stride, x, norm weight, x row stride)
+
+    @property
+    def n(self) -> int:
+        return (self.heads[0] + 2 * self.heads[1]) * self.k_cache.shape[-1]
+
+
+def _row_operands(c: _QkvRope) -> tuple:
+    """The row kernel's activation operands: pre-quantized rows, or the rows x themselves (see `_QkvRope.rows`)."""
+    sc = c.scale
+    if c.preq:
+        return c.src.q.view(torch.int32), c.src.a, c.src.rs, c.src.q.stride(0) // 4, sc, sc, 0
+    x = c.src.reshape(-1, c.k)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return sc, sc, sc, 0, x, c.norm_weight if c.norm_weight is not None else sc, x.stride(0)
+
+
+def _launch_qkv_row(c: _QkvRope, cfg: dict, w: torch.Tensor) -> None:
+    qw, a, rs, sq, x, nw, sx = c.rows
+    n, kw, d = c.n, c.packed.shape[1] // 4, c.k_cache.shape[-1]
+    _qkv_rope_kernel[(triton.cdiv(n // 2, cfg["BN"] // 2),)](
+        qw,
+        a,
+        rs,
+        x,
+        nw,
+        w.view(torch.int32),
+        c.scale,
+        c.q_out,
+        *c.rope,
+        c.k_cache,
+        c.v_cache,
+        c.m,
+        n,
+        kw,
+        *c.heads,
+        c.k_cache.shape[2],
+        sq,
+        c.k,
+        sx,
+        c.eps,
+        PER_ROW=c.scale.numel() != 1,
+        PTX=PTX,
+        D=d,
+        BN=cfg["BN"],
+        KWP=triton.next_power_of_2(kw),
+        num_warps=cfg["num_warps"],
+        KV_SAME=c.k_cache.dtype == c.q_out.dtype,
+        PREQ=c.preq,
+        HAS_NORM=c.norm_weight is not None,
+        EARLY_NORM=not c.preq and c.norm_weight is not None and c.k <= c.plan.early_norm_max_k,
+        **c.paged,
+        **pdl_kw(c.plan),
+    )
+
+
+def _launch_qkv_mma(c: _QkvRope, cfg: dict, w: torch.Tensor) -> None:
+    n, m, src = c.n, c.m, c.src
+    ws, cnt = _workspace(c.packed.device, m, n, cfg["SPLIT"])
+    grid = (triton.cdiv(n // 2, cfg["BN"] // 2), cfg["SPLIT"], triton.cdiv(m, cfg["BM"]))
+    _qkv_rope_mma_kernel[grid](
+        src.q,
+        src.a,
+        src.rs,
+        w,
+        c.scale,
+        ws,
+        cnt,
+        c.q_out,
+        *c.rope,
+        c.k_cache,
+        c.v_cache,
+        m,
+        n,
+        c.packed.shape[1],
+        cfg["CPS"],
+        src.q.stride(0),
+        *c.heads,
+        c.k_cache.shape[2],
+        PER_ROW=c.scale.numel() != 1,
+        PTX=PTX,
+        D=c.k_cache.shape[-1],
+        KV_SAME=c.k_cache.dtype == c.q_out.dtype,
+        **{k2: v for k2, v in cfg.items() if k2 not in ("path", "CPS")},
+        **c.paged,
+        **pdl_kw(c.plan),
+    )
+
+
+def _launch_qkv(c: _QkvRope, cfg: dict, w: torch.Tensor | None = None) -> None:
+    (_launch_qkv_mma if cfg["path"] == "splitk" else _launch_qkv_row)(c, cfg, c.packed if w is None else w)
+
+
 def qkv_rope(
     src: QuantBuf | torch.Tensor,
     m: int,
@@ -416,99 +532,16 @@ def qkv_rope(
     paged = {"tbl_ptr": table, "TBL_STRIDE": table.stride(0) if pbs else 0, "PBS": pbs}
     preq = isinstance(src, QuantBuf)
     k = src.k if preq else src.shape[-1]
-    d, s_len = k_cache.shape[-1], k_cache.shape[2]
+    d = k_cache.shape[-1]
     n = (n_heads + 2 * n_kv) * d
     check_packed(packed, n, k, "qkv_rope")
-    kw = packed.shape[1] // 4
-    scale = scale.reshape(-1)
-    if preq:  # the pointers a variant does not read get `scale` as a stand-in
-        qw, a, rs, sq = src.q.view(torch.int32), src.a, src.rs, src.q.stride(0) // 4
-        x, nw, sx = scale, scale, 0
-    else:
-        x = src.reshape(-1, k)
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        qw, a, rs, sq = scale, scale, scale, 0
-        nw, sx = norm_weight if norm_weight is not None else scale, x.stride(0)
-
-    def launch_row(cfg, w):
-        _qkv_rope_kernel[(triton.cdiv(n // 2, cfg["BN"] // 2),)](
-            qw,
-            a,
-            rs,
-            x,
-            nw,
-            w.view(torch.int32),
-            scale,
-            q_out,
-            cos,
-            sin,
-            pos,
-            k_cache,
-            v_cache,
-            m,
-            n,
-            kw,
-            n_heads,
-            n_kv,
-            s_len,
-            sq,
-            k,
-            sx,
-            eps,
-            PER_ROW=scale.numel() != 1,
-            PTX=PTX,
-            D=d,
-            BN=cfg["BN"],
-            KWP=triton.next_power_of_2(kw),
-            num_warps=cfg["num_warps"],
-            KV_SAME=k_cache.dtype == q_out.dtype,
-            PREQ=preq,
-            HAS_NORM=norm_weight is not None,
-            EARLY_NORM=not preq and norm_weight is not None and k <= plan.early_norm_max_k,
-            **paged,
-            **pdl_kw(plan),
-        )
-
-    def launch_mma(cfg, w):
-        ws, cnt = _workspace(packed.device, m, n, cfg["SPLIT"])
-        grid = (triton.cdiv(n // 2, cfg["BN"] // 2), cfg["SPLIT"], triton.cdiv(m, cfg["BM"]))
-        _qkv_rope_mma_kernel[grid](
-            src.q,
-            src.a,
-            src.rs,
-            w,
-            scale,
-            ws,
-            cnt,
-            q_out,
-            cos,
-            sin,
-            pos,
-            k_cache,
-            v_cache,
-            m,
-            n,
-            packed.shape[1],
-            cfg["CPS"],
-            src.q.stride(0),
-            n_heads,
-            n_kv,
-            s_len,
-            PER_ROW=scale.numel() != 1,
-            PTX=PTX,
-            D=d,
-            KV_SAME=k_cache.dtype == q_out.dtype,
-            **{k2: v for k2, v in cfg.items() if k2 not in ("path", "CPS")},
-            **paged,
-            **pdl_kw(plan),
-        )
-
+    c = _QkvRope(
+        src, m, packed, scale.reshape(-1), q_out, (cos, sin, pos), k_cache, v_cache, (n_heads, n_kv),
+        norm_weight, eps, plan, paged, preq, k,
+    )  # fmt: skip
+    c.rows = _row_operands(c)
     # tuned per power-of-two bucket of rows, as ternary_linear
     bucket = m if m <= plan.row_max_m else min(_next_pow2(m), 1024)
-    key = ("qkv_rope", n, k, bucket, scale.numel() != 1, d, k_cache.dtype, preq)
-
-    def launch(cfg, w=packed):
-        (launch_mma if cfg["path"] == "splitk" else launch_row)(cfg, w)
-
+    key = ("qkv_rope", n, k, bucket, c.scale.numel() != 1, d, k_cache.dtype, preq)
+    launch = functools.partial(_launch_qkv, c)
     launch(_tune(key, lambda: qkv_rope_candidates(m, n, k, preq, plan), launch, packed))

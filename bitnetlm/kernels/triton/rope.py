@@ -134,16 +134,9 @@ def rope_cache(
     hp = triton.next_power_of_2(n_heads + 2 * n_kv)
     if copy_to is not None and k_cache.shape[0] != 1:
         raise ValueError(f"rope_cache: copy_to needs one cache row, found {k_cache.shape[0]}")
-    k16 = v16 = q_out
-    if kv16 is not None:
-        k16, v16 = kv16
-        want = (rows, n_kv, k16.shape[2], d)
-        for name, x in (("k16", k16), ("v16", v16)):
-            if tuple(x.shape) != want or x.shape[2] < t or not x.is_contiguous() or x.dtype != q_out.dtype:
-                raise ValueError(
-                    f"rope_cache: {name} must be contiguous {q_out.dtype} [B, Hkv, TP >= {t}, D] = {want}, "
-                    f"found {x.dtype} {tuple(x.shape)}{'' if x.is_contiguous() else ' (not contiguous)'}"
-                )
+    k16, v16 = (
+        (q_out, q_out) if kv16 is None else _checked_kv16(kv16, (rows, n_kv, kv16[0].shape[2], d), t, q_out)
+    )
     _rope_cache_kernel[(qkv.shape[0],)](
         qkv,
         cos,
@@ -174,3 +167,14 @@ def rope_cache(
         PBS=pbs,
         **pdl_kw(plan),
     )
+
+
+def _checked_kv16(kv16, want: tuple, t: int, q_out) -> tuple:
+    """(k16, v16) of `rope_cache`, checked to be contiguous, of q_out's dtype, of shape `want` with >= t slots."""
+    for name, x in zip(("k16", "v16"), kv16, strict=True):
+        if tuple(x.shape) != want or x.shape[2] < t or not x.is_contiguous() or x.dtype != q_out.dtype:
+            raise ValueError(
+                f"rope_cache: {name} must be contiguous {q_out.dtype} [B, Hkv, TP >= {t}, D] = {want}, "
+                f"found {x.dtype} {tuple(x.shape)}{'' if x.is_contiguous() else ' (not contiguous)'}"
+            )
+    return tuple(kv16)
