@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Requests that fit one KV-cache memory budget at a long context: the static CPU cache against the paged one.
+"""Requests that fit one KV-cache memory budget at a long context: the static cache against the paged one.
 
 The static cache gives every row --ctx positions, so a budget of R rows holds R requests whatever their lengths.
 The paged cache (`--kv-tokens R * ctx`, the same bytes) gives a row blocks as its tokens arrive: a request is
@@ -16,11 +16,12 @@ preemptions. Prompts are random token ids.
 context) and each ends after --max-tokens tokens, as at its end of sequence. Admitted on what it may fill, each
 would hold a whole context; admitted on what its prompt needs now, with preemption, they run many at once.
 --checkout DIR runs the engine of another checkout (its C library built in place), to compare an earlier
-scheduler on the same requests.
+scheduler on the same requests. --device cuda runs the CUDA runners (the resident column: GPU memory allocated).
 
   python benchmarks/kv_memory.py                                   # a tiny random model
   python benchmarks/kv_memory.py -m smollm2-135m-1.58 --ctx 4096 --rows 8 --prompt 700 --shared 600
   python benchmarks/kv_memory.py -m smollm2-135m-1.58 --ctx 2048 --rows 4 --prompt 300 --no-max-tokens
+  python benchmarks/kv_memory.py --device cuda -m smollm2-135m-1.58 --ctx 4096 --rows 8 --prompt 700 --shared 600
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="requests without max_tokens (each may run to the context), ending after --max-tokens tokens",
     )
     ap.add_argument("--checkout", help="run another checkout's engine (default: this one)")
+    ap.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="the runners' device (default: cpu)"
+    )
     return ap.parse_args(argv)
 
 
@@ -57,13 +61,37 @@ def load(args):
     import bitnetlm
 
     if args.model:
-        model, tok = bitnetlm.load(args.model, device="cpu", backend="cpu", threads=args.threads)
+        backend = "cpu" if args.device == "cpu" else None
+        model, tok = bitnetlm.load(args.model, device=args.device, backend=backend, threads=args.threads)
         return model, tok, args.model
     sys.path.insert(0, str(common.ROOT / "tests"))
     from serve_parts import tiny_model_and_tokenizer
 
-    model, tok = tiny_model_and_tokenizer(max_len=args.ctx, layers=4, hidden=256, backend="cpu")
+    from bitnetlm.kernels import prepare
+
+    model, tok = tiny_model_and_tokenizer(max_len=args.ctx, layers=4, hidden=256, backend="reference")
+    prepare(model, args.device)
     return model, tok, "tiny random BitNet (4 layers, hidden 256; random weights)"
+
+
+def memory(device: str) -> int:
+    """The process's resident bytes, or on a GPU the bytes its allocator holds for tensors."""
+    if device == "cpu":
+        return common.rss_bytes()
+    import torch
+
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+def kv_bytes(runner) -> int:
+    """The bytes of a runner's KV cache: a paged pool, a static cache, or the CUDA engine's."""
+    if getattr(runner, "pool", None) is not None:
+        return runner.nbytes()
+    if hasattr(runner, "cache"):
+        return runner.cache.nbytes()
+    e = runner.eng
+    return sum(t.numel() * t.element_size() for t in e.k_cache + e.v_cache)
 
 
 def run(model, tok, runtime, rows: int, prompts, args) -> dict:
@@ -73,7 +101,7 @@ def run(model, tok, runtime, rows: int, prompts, args) -> dict:
     from bitnetlm.runtime import make_runner
     from bitnetlm.sampling import SamplingParams
 
-    before = common.rss_bytes()
+    before = memory(args.device)
     runner = make_runner(model, runtime, rows, args.ctx)
     metrics = Metrics("m")
     core = EngineCore(runner, tok, metrics=metrics)
@@ -91,8 +119,8 @@ def run(model, tok, runtime, rows: int, prompts, args) -> dict:
         most = max(most, len(core.running()))
         held = max(held, pool.in_use() * pool.block_size if pool is not None else rows * args.ctx)
     wall = time.perf_counter() - t0
-    resident = common.rss_bytes() - before
-    nbytes = runner.nbytes() if pool is not None else runner.cache.nbytes()
+    resident = memory(args.device) - before
+    nbytes = kv_bytes(runner)
     computed = metrics.counters["prompt_tokens_total"]
     return dict(
         bytes=nbytes,
@@ -122,7 +150,7 @@ def main(argv=None) -> int:
         shared + torch.randint(10, vocab, (args.prompt - args.shared,), generator=g).tolist()
         for _ in range(args.requests)
     ]
-    base = RuntimeConfig(device="cpu", threads=args.threads, max_seq_len=args.ctx)
+    base = RuntimeConfig(device=args.device, threads=args.threads, max_seq_len=args.ctx)
     budget = args.rows * args.ctx
     cases = [
         (f"static, {args.rows} rows of {args.ctx}", base, args.rows),
