@@ -122,7 +122,7 @@ def prefill_table(args) -> None:
     import torch
 
     from bitnetlm.runtime.cuda.bench import random_engine
-    from bitnetlm.runtime.cuda.engine import prefill_len
+    from bitnetlm.runtime.cuda.graphs import prefill_len
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 100_000, (n,), generator=g).tolist() for n in args.lengths]

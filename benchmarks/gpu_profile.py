@@ -123,7 +123,7 @@ def profile_prefill(eng, n: int) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from bitnetlm.runtime.cuda.engine import capture
+    from bitnetlm.runtime.cuda.graphs import capture
 
     tok = torch.randint(0, eng.cfg.vocab_size, (1, n), device="cuda")
     pos0 = torch.zeros((1,), dtype=torch.int32, device="cuda")

@@ -277,7 +277,8 @@ def test_captured_prefill_equals_eager_and_touches_only_its_row(oracle_dirs):
     padding bucket and its edges; capturing it writes no other row. A prompt padded to the whole context (400
     tokens -> 512 = max_seq_len) prefills eagerly: the captured copy's source would be all of its target."""
     from bitnetlm.loading import load_model
-    from bitnetlm.runtime.cuda.engine import CudaEngine, EngineConfig, prefill_len
+    from bitnetlm.runtime.cuda.engine import CudaEngine, EngineConfig
+    from bitnetlm.runtime.cuda.graphs import prefill_len
 
     ours, _ = oracle_dirs["packed-autobitlinear"]
     model = load_model(ours, device="cuda", dtype=torch.float32).eval()

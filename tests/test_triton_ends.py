@@ -94,7 +94,7 @@ def test_greedy_step_index_maps_the_winning_tile(b, chunks):
 def test_gpu_greedy_step_2b4t_vocab_in_a_graph(b):
     """The 2B4T vocabulary, default chunking, replayed in a CUDA graph (as the engine's decode step runs)."""
     from bitnetlm.kernels.triton.ends import greedy_step
-    from bitnetlm.runtime.cuda.engine import capture
+    from bitnetlm.runtime.cuda.graphs import capture
 
     v = 128256
     g = torch.Generator().manual_seed(b)

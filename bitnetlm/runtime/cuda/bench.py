@@ -41,7 +41,7 @@ def bench_engine(
     """Rows of prefill/decode timings of one engine, per batch size and depth (graphs captured for each). At
     depth d each row's cache first holds d random tokens (run untimed); the prefill then starts at position d
     (a chunk continuing the prompt) and the decode steps at d, captured for d + n_gen keys."""
-    from bitnetlm.runtime.cuda.engine import capture
+    from bitnetlm.runtime.cuda.graphs import capture
 
     vocab = eng.cfg.vocab_size
     rows = []

@@ -110,7 +110,7 @@ class GraphSampler:
         # (a CPU has no graph to export from: `run` runs the ops)
         self.exports = export and dev.type == "cuda"
         if dev.type == "cuda":
-            from bitnetlm.runtime.cuda.engine import capture
+            from bitnetlm.runtime.cuda.graphs import capture
 
             body = self._body
             if self.exports:
@@ -144,7 +144,7 @@ class GraphSampler:
         Captured on first use into st's memory pool (the two are replayed one at a time on one stream, and only
         st's logits outlive a replay); like st, capture it before prefilling."""
         if self._step_graph is None:
-            from bitnetlm.runtime.cuda.engine import capture
+            from bitnetlm.runtime.cuda.graphs import capture
 
             if self.exports:
                 raise RuntimeError("GraphSampler.step_graph: this sampler's own graph exports already")

@@ -33,7 +33,8 @@ import torch
 from bitnetlm.models.cache import shift_rows
 from bitnetlm.runtime.base import Pending, Sampled, SampleSpec, host_sample
 from bitnetlm.runtime.config import KV_CACHE_DTYPES, RuntimeConfig
-from bitnetlm.runtime.cuda.engine import PREFILL_ALIGN, PREFILL_SHORT, CudaEngine, EngineConfig
+from bitnetlm.runtime.cuda.engine import CudaEngine, EngineConfig
+from bitnetlm.runtime.cuda.graphs import PREFILL_ALIGN, PREFILL_SHORT
 from bitnetlm.sampling import reductions, sample
 
 
