@@ -33,12 +33,12 @@ def _engines(model, blocks: int = 40, **kw):
 
 def _rows_of(eng, li: int, rows: int, n: int):
     """Layer li's keys and values of positions 0..n-1 of rows 0..rows-1, as [rows, Hkv, n, D]."""
-    from bitnetlm.runtime.cuda import paged_kv
+    from bitnetlm.runtime.paged_rows import gather_blocks
 
     if eng.table is None:
         return eng.k_cache[li][:rows, :, :n], eng.v_cache[li][:rows, :, :n]
     tab = eng.table[:rows]
-    return paged_kv.gather(eng.k_cache[li], tab, n), paged_kv.gather(eng.v_cache[li], tab, n)
+    return gather_blocks(eng.k_cache[li], tab, n), gather_blocks(eng.v_cache[li], tab, n)
 
 
 def _same(static, paged, rows: int, n: int):

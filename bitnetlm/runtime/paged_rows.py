@@ -21,6 +21,15 @@ from bitnetlm.models.cache import shift_rows
 from bitnetlm.runtime.blocks import BlockPool, OutOfBlocks
 
 
+def gather_blocks(pool: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
+    """Positions 0..n-1 of the rows whose block tables are `table` [B, blocks a row] (on the pool's device), as a
+    contiguous [B, H_kv, n, D] copy of `pool` [blocks, H_kv, block_size, D]."""
+    nb = -(-n // pool.shape[2])
+    x = pool[table[:, :nb].long()]  # [B, nb, H_kv, bs, D]
+    b, hkv, d = table.shape[0], pool.shape[1], pool.shape[3]
+    return x.permute(0, 2, 1, 3, 4).reshape(b, hkv, -1, d)[:, :, :n]
+
+
 class PagedRows:
     """The block bookkeeping of a paged runner (see the module docstring). A runner sets `k`, `v` (the per-layer
     pools), `valid` (a [rows, positions] mask of written positions, or None) and calls `_init_rows` first."""
@@ -182,13 +191,8 @@ class PagedRows:
 
     def _gather(self, row: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per-layer keys / values of `row`'s positions 0..n-1 as [1, H_kv, n, D] copies."""
-        idx = torch.tensor(self.blocks[row][: self.pool.blocks_for(n)], dtype=torch.long)
-
-        def one(t):
-            x = t[idx.to(t.device)]  # [nb, H, bs, D]
-            return x.permute(1, 0, 2, 3).reshape(t.shape[1], -1, t.shape[3])[None, :, :n]
-
-        return [one(t) for t in self.k], [one(t) for t in self.v]
+        tab = torch.tensor([self.blocks[row][: self.pool.blocks_for(n)]], device=self.k[0].device)
+        return [gather_blocks(t, tab, n) for t in self.k], [gather_blocks(t, tab, n) for t in self.v]
 
     def _shift_blocks(self, row: int, keep: int, drop: int, inv_freq: torch.Tensor) -> None:
         """`Runner.shift` over the blocks: positions keep + drop.. move down by drop, their keys rotated back."""

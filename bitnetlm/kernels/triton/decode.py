@@ -408,7 +408,11 @@ class _QkvRope:
     paged: dict  # the kernels' block-table arguments
     preq: bool
     k: int
-    rows: tuple = ()  # (q words, a, rowsum, q row stride, x, norm weight, x row stride)
+
+    @functools.cached_property
+    def rows(self) -> tuple:
+        """The row kernel's activation operands (`_row_operands`)."""
+        return _row_operands(self)
 
     @property
     def n(self) -> int:
@@ -416,7 +420,8 @@ class _QkvRope:
 
 
 def _row_operands(c: _QkvRope) -> tuple:
-    """The row kernel's activation operands: pre-quantized rows, or the rows x themselves (see `_QkvRope.rows`)."""
+    """(q words, a, rowsum, q row stride, x, norm weight, x row stride): pre-quantized rows, or the rows x
+    themselves."""
     sc = c.scale
     if c.preq:
         return c.src.q.view(torch.int32), c.src.a, c.src.rs, c.src.q.stride(0) // 4, sc, sc, 0
@@ -539,7 +544,6 @@ def qkv_rope(
         src, m, packed, scale.reshape(-1), q_out, (cos, sin, pos), k_cache, v_cache, (n_heads, n_kv),
         norm_weight, eps, plan, paged, preq, k,
     )  # fmt: skip
-    c.rows = _row_operands(c)
     # tuned per power-of-two bucket of rows, as ternary_linear
     bucket = m if m <= plan.row_max_m else min(_next_pow2(m), 1024)
     key = ("qkv_rope", n, k, bucket, c.scale.numel() != 1, d, k_cache.dtype, preq)

@@ -1,4 +1,4 @@
-"""CUDA decode engine: a static or paged KV cache (`paged_kv`), fused Triton layers, the whole decode step in one CUDA
+"""CUDA decode engine: a static or paged KV cache, fused Triton layers, the whole decode step in one CUDA
 graph.
 
 Per layer and token the step is: [RMSNorm + int8 quant + q|k|v W2A8 GEMV], [RoPE + KV-cache write],
@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from bitnetlm.models.config import ModelConfig
-from bitnetlm.runtime.cuda import paged_kv
 from bitnetlm.runtime.cuda import weights as engine_weights
 from bitnetlm.runtime.cuda.graphs import CapturedSteps, DecodeState, prefill_len
+from bitnetlm.runtime.paged_rows import gather_blocks
 
 if TYPE_CHECKING:
     from bitnetlm.kernels.triton.plan import DecodePlan
@@ -65,7 +65,7 @@ class EngineConfig:
     weights: str = "ternary"  # "ternary" (Triton W2A8) or "dense" (cuBLAS, the baseline)
     head: str = "fp"  # "fp" (embedding dtype) or "int8" (per-row scaled int8 embedding + LM head)
     kv_dtype: torch.dtype | None = None  # KV cache: None = dtype, or torch.float8_e4m3fn (unscaled)
-    # a paged KV cache (`paged_kv`) of this many blocks of kv_block_size positions; 0: max_seq_len a row
+    # a paged KV cache of this many blocks of kv_block_size positions; 0: max_seq_len a row
     kv_blocks: int = 0
     kv_block_size: int = 16
     # the decode step's tuning decisions; None: the GPU model's (`DecodePlan.for_gpu`)
@@ -113,24 +113,24 @@ class CudaEngine(CapturedSteps):
         freqs = pos[:, None] * w.inv_freq.to(dev, torch.float32)[None, :]  # [S, D/2]
         self.cos, self.sin = freqs.cos().contiguous(), freqs.sin().contiguous()
         self.scratch = ecfg.max_batch  # one more cache row: where the captured prefills run (prefill_state)
-        shape = (ecfg.max_batch + 1, self.nkv, ecfg.max_seq_len, self.hd)
         kv = ecfg.kv_dtype or ecfg.dtype
         if kv not in (ecfg.dtype, torch.float8_e4m3fn):
             raise ValueError(
                 f"CudaEngine: KV-cache dtype {kv} not supported ({ecfg.dtype} or torch.float8_e4m3fn)"
             )
-        self.table = None  # a paged cache's block table [rows + 1, blocks a row] (paged_kv)
+        # static: [rows + 1, Hkv, max_seq_len, D]. Paged: pools [blocks + 1, Hkv, block size, D] and a block table
+        # [rows + 1, blocks a row] on the device, which the decode kernels read and write through; the pools' last
+        # block is the trash, in no row's keeping: every table entry that names no block of the row points there,
+        # so a captured step's rows that hold no sequence write there
+        self.table = None
+        shape = (ecfg.max_batch + 1, self.nkv, ecfg.max_seq_len, self.hd)
         if ecfg.kv_blocks:
-            bs = ecfg.kv_block_size
-            self.k_cache, self.v_cache = paged_kv.pools(
-                ecfg.kv_blocks, bs, self.nkv, self.hd, len(layers), kv, dev
-            )
-            self.trash = ecfg.kv_blocks  # (the pools' last block)
-            per_row = -(-ecfg.max_seq_len // bs)
+            self.trash = ecfg.kv_blocks
+            shape = (ecfg.kv_blocks + 1, self.nkv, ecfg.kv_block_size, self.hd)
+            per_row = -(-ecfg.max_seq_len // ecfg.kv_block_size)
             self.table = torch.full((ecfg.max_batch + 1, per_row), self.trash, device=dev, dtype=torch.int32)
-        else:
-            self.k_cache = [torch.zeros(shape, device=dev, dtype=kv) for _ in layers]
-            self.v_cache = [torch.zeros(shape, device=dev, dtype=kv) for _ in layers]
+        self.k_cache = [torch.zeros(shape, device=dev, dtype=kv) for _ in layers]
+        self.v_cache = [torch.zeros(shape, device=dev, dtype=kv) for _ in layers]
         self._graphs: dict[tuple, DecodeState] = {}
         self._bufs: dict = {}  # decode.QuantBuf per batch size (fused q|k|v + RoPE input); verify inputs
         self._prefill_pool = None  # the memory pool the prefill graphs share (prefill_state)
@@ -415,7 +415,7 @@ class CudaEngine(CapturedSteps):
         """K and V of positions 0..n-1 of the rows (`_kv`) in the attention's dtype."""
         if tab is None:
             return kc[:, :, :n].to(dtype), vc[:, :, :n].to(dtype)
-        return paged_kv.gather(kc, tab, n).to(dtype), paged_kv.gather(vc, tab, n).to(dtype)
+        return gather_blocks(kc, tab, n).to(dtype), gather_blocks(vc, tab, n).to(dtype)
 
     def _layer_tail(self, h, o, L, rp, b: int, defer_o: bool, defer_down: bool, prefill: bool = False):
         """A layer after its attention: o (+ the residual), then gate|up and down (+ the residual). rp: the row

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-PREFILL_ALIGN = 128  # prefill attention runs on lengths padded to a multiple of this (engine.prefill_attention)
+# prefill attention (engine.prefill_attention) runs on lengths padded to a multiple of this ...
+PREFILL_ALIGN = 128
 # ... or, for prompts this short, to the first of these that holds them: a 49-token prompt padded to 128 rows
 # took 3.0 ms to prefill on an H200, as long as 128 tokens (int8 head, float8 cache; docs/PERF_LOG.md, 2026-12-03)
 PREFILL_SHORT = (16, 32, 64)

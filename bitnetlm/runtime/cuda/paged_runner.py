@@ -1,5 +1,5 @@
 """The CUDA runner over a paged KV cache (`RuntimeConfig.kv_tokens` on a GPU): `CudaRunner`'s captured steps,
-prefills, verifications and samplers over the engine's block pools (`paged_kv`), with `PagedRows`' bookkeeping
+prefills, verifications and samplers over the engine's block pools, with `PagedRows`' bookkeeping
 (blocks taken as a row's tokens arrive, prompt prefixes shared through the prefix cache, copy on write).
 
 The host holds the block tables (`PagedRows.table`); before each forward the runner uploads them to the engine's
@@ -40,12 +40,12 @@ class PagedCudaRunner(PagedRows, CudaRunner):
         self.eng.table[: self.rows].copy_(want.pin_memory(), non_blocking=True)
         self._uploaded = want.clone()
 
-    def _fits(self, row: int, end: int) -> None:
+    def _fits(self, end: int) -> None:
         if end > self.max_seq_len:
             raise ValueError(f"{end} positions exceed the runner's context of {self.max_seq_len}")
 
     def _write(self, row: int, tokens: Sequence[int], start: int, prefill: bool) -> None:
-        self._fits(row, start + len(tokens))
+        self._fits(start + len(tokens))
         self._reserve([(row, start, start + len(tokens))])
         self._written(row, start, tokens, prefill)
         self._upload()
@@ -90,8 +90,7 @@ class PagedCudaRunner(PagedRows, CudaRunner):
     # ---- decode ---------------------------------------------------------------------------------------
     def _take(self, rows: Sequence[int], tokens: Sequence[int | None], positions: Sequence[int]) -> None:
         """Blocks for each row's position (or OutOfBlocks, nothing changed), and the positions' tokens."""
-        for p in positions:
-            self._fits(0, p + 1)
+        self._fits(max(positions) + 1)
         self._reserve([(r, p, p + 1) for r, p in zip(rows, positions, strict=True)])
         for r, t, p in zip(rows, tokens, positions, strict=True):
             self._written(r, p, [-1 if t is None else t], prefill=False)
